@@ -1,0 +1,33 @@
+"""Pure precondition checks. Each returns a `Verdict` naming itself and saying why.
+
+`GUARDS` maps the names used in `states.TABLE` to the snapshot guards.
+"""
+
+from collections.abc import Callable
+
+from guards import cycle, engine, trainer
+from guards.verdict import Verdict, evaluate, refusals
+from states import Snapshot
+
+SnapshotGuard = Callable[[Snapshot], Verdict]
+
+GUARDS: dict[str, SnapshotGuard] = {
+    check.__name__: check
+    for check in (
+        trainer.trainer_resident,
+        trainer.sync_source_resident,
+        trainer.restore_coverage,
+        trainer.params_dropped,
+        engine.engine_attached,
+        engine.engine_idle,
+        engine.engine_synced,
+        engine.cache_flushed,
+        engine.version_increasing,
+        engine.engine_kv_released,
+        engine.engine_weights_resident,
+        cycle.weights_changed,
+        cycle.weights_unchanged,
+    )
+}
+
+__all__ = ["GUARDS", "SnapshotGuard", "Verdict", "evaluate", "refusals"]

@@ -1,0 +1,37 @@
+"""The controller's configuration, validated whole when it is built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from guards.config import violations
+from guards.verdict import Verdict
+from orchestrator.errors import ConfigError
+from states import Mode, TrainingSetup
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LifecycleConfig:
+    """How the controller runs one rank.
+
+    `verify_cycles`: for the first N drop/restore cycles, digest every param at the drop and
+    check the restore against it (2 by default: the second cycle also catches param-gather
+    state damage that only shows one step later).
+    """
+
+    mode: Mode = Mode.REMATERIALIZE
+    verify_cycles: int = 2
+    rank: int = 0
+    setup: TrainingSetup = field(default_factory=TrainingSetup)
+
+    def __post_init__(self) -> None:
+        if self.mode not in Mode.__members__.values():
+            raise ConfigError([f"mode must be one of {', '.join(Mode)}, got {self.mode!r}"])
+        object.__setattr__(self, "mode", Mode(self.mode))  # accept "backup" as well as Mode.BACKUP
+        problems: list[Verdict | str] = [*violations(self.mode, self.setup)]
+        if self.verify_cycles < 0:
+            problems.append(f"verify_cycles must be >= 0, got {self.verify_cycles}")
+        if self.rank < 0:
+            problems.append(f"rank must be >= 0, got {self.rank}")
+        if problems:
+            raise ConfigError(problems)

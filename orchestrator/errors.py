@@ -1,0 +1,71 @@
+"""Every error colocate raises. Each builds its message from the context it carries."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from guards.verdict import Verdict
+from states import Event, Phase
+
+
+class LifecycleError(Exception):
+    """Base of colocate's errors."""
+
+
+class IllegalTransition(LifecycleError):
+    """The table has no row for this event in this phase."""
+
+    def __init__(self, state: Phase, event: Event, legal: Sequence[Event] = ()) -> None:
+        self.state, self.event, self.legal = state, event, tuple(legal)
+        allowed = ", ".join(e.value for e in self.legal) or "nothing"
+        super().__init__(f"{event.value} is not legal in {state.value} (legal there: {allowed})")
+
+
+class GuardRejected(LifecycleError):
+    """One or more guards refused the event. `verdicts` holds every refusal."""
+
+    def __init__(self, state: Phase, event: Event, verdicts: Sequence[Verdict]) -> None:
+        self.state, self.event, self.verdicts = state, event, tuple(verdicts)
+        reasons = "\n".join(f"  - {v}" for v in self.verdicts)
+        super().__init__(f"{event.value} refused in {state.value}:\n{reasons}")
+
+
+class ActionFailed(LifecycleError):
+    """The action of an admitted event raised; the lifecycle is FAULTED and `cause` kept."""
+
+    def __init__(self, state: Phase, event: Event, cause: BaseException) -> None:
+        self.state, self.event, self.cause = state, event, cause
+        super().__init__(f"{event.value} failed in {state.value}: {type(cause).__name__}: {cause}")
+
+
+class ConfigError(LifecycleError):
+    """The configuration cannot work. `violations` names every problem at once."""
+
+    def __init__(self, violations: Sequence[Verdict | str]) -> None:
+        self.violations = tuple(violations)
+        lines = "\n".join(f"  - {v}" for v in self.violations)
+        super().__init__(f"{len(self.violations)} configuration problem(s):\n{lines}")
+
+
+class RegionRefused(LifecycleError):
+    """A memory-region call the ledger refused before the adapter was asked."""
+
+    def __init__(self, tag: str, reason: str) -> None:
+        self.tag, self.reason = tag, reason
+        super().__init__(f"region {tag!r}: {reason}")
+
+
+class EngineError(LifecycleError):
+    """A rollout engine reported a failed call or a state colocate did not ask for."""
+
+    def __init__(self, engine: str, reason: str) -> None:
+        self.engine, self.reason = engine, reason
+        super().__init__(f"engine {engine}: {reason}")
+
+
+class RestoreMismatch(LifecycleError):
+    """Params restored after a drop are not bit-identical to those dropped."""
+
+    def __init__(self, cycle: int, verdict: Verdict) -> None:
+        self.cycle, self.verdict = cycle, verdict
+        super().__init__(f"restore of cycle {cycle} is not bit-identical: {verdict.reason}")

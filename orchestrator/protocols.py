@@ -1,0 +1,128 @@
+"""The seams colocate drives. Each real component implements one of these Protocols.
+
+The shapes follow the real APIs (docs/lifecycle.md, design §4):
+- `MemoryRegions` is torch_memory_saver's `pause(tag)` / `resume(tag)`: pause returns the physical
+  memory and keeps the virtual addresses; resume maps fresh memory whose contents are undefined.
+- `Trainer` wraps Megatron-core DDP chunks and their (chained) DistributedOptimizer.
+- `RolloutEngine` is SGLang's `/release_memory_occupation`, `/resume_memory_occupation`,
+  `/flush_cache` and `/get_weight_version`.
+- `WeightTransport` is SGLang's `/update_weights_from_tensor` or `/update_weights_from_distributed`.
+
+Adapters report what they did and never swallow a failed call: the controller decides.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from states import EngineMemory, Mode, TrainerLayout
+
+if TYPE_CHECKING:
+    import torch
+
+
+@runtime_checkable
+class MemoryRegions(Protocol):
+    """Tagged regions of device memory whose physical pages can be returned and retaken.
+
+    Tags are `states.Region` values. `param_buffer` and `grad_buffer` are paused without a
+    backup: their contents are lost (params are rebuilt, grads are zeroed before use). `default`
+    holds the fp32 mains and Adam state and is paused with a CPU backup: its contents survive.
+
+    The controller tracks which tags are paused and never pauses a paused tag or resumes a
+    resident one, so implementations need not (torch_memory_saver exits the process on either).
+    """
+
+    def tags(self) -> frozenset[str]:
+        """The tags this implementation manages."""
+        ...
+
+    def pause(self, tag: str) -> int:
+        """Return the tag's physical memory; the contents are lost. Returns the bytes freed."""
+        ...
+
+    def resume(self, tag: str) -> int:
+        """Map memory for the tag again, at the same addresses. Returns the bytes retaken."""
+        ...
+
+
+@runtime_checkable
+class Trainer(Protocol):
+    """The training side: params in DDP buffers, fp32 mains and Adam state in the optimizer."""
+
+    def layout(self) -> TrainerLayout:
+        """Where each synced tensor lives and which params no restore path covers."""
+        ...
+
+    def stash(self, mode: Mode) -> int:
+        """Copy to pinned host memory what the coming pauses would lose.
+
+        Rematerialize: the extras only (expert_bias buffers, fp32 params, frozen params).
+        Backup: the extras and every bf16 param. Returns bytes copied.
+        """
+        ...
+
+    def rebuild(self, mode: Mode) -> int:
+        """Bring the params back after their regions resumed. Returns bytes written.
+
+        Rematerialize: cast fp32 mains to bf16, all-gather the params, copy the extras back.
+        Backup: copy the pinned host copy back.
+        """
+        ...
+
+    def digests(self) -> Mapping[str, str]:
+        """A digest per param (and extra buffer), to prove a restore bit-identical."""
+        ...
+
+    def sync_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Named tensors for the weight sync: views of resident buffers or the extras backup."""
+        ...
+
+    def host_pinned_bytes(self) -> int:
+        """Pinned host bytes this rank holds for restores."""
+        ...
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """The rollout side, as the controller drives it."""
+
+    name: str
+
+    def release(self, tags: frozenset[EngineMemory]) -> None:
+        """Release the tagged memory (SGLang: /release_memory_occupation). Fails if busy."""
+        ...
+
+    def resume(self, tags: frozenset[EngineMemory]) -> None:
+        """Take the tagged memory back (SGLang: /resume_memory_occupation)."""
+        ...
+
+    def flush_cache(self) -> None:
+        """Drop every cache entry computed with older weights (SGLang: /flush_cache)."""
+        ...
+
+    def weight_version(self) -> int | None:
+        """The version the engine serves, None before any (SGLang: /get_weight_version)."""
+        ...
+
+    def is_idle(self) -> bool:
+        """True when no request is in flight."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class TransferReport:
+    tensors: int
+    bytes: int
+    buckets: int
+
+
+@runtime_checkable
+class WeightTransport(Protocol):
+    """Moves the trainer's sync tensors into the engine, tagged with a weight version."""
+
+    def push(self, version: int) -> TransferReport:
+        """Send every sync tensor; the engine serves `version` once this returns."""
+        ...

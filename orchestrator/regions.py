@@ -1,0 +1,46 @@
+"""The ledger in front of a `MemoryRegions` adapter: it refuses bad calls before the adapter acts.
+
+torch_memory_saver exits the process on a double pause and ignores CUDA return codes, so the
+controller keeps the truth about what is paused and never asks twice.
+"""
+
+from __future__ import annotations
+
+from orchestrator.errors import ConfigError, RegionRefused
+from orchestrator.protocols import MemoryRegions
+from states import Region
+
+
+class RegionLedger:
+    def __init__(self, regions: MemoryRegions) -> None:
+        self._regions = regions
+        self._tags = frozenset(regions.tags())
+        missing = {r.value for r in Region} - self._tags
+        if missing:
+            raise ConfigError([f"memory regions lack tag {tag!r}" for tag in sorted(missing)])
+        self._paused: set[Region] = set()
+
+    @property
+    def paused(self) -> frozenset[Region]:
+        return frozenset(self._paused)
+
+    def _known(self, tag: str) -> Region:
+        if tag not in self._tags or tag not in Region.__members__.values():
+            raise RegionRefused(tag, f"unknown tag; known: {', '.join(r.value for r in Region)}")
+        return Region(tag)
+
+    def pause(self, tag: str) -> int:
+        region = self._known(tag)
+        if region in self._paused:
+            raise RegionRefused(tag, "already paused: a second pause would unmap unmapped memory")
+        freed = self._regions.pause(region)
+        self._paused.add(region)
+        return freed
+
+    def resume(self, tag: str) -> int:
+        region = self._known(tag)
+        if region not in self._paused:
+            raise RegionRefused(tag, "not paused: resuming it would map memory over live tensors")
+        retaken = self._regions.resume(region)
+        self._paused.discard(region)
+        return retaken

@@ -1,0 +1,130 @@
+"""Each transition as one OpenTelemetry span, children of one span per training step.
+
+`configure_tracing` builds an SDK tracer provider from the standard `OTEL_*` variables and
+returns None when nothing asks for export, so an unconfigured run pays for no-op spans only.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from opentelemetry import context, trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+from opentelemetry.trace import Span, Status, StatusCode
+
+from orchestrator.errors import GuardRejected, LifecycleError
+from orchestrator.listeners import Listener, TransitionRecord
+
+SCOPE = "colocate.lifecycle"
+
+
+def _otlp_exporter(env: Mapping[str, str]) -> SpanExporter:
+    protocol = (
+        env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf"
+    )
+    if protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as Grpc
+
+        return Grpc()
+    if protocol == "http/protobuf":
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as Http
+
+        return Http()
+    raise ValueError(f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r}: colocate supports 'http/protobuf' and 'grpc'")
+
+
+def configure_tracing(
+    service_name: str = "colocate", rank: int = 0, env: Mapping[str, str] | None = None
+) -> TracerProvider | None:
+    """A tracer provider exporting where `OTEL_*` says, or None if tracing is not asked for.
+
+    Honoured: OTEL_SDK_DISABLED, OTEL_TRACES_EXPORTER (otlp, console, none), the
+    OTEL_EXPORTER_OTLP_* endpoint/protocol/header variables, OTEL_SERVICE_NAME and
+    OTEL_RESOURCE_ATTRIBUTES (the last two read by the SDK's Resource).
+    """
+    env = os.environ if env is None else env
+    if env.get("OTEL_SDK_DISABLED", "").lower() == "true":
+        return None
+    wants_otlp = any(k in env for k in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+    names = [n.strip() for n in env.get("OTEL_TRACES_EXPORTER", "otlp" if wants_otlp else "none").split(",")]
+    exporters: list[SpanExporter] = []
+    for name in names:
+        if name == "otlp":
+            exporters.append(_otlp_exporter(env))
+        elif name == "console":
+            exporters.append(ConsoleSpanExporter())
+        elif name not in ("none", ""):
+            raise ValueError(f"OTEL_TRACES_EXPORTER={name!r}: colocate supports otlp, console and none")
+    if not exporters:
+        return None
+    attributes: dict[str, str | int] = {
+        "service.name": env.get("OTEL_SERVICE_NAME", service_name),
+        "colocate.rank": rank,
+    }
+    provider = TracerProvider(resource=Resource.create(attributes))
+    for exporter in exporters:
+        provider.add_span_processor(BatchSpanProcessor(exporter))  # export never blocks a transition
+    return provider
+
+
+class TracingListener(Listener):
+    """Spans `colocate.step` and `lifecycle.<event>` with fixed `colocate.*` attributes."""
+
+    def __init__(self, provider: trace.TracerProvider | None = None) -> None:
+        self._tracer = (provider or trace.get_tracer_provider()).get_tracer(SCOPE)
+        self._open: list[tuple[Span, object]] = []  # (span, context token), innermost last
+
+    def _enter(self, span: Span) -> None:
+        self._open.append((span, context.attach(trace.set_span_in_context(span))))
+
+    def _exit(self) -> Span:
+        span, token = self._open.pop()
+        context.detach(token)  # type: ignore[arg-type]
+        return span
+
+    def on_step_start(self, step: int, rank: int) -> None:
+        self._enter(self._tracer.start_span("colocate.step", attributes={"colocate.step": step, "colocate.rank": rank}))
+
+    def on_step_end(self, step: int, rank: int, error: BaseException | None) -> None:
+        span = self._exit()
+        if error is not None:
+            span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
+        span.end()
+
+    def on_begin(self, record: TransitionRecord) -> None:
+        self._enter(self._tracer.start_span(f"lifecycle.{record.event.value}", attributes=_attributes(record)))
+
+    def on_transition(self, record: TransitionRecord) -> None:
+        span = self._exit()
+        span.set_attributes(record.attributes)  # the fixed keys were set when the span started
+        span.end()
+
+    def on_rejected(self, record: TransitionRecord, error: LifecycleError) -> None:
+        span = self._tracer.start_span(f"lifecycle.{record.event.value}", attributes=_attributes(record))
+        span.set_attributes(record.attributes)
+        for verdict in error.verdicts if isinstance(error, GuardRejected) else ():
+            span.add_event("guard.rejected", {"colocate.guard": verdict.guard, "colocate.reason": verdict.reason})
+        span.set_attribute("colocate.refused", True)
+        span.set_status(Status(StatusCode.ERROR, str(error)))
+        span.end()
+
+    def on_fault(self, record: TransitionRecord, error: LifecycleError) -> None:
+        span = self._exit()
+        span.set_attributes(record.attributes)
+        span.record_exception(error.__cause__ or error)
+        span.set_status(Status(StatusCode.ERROR, str(error)))
+        span.end()
+
+
+def _attributes(record: TransitionRecord) -> dict[str, str | bool | int | float]:
+    return {
+        "colocate.event": record.event.value,
+        "colocate.source": record.src.value,
+        "colocate.destination": record.dst.value,
+        "colocate.step": record.step,
+        "colocate.rank": record.rank,
+        "colocate.mode": record.mode.value,
+    }

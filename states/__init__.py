@@ -1,0 +1,21 @@
+"""Phases, events and the transition table: pure data, importing nothing of the project."""
+
+from states.phases import EngineMemory, Event, Mode, Phase, Region, Source
+from states.setup import TrainingSetup
+from states.snapshot import Snapshot, TrainerLayout
+from states.table import INITIAL, TABLE, Transition
+
+__all__ = [
+    "INITIAL",
+    "TABLE",
+    "EngineMemory",
+    "Event",
+    "Mode",
+    "Phase",
+    "Region",
+    "Snapshot",
+    "Source",
+    "TrainerLayout",
+    "TrainingSetup",
+    "Transition",
+]
