@@ -32,7 +32,7 @@ from orchestrator.errors import (
 from orchestrator.listeners import FanOut, Listener, TransitionRecord
 from orchestrator.protocols import MemoryRegions, RolloutEngine, Trainer, WeightTransport
 from orchestrator.regions import RegionLedger
-from states import INITIAL, TABLE, EngineMemory, Event, Mode, Phase, Region, Snapshot, Transition
+from states import INITIAL, TABLE, EngineMemory, Event, Mode, Phase, Region, Snapshot, TrainerLayout, Transition
 
 T = TypeVar("T")
 Work = Callable[[], Any]
@@ -53,6 +53,12 @@ class _Tracked:
     extras_stashed: bool = False
     cycles: int = 0  # completed drop/restore cycles
     digests: dict[str, str] | None = None  # taken at the drop of a verified cycle
+
+
+def require_restore_coverage(layout: TrainerLayout) -> None:
+    """Every param must come back after a drop: rebuilt from a DDP buffer, or an extra."""
+    if layout.uncovered:
+        raise ConfigError([f"{name}: in no DDP param buffer and not an extra" for name in layout.uncovered])
 
 
 class _Machine:
@@ -84,8 +90,8 @@ class Lifecycle:
         self._trainer, self._engine, self._transport = trainer, engine, transport
         self._regions = RegionLedger(regions)
         self._layout = trainer.layout()
-        if config.mode is not Mode.TRAIN_ONLY and self._layout.uncovered:
-            raise ConfigError([f"{name}: in no DDP param buffer and not an extra" for name in self._layout.uncovered])
+        if config.mode is not Mode.TRAIN_ONLY:
+            require_restore_coverage(self._layout)
         self.listeners = FanOut(listeners)
         self._t = _Tracked()
         self.last_restore_verified: bool | None = None

@@ -1,0 +1,229 @@
+"""The Trainer Protocol over what a Megatron-core trainer already has: DDP chunks + optimizer.
+
+Rematerialize rebuilds the bf16 params after their buffer was dropped without a backup, exactly
+as they were produced at the end of the optimizer step: each DistributedOptimizer casts its fp32
+main shard into the param buffer (`_copy_main_params_to_model_params`), then every chunk
+all-gathers the params (`start_param_sync(force_sync=True)`). What the fp32 mains cannot rebuild,
+the extras, keeps a small pinned host backup:
+
+- `expert_bias` buffers: module buffers, in no DDP buffer and no optimizer;
+- fp32-dtype params: their optimizer "main" is a view of the param buffer itself, so it is
+  dropped with it;
+- frozen params (`requires_grad=False`): in no DDP buffer and no optimizer.
+
+Backup mode, the baseline, pins a host copy of every param buffer instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterator, Mapping, Sequence
+from enum import StrEnum
+from typing import Any
+
+import torch
+
+from orchestrator.adapters.digest import DIGESTS, DigestMethod
+from states import Mode, Source, TrainerLayout, TrainingSetup
+
+
+class Extra(StrEnum):
+    """The kinds of tensor a cast + all-gather cannot rebuild."""
+
+    EXPERT_BIAS = "expert_bias"
+    FP32 = "fp32"
+    FROZEN = "frozen"
+
+
+ALL_EXTRAS = frozenset(Extra)
+
+
+def megatron_setup(chunks: Sequence[Any], optimizer: Any, **flags: bool) -> TrainingSetup:
+    """The `TrainingSetup` facts Megatron's own configs hold; `flags` give the trainer's others
+    (colocate, offload_train, lora, keep_old_actor, ...)."""
+    ddp = [chunk.ddp_config for chunk in chunks]
+    configs = [o.config for o in getattr(optimizer, "chained_optimizers", [optimizer]) if o is not None]
+    return TrainingSetup(
+        distributed_optimizer=all(c.use_distributed_optimizer for c in ddp),
+        overlap_param_gather=any(c.overlap_param_gather for c in ddp),
+        optimizer_disabled=not configs,
+        precision_aware_optimizer=any(c.use_precision_aware_optimizer for c in configs),
+        optimizer_cpu_offload=any(c.optimizer_cpu_offload for c in configs),
+        **flags,
+    )
+
+
+def _strip(name: str) -> str:
+    """`module.module.decoder...` (DDP → Float16Module → GPTModel) → `decoder...`."""
+    while name.startswith("module."):
+        name = name[len("module.") :]
+    return name
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _host_like(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
+    return torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
+
+
+class MegatronTrainer:
+    """Implements `orchestrator.protocols.Trainer` for Megatron-core DDP + DistributedOptimizer.
+
+    `chunks` are the `DistributedDataParallel` model chunks (one per virtual pipeline stage);
+    `optimizer` is the (chained) optimizer `get_megatron_optimizer` returned. `extras` chooses
+    which kinds of extra are backed up; leaving one out makes any such param uncovered, which
+    the lifecycle refuses at init.
+    """
+
+    def __init__(
+        self,
+        chunks: Sequence[Any],
+        optimizer: Any,
+        *,
+        extras: Collection[Extra] = ALL_EXTRAS,
+        digest: DigestMethod = DigestMethod.SHA256,
+    ) -> None:
+        self._chunks = list(chunks)
+        self._optimizers = list(getattr(optimizer, "chained_optimizers", [optimizer]))
+        # Newer Megatron lists every buffer (gtp/egtp ones too) in `all_buffers`.
+        self._buffers = [
+            b for c in self._chunks for b in getattr(c, "all_buffers", [*c.buffers, *c.expert_parallel_buffers])
+        ]
+        self._digest = DIGESTS[DigestMethod(digest)]
+        self._pin = torch.cuda.is_available()
+        in_buffers = {id(p) for b in self._buffers for p in b.params}
+        self._params: dict[str, torch.Tensor] = {}
+        self._extras: dict[str, torch.Tensor] = {}
+        self._sources: dict[str, Source] = {}
+        for prefix, chunk in self._prefixed():
+            for raw, param in chunk.named_parameters():
+                name = prefix + _strip(raw)
+                self._params[name] = param
+                kind = self._extra_kind(param, extras)
+                if kind is not None:
+                    self._extras[name] = param
+                self._sources[name] = (
+                    Source.EXTRAS if kind else Source.PARAM_BUFFER if id(param) in in_buffers else Source.ELSEWHERE
+                )
+            if Extra.EXPERT_BIAS in extras:
+                for raw, buffer in chunk.named_buffers():
+                    if raw.endswith("expert_bias"):
+                        self._extras[prefix + _strip(raw)] = buffer
+                        self._sources[prefix + _strip(raw)] = Source.EXTRAS
+        self._extra_backup: dict[str, torch.Tensor] = {}
+        self._param_backup: list[torch.Tensor] = []
+
+    def _prefixed(self) -> Iterator[tuple[str, Any]]:
+        for i, chunk in enumerate(self._chunks):
+            yield (f"vp_stages.{i}." if len(self._chunks) > 1 else ""), chunk
+
+    @staticmethod
+    def _extra_kind(param: torch.Tensor, extras: Collection[Extra]) -> Extra | None:
+        if not param.requires_grad and Extra.FROZEN in extras:
+            return Extra.FROZEN
+        if param.dtype == torch.float32 and Extra.FP32 in extras:
+            return Extra.FP32
+        return None
+
+    # ---- the Trainer Protocol -------------------------------------------------------------
+
+    def layout(self) -> TrainerLayout:
+        rebuilt = [n for n, s in self._sources.items() if s is Source.PARAM_BUFFER]
+        return TrainerLayout(
+            sync_sources=self._sources,
+            uncovered=tuple(n for n, s in self._sources.items() if s is Source.ELSEWHERE),
+            param_bytes=sum(_nbytes(self._params[n]) for n in rebuilt),
+            extras_bytes=sum(_nbytes(t) for t in self._extras.values()),
+        )
+
+    def stash(self, mode: Mode) -> int:
+        copied = 0
+        for name, tensor in self._extras.items():
+            backup = self._extra_backup.get(name)
+            if backup is None:
+                backup = self._extra_backup[name] = _host_like(tensor, self._pin)
+            backup.copy_(tensor.detach())
+            copied += _nbytes(tensor)
+        if mode is Mode.BACKUP:
+            if not self._param_backup:
+                self._param_backup = [_host_like(b.param_data, self._pin) for b in self._buffers]
+            for backup, buffer in zip(self._param_backup, self._buffers, strict=True):
+                backup.copy_(buffer.param_data, non_blocking=True)
+                copied += _nbytes(buffer.param_data)
+        self._synchronize()
+        return copied
+
+    def rebuild(self, mode: Mode) -> int:
+        written = 0
+        if mode is Mode.BACKUP:
+            for backup, buffer in zip(self._param_backup, self._buffers, strict=True):
+                buffer.param_data.copy_(backup, non_blocking=True)
+                written += _nbytes(buffer.param_data)
+        else:
+            self.cast_mains()
+            self.gather_params()
+            written += sum(_nbytes(b.param_data) for b in self._buffers)
+        written += self.copy_extras_back()
+        for chunk in self._chunks:
+            chunk.zero_grad_buffer()  # grads came back as whatever the resumed pages held
+        self._synchronize()
+        return written
+
+    def digests(self) -> Mapping[str, str]:
+        return self._digest({**self._params, **self._extras})
+
+    def sync_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, source in self._sources.items():
+            if source is Source.EXTRAS:
+                yield name, self._extra_backup[name]
+            elif source is Source.PARAM_BUFFER:
+                yield name, self._params[name].detach()
+            else:
+                raise LookupError(f"{name} is in neither a param buffer nor the extras backup")
+
+    def host_pinned_bytes(self) -> int:
+        return sum(_nbytes(t) for t in (*self._extra_backup.values(), *self._param_backup))
+
+    # ---- the steps of a rematerialize restore, timed apart by the benchmark -----------------
+
+    def cast_mains(self) -> None:
+        """fp32 main shard → bf16 param buffer shard, in every DistributedOptimizer."""
+        for optimizer in self._optimizers:
+            optimizer._copy_main_params_to_model_params()
+
+    def gather_params(self) -> None:
+        """All-gather every chunk's param buffers over their (expert) data-parallel groups."""
+        for chunk in self._chunks:
+            chunk.start_param_sync(force_sync=True)
+
+    def copy_extras_back(self) -> int:
+        for name, tensor in self._extras.items():
+            tensor.data.copy_(self._extra_backup[name], non_blocking=True)
+        return sum(_nbytes(t) for t in self._extras.values())
+
+    # ---- what the memory regions manage --------------------------------------------------
+
+    def region_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors behind each region tag: param and grad buffers, and the optimizer state.
+
+        `default` lists the fp32 main shards and the Adam moments. Storages shared with the
+        param buffer (the "mains" of fp32 params are views of it) stay in `param_buffer`.
+        """
+        state: list[torch.Tensor] = []
+        for optimizer in self._optimizers:
+            for group in getattr(optimizer, "shard_fp32_from_float16_groups", []):
+                state.extend(group)
+            inner = getattr(optimizer, "optimizer", None)
+            for per_param in getattr(inner, "state", {}).values():
+                state.extend(v for v in per_param.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+        return {
+            "param_buffer": [b.param_data for b in self._buffers],
+            "grad_buffer": [b.grad_data for b in self._buffers],
+            "default": state,
+        }
+
+    @staticmethod
+    def _synchronize() -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()

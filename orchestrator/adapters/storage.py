@@ -1,0 +1,93 @@
+"""Storage-level memory regions: a paused tensor's storage is really freed, and reallocated at resume.
+
+Megatron's params are views of one `param_data` tensor per DDP buffer, so resizing that
+storage to zero frees every param at once and resizing it back revives every view (Megatron's
+own `offload_to_cpu` works the same way). Contents are lost, except for tags in
+`keep_contents`, which are copied to host memory first: that is the `default` region, which
+holds the fp32 mains and Adam moments.
+
+Works on CPU and GPU. On the GPU the freed blocks return to PyTorch's caching allocator, which
+this hands back to the device (`empty_cache`); addresses change on resume, unlike
+torch_memory_saver's (`tms.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from states import Region
+
+TensorsByTag = Mapping[str, Sequence[torch.Tensor]]
+
+
+def storages_by_tag(tensors: TensorsByTag) -> dict[str, list[torch.UntypedStorage]]:
+    """Each live storage once, under the first tag (in `Region` order) that names it."""
+    seen: set[int] = set()
+    result: dict[str, list[torch.UntypedStorage]] = {}
+    for region in Region:
+        result[region.value] = []
+        for tensor in tensors.get(region.value, ()):
+            storage = tensor.untyped_storage()
+            if storage.nbytes() and storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                result[region.value].append(storage)
+    return result
+
+
+def as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+@dataclass
+class _Paused:
+    storage: torch.UntypedStorage
+    nbytes: int
+    backup: torch.Tensor | None
+
+
+class StorageRegions:
+    """Implements `orchestrator.protocols.MemoryRegions` by resizing storages.
+
+    `tensors` is called at every pause, so tensors created after construction (Adam moments
+    appear at the first optimizer step) are paused too.
+    """
+
+    def __init__(
+        self, tensors: Callable[[], TensorsByTag], *, keep_contents: Collection[str] = (Region.DEFAULT.value,)
+    ) -> None:
+        self._tensors = tensors
+        self._keep = frozenset(keep_contents)
+        self._paused: dict[str, list[_Paused]] = {}
+
+    def tags(self) -> frozenset[str]:
+        return frozenset(r.value for r in Region)
+
+    def pause(self, tag: str) -> int:
+        storages = storages_by_tag(self._tensors())[tag]
+        paused = []
+        for storage in storages:
+            backup = None
+            if tag in self._keep:
+                backup = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+                backup.copy_(as_bytes(storage))
+            paused.append(_Paused(storage, storage.nbytes(), backup))
+            storage.resize_(0)
+        self._paused[tag] = paused
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return sum(p.nbytes for p in paused)
+
+    def resume(self, tag: str) -> int:
+        paused = self._paused.pop(tag)
+        for p in paused:
+            p.storage.resize_(p.nbytes)
+            if p.backup is not None:
+                as_bytes(p.storage).copy_(p.backup)
+        return sum(p.nbytes for p in paused)
+
+    def resident_bytes(self) -> dict[str, int]:
+        """Bytes each tag holds now (0 while paused)."""
+        return {tag: sum(s.nbytes() for s in storages) for tag, storages in storages_by_tag(self._tensors()).items()}

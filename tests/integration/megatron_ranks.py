@@ -1,0 +1,179 @@
+"""Rank processes for the Megatron-core tests: real DDP + DistributedOptimizer over gloo.
+
+Each scenario runs in `world_size` spawned processes and writes one JSON file per rank; the
+tests read those files. The restore cycle below is the order `Lifecycle` drives (pause_grads
+stashes and pauses grads + optimizer state; drop_params pauses the param buffer; restore
+resumes and rebuilds); here it is driven on the adapters directly to test them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # the router's torch.compile costs ~9 s cold
+
+from guards.bitexact import restore_bit_identical
+from guards.config import violations
+from orchestrator.adapters.megatron import Extra, MegatronTrainer, megatron_setup
+from orchestrator.adapters.megatron_build import (
+    TinyGPTConfig,
+    build_gpt,
+    destroy_process_group,
+    init_process_group,
+    train_step,
+)
+from orchestrator.adapters.storage import StorageRegions
+from orchestrator.errors import ConfigError
+from orchestrator.lifecycle import require_restore_coverage
+from orchestrator.regions import RegionLedger
+from states import Mode, Region
+
+AWKWARD = TinyGPTConfig(num_experts=2, fp32_param=True, frozen_param=True)
+EXPERT_BIAS = "decoder.layers.1.mlp.router.expert_bias"
+
+
+def rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def tokens(cfg: TinyGPTConfig, generator: torch.Generator) -> torch.Tensor:
+    return torch.randint(0, cfg.vocab_size, (8, cfg.seq_len + 1), generator=generator)
+
+
+def restore_cycle(trainer: MegatronTrainer, ledger: RegionLedger, mode: Mode) -> dict[str, Any]:
+    before = dict(trainer.digests())
+    bias_before = trainer._extras[EXPERT_BIAS].clone() if EXPERT_BIAS in trainer._extras else None
+    trainer.stash(mode)
+    ledger.pause(Region.GRAD_BUFFER)
+    ledger.pause(Region.DEFAULT)
+    synced = dict(trainer.sync_tensors())
+    served_from_backup = bias_before is None or torch.equal(synced[EXPERT_BIAS], bias_before)
+    rss_before = rss()
+    freed = ledger.pause(Region.PARAM_BUFFER)
+    rss_after_drop = rss()
+    for tag in (Region.DEFAULT, Region.GRAD_BUFFER, Region.PARAM_BUFFER):
+        ledger.resume(tag)
+    # Resumed pages hold whatever the allocator hands back (the heap may return the old bytes
+    # of a small block). Make that garbage explicit, as torch_memory_saver's would be.
+    for tensor in trainer.region_tensors()[Region.PARAM_BUFFER]:
+        tensor.fill_(float("nan"))
+    lost = dict(trainer.digests())
+    trainer.rebuild(mode)
+    after = dict(trainer.digests())
+    verdict = restore_bit_identical(before, after)
+    return {
+        "bit_identical": verdict.ok,
+        "reason": verdict.reason,
+        "changed_by_drop": sorted(n for n in before if before[n] != lost[n]),
+        "bytes_freed": freed,
+        "rss_freed": rss_before - rss_after_drop,
+        "served_extras_from_backup": served_from_backup,
+        "pinned": trainer.host_pinned_bytes(),
+        "digests": after,
+    }
+
+
+def cycles_scenario(rank: int, world_size: int, out: Path, cfg: TinyGPTConfig = AWKWARD) -> dict[str, Any]:
+    """Both modes on one model, 3 cycles each with a real optimizer step in between."""
+    chunks, optimizer = build_gpt(cfg)
+    trainer = MegatronTrainer(chunks, optimizer)
+    ledger = RegionLedger(StorageRegions(trainer.region_tensors))
+    generator = torch.Generator().manual_seed(100 + rank)  # each rank its own data shard
+    train_step(chunks, optimizer, tokens(cfg, generator))
+    result: dict[str, Any] = {
+        "uncovered": list(trainer.layout().uncovered),
+        "setup_violations": [str(v) for v in violations(Mode.REMATERIALIZE, megatron_setup(chunks, optimizer))],
+    }
+    try:  # a trainer that forgets frozen params must be refused at init, naming them
+        require_restore_coverage(MegatronTrainer(chunks, optimizer, extras={Extra.EXPERT_BIAS, Extra.FP32}).layout())
+    except ConfigError as error:
+        result["without_frozen"] = str(error)
+    for mode in (Mode.REMATERIALIZE, Mode.BACKUP):
+        runs = []
+        for _ in range(3):
+            runs.append(restore_cycle(trainer, ledger, mode))
+            runs[-1]["loss"] = train_step(chunks, optimizer, tokens(cfg, generator)).loss
+        result[mode.value] = runs
+    # One flipped bit after a restore must be caught, naming the tensor.
+    before = dict(trainer.digests())
+    victim = "decoder.layers.0.mlp.linear_fc1.weight"
+    trainer._params[victim].data.view(torch.int16).view(-1)[7] ^= 1 << 3
+    result["flipped"] = restore_bit_identical(before, trainer.digests()).reason
+    return result
+
+
+def memory_scenario(rank: int, world_size: int, out: Path) -> dict[str, Any]:
+    """A model large enough that freed pages show in RSS."""
+    cfg = TinyGPTConfig(
+        hidden_size=512, num_layers=4, num_attention_heads=8, num_query_groups=4, ffn_hidden_size=1536, vocab_size=4096
+    )
+    chunks, optimizer = build_gpt(cfg)
+    trainer = MegatronTrainer(chunks, optimizer)
+    regions = StorageRegions(trainer.region_tensors)
+    ledger = RegionLedger(regions)
+    train_step(chunks, optimizer, tokens(cfg, torch.Generator().manual_seed(0)))
+    held = regions.resident_bytes()
+    steps = {}
+    for tag in (Region.GRAD_BUFFER, Region.PARAM_BUFFER):
+        start = rss()
+        steps[f"pause:{tag}"] = {"bytes": ledger.pause(tag), "rss": start - rss()}
+    after_pause = regions.resident_bytes()
+    for tag in (Region.GRAD_BUFFER, Region.PARAM_BUFFER):
+        start = rss()
+        steps[f"resume:{tag}"] = {"bytes": ledger.resume(tag), "rss_before": start}
+    trainer.rebuild(Mode.REMATERIALIZE)  # touches every resumed page
+    steps["rss_after_rebuild"] = rss()
+    return {"held": held, "after_pause": after_pause, "steps": steps}
+
+
+SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {"cycles": cycles_scenario, "memory": memory_scenario}
+
+
+def _rank_main(rank: int, world_size: int, port: int, scenario: str, out: str, ep: int) -> None:
+    path = Path(out) / f"rank{rank}.json"
+    try:
+        init_process_group(rank, world_size, port, expert_model_parallel_size=ep)
+        result = SCENARIOS[scenario](rank, world_size, Path(out))
+        destroy_process_group()
+    except BaseException:
+        result = {"error": traceback.format_exc()}
+    path.write_text(json.dumps(result))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(scenario: str, world_size: int, out: Path, *, ep: int = 1, timeout: float = 240) -> list[dict[str, Any]]:
+    """Run `scenario` on `world_size` gloo ranks (expert parallelism `ep`); every wait is bounded."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, world_size, port, scenario, str(out), ep)) for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            raise TimeoutError(f"rank process {p.pid} of scenario {scenario!r} did not finish in {timeout} s")
+    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world_size)]
+    errors = [r["error"] for r in results if "error" in r]
+    if errors:
+        raise RuntimeError("a rank failed:\n" + "\n".join(errors))
+    return results
