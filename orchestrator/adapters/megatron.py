@@ -165,8 +165,8 @@ class MegatronTrainer:
             self.gather_params()
             written += sum(_nbytes(b.param_data) for b in self._buffers)
         written += self.copy_extras_back()
-        for chunk in self._chunks:
-            chunk.zero_grad_buffer()  # grads came back as whatever the resumed pages held
+        # The grad buffers come back holding whatever the resumed pages held: Megatron's train
+        # step zeroes them (`zero_grad_buffer`) before accumulating, so they are not restored.
         self._synchronize()
         return written
 
@@ -195,6 +195,9 @@ class MegatronTrainer:
     def gather_params(self) -> None:
         """All-gather every chunk's param buffers over their (expert) data-parallel groups."""
         for chunk in self._chunks:
+            groups = getattr(chunk, "all_bucket_groups", [*chunk.bucket_groups, *chunk.expert_parallel_bucket_groups])
+            if all(group.intra_distributed_optimizer_instance_size == 1 for group in groups):
+                continue  # this rank owns every shard: there is nothing to gather
             chunk.start_param_sync(force_sync=True)
 
     def copy_extras_back(self) -> int:

@@ -13,6 +13,9 @@ torch_memory_saver's (`tms.py`).
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import sys
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -21,6 +24,21 @@ import torch
 from states import Region
 
 TensorsByTag = Mapping[str, Sequence[torch.Tensor]]
+
+
+_M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+
+
+def _return_large_frees_to_the_os(threshold: int = 1 << 20) -> None:
+    """Serve every host allocation of `threshold` bytes or more from its own mapping.
+
+    glibc otherwise raises its mmap threshold after the first large free, so a storage resized
+    back later lands in the heap and freeing it again returns nothing to the OS. A fixed
+    threshold turns that adjustment off (process-wide; only on glibc).
+    """
+    if sys.platform != "linux" or (libc := ctypes.util.find_library("c")) is None:
+        return
+    ctypes.CDLL(libc).mallopt(_M_MMAP_THRESHOLD, threshold)
 
 
 def storages_by_tag(tensors: TensorsByTag) -> dict[str, list[torch.UntypedStorage]]:
@@ -61,6 +79,7 @@ class StorageRegions:
         self._tensors = tensors
         self._keep = frozenset(keep_contents)
         self._paused: dict[str, list[_Paused]] = {}
+        _return_large_frees_to_the_os()
 
     def tags(self) -> frozenset[str]:
         return frozenset(r.value for r in Region)

@@ -23,6 +23,7 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # the router's torch.compile 
 
 from guards.bitexact import restore_bit_identical
 from guards.config import violations
+from orchestrator.adapters.digest import DigestMethod
 from orchestrator.adapters.megatron import Extra, MegatronTrainer, megatron_setup
 from orchestrator.adapters.megatron_build import (
     TinyGPTConfig,
@@ -37,6 +38,8 @@ from orchestrator.lifecycle import require_restore_coverage
 from orchestrator.regions import RegionLedger
 from states import Mode, Region
 
+CUDA = torch.cuda.is_available()
+DIGEST = DigestMethod.DEVICE if CUDA else DigestMethod.SHA256
 AWKWARD = TinyGPTConfig(num_experts=2, fp32_param=True, frozen_param=True)
 EXPERT_BIAS = "decoder.layers.1.mlp.router.expert_bias"
 
@@ -51,6 +54,15 @@ def tokens(cfg: TinyGPTConfig, generator: torch.Generator) -> torch.Tensor:
     return torch.randint(0, cfg.vocab_size, (8, cfg.seq_len + 1), generator=generator)
 
 
+def regions_for(trainer: MegatronTrainer) -> Any:
+    """torch_memory_saver on a GPU, storage resizing on the CPU."""
+    if CUDA:
+        from orchestrator.adapters.tms import TorchMemorySaverRegions
+
+        return TorchMemorySaverRegions(trainer.region_tensors())
+    return StorageRegions(trainer.region_tensors)
+
+
 def restore_cycle(trainer: MegatronTrainer, ledger: RegionLedger, mode: Mode) -> dict[str, Any]:
     before = dict(trainer.digests())
     bias_before = trainer._extras[EXPERT_BIAS].clone() if EXPERT_BIAS in trainer._extras else None
@@ -58,12 +70,14 @@ def restore_cycle(trainer: MegatronTrainer, ledger: RegionLedger, mode: Mode) ->
     ledger.pause(Region.GRAD_BUFFER)
     ledger.pause(Region.DEFAULT)
     synced = dict(trainer.sync_tensors())
-    served_from_backup = bias_before is None or torch.equal(synced[EXPERT_BIAS], bias_before)
+    address = trainer.region_tensors()[Region.PARAM_BUFFER][-1].data_ptr()
+    served_from_backup = bias_before is None or torch.equal(synced[EXPERT_BIAS], bias_before.cpu())
     rss_before = rss()
     freed = ledger.pause(Region.PARAM_BUFFER)
     rss_after_drop = rss()
     for tag in (Region.DEFAULT, Region.GRAD_BUFFER, Region.PARAM_BUFFER):
         ledger.resume(tag)
+    same_address = trainer.region_tensors()[Region.PARAM_BUFFER][-1].data_ptr() == address
     # Resumed pages hold whatever the allocator hands back (the heap may return the old bytes
     # of a small block). Make that garbage explicit, as torch_memory_saver's would be.
     for tensor in trainer.region_tensors()[Region.PARAM_BUFFER]:
@@ -77,6 +91,8 @@ def restore_cycle(trainer: MegatronTrainer, ledger: RegionLedger, mode: Mode) ->
         "reason": verdict.reason,
         "changed_by_drop": sorted(n for n in before if before[n] != lost[n]),
         "bytes_freed": freed,
+        "param_buffer_bytes": sum(t.untyped_storage().nbytes() for t in trainer.region_tensors()[Region.PARAM_BUFFER]),
+        "same_address": same_address,
         "rss_freed": rss_before - rss_after_drop,
         "served_extras_from_backup": served_from_backup,
         "pinned": trainer.host_pinned_bytes(),
@@ -87,10 +103,10 @@ def restore_cycle(trainer: MegatronTrainer, ledger: RegionLedger, mode: Mode) ->
 def cycles_scenario(rank: int, world_size: int, out: Path, cfg: TinyGPTConfig = AWKWARD) -> dict[str, Any]:
     """Both modes on one model, 3 cycles each with a real optimizer step in between."""
     chunks, optimizer = build_gpt(cfg)
-    trainer = MegatronTrainer(chunks, optimizer)
-    ledger = RegionLedger(StorageRegions(trainer.region_tensors))
+    trainer = MegatronTrainer(chunks, optimizer, digest=DIGEST)
     generator = torch.Generator().manual_seed(100 + rank)  # each rank its own data shard
     train_step(chunks, optimizer, tokens(cfg, generator))
+    ledger = RegionLedger(regions_for(trainer))
     result: dict[str, Any] = {
         "uncovered": list(trainer.layout().uncovered),
         "setup_violations": [str(v) for v in violations(Mode.REMATERIALIZE, megatron_setup(chunks, optimizer))],
@@ -143,7 +159,8 @@ SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {"cycles": cycles_scenario
 def _rank_main(rank: int, world_size: int, port: int, scenario: str, out: str, ep: int) -> None:
     path = Path(out) / f"rank{rank}.json"
     try:
-        init_process_group(rank, world_size, port, expert_model_parallel_size=ep)
+        backend = "nccl" if CUDA else "gloo"
+        init_process_group(rank, world_size, port, backend, expert_model_parallel_size=ep)
         result = SCENARIOS[scenario](rank, world_size, Path(out))
         destroy_process_group()
     except BaseException:

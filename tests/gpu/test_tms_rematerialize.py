@@ -1,0 +1,39 @@
+"""On a GPU: megatron-core (0.19 there) with torch_memory_saver regions, world size 1.
+
+The same scenario as tests/integration, with the param and grad buffers and the optimizer
+state re-homed into torch_memory_saver regions: pause returns device memory and resume maps
+fresh pages at the same virtual addresses.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+MODES = ("rematerialize", "backup")
+
+
+@pytest.fixture(scope="module")
+def rank(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    pytest.importorskip("torch_memory_saver")
+    from tests.integration.megatron_ranks import run_ranks
+
+    (result,) = run_ranks("cycles", 1, tmp_path_factory.mktemp("gpu"))
+    return result
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_three_cycles_bit_identical_under_torch_memory_saver(rank: dict, mode: str) -> None:
+    assert [c["bit_identical"] for c in rank[mode]] == [True] * 3, [c["reason"] for c in rank[mode]]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_pause_returns_device_memory_and_keeps_addresses(rank: dict, mode: str) -> None:
+    for cycle in rank[mode]:
+        assert cycle["same_address"], "torch_memory_saver resumes at the same virtual address"
+        assert cycle["bytes_freed"] >= cycle["param_buffer_bytes"], cycle
