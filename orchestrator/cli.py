@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
@@ -9,6 +10,14 @@ import typer
 from rich.console import Console
 
 from orchestrator import diagram
+from orchestrator.errors import ConfigError
+from states import Mode
+
+
+class RunMode(StrEnum):
+    REMATERIALIZE = Mode.REMATERIALIZE.value
+    BACKUP = Mode.BACKUP.value
+
 
 app = typer.Typer(
     name="colocate",
@@ -61,6 +70,45 @@ def diagram_command(
         _fail(str(exc))
     except OSError as exc:
         _fail(f"cannot write {exc.filename or output}: {exc.strerror}")
+
+
+@app.command("run")
+def run_command(
+    steps: Annotated[int, typer.Option(help="Training steps, each one full cycle.")] = 30,
+    ranks: Annotated[int, typer.Option(help="Trainer ranks; more than 1 runs them as Ray actors.")] = 2,
+    mode: Annotated[RunMode, typer.Option(help="How params survive the rollout.")] = RunMode.REMATERIALIZE,
+    verify_cycles: Annotated[int, typer.Option(help="Check the first N restores bit-identical.")] = 2,
+    seed: Annotated[int, typer.Option(help="Seed for the task and the sampling.")] = 0,
+    report: Annotated[Path | None, typer.Option(help="Write the run report here, as JSON.")] = None,
+    trace_dir: Annotated[Path | None, typer.Option(help="Write OTLP-JSON traces under this folder.")] = None,
+    log: Annotated[Path | None, typer.Option(help="Write one JSON log line per transition here.")] = None,
+    rank_timeout: Annotated[float, typer.Option(help="Seconds any rank or the engine may take to answer.")] = 120.0,
+) -> None:
+    """Run the colocated GRPO demo: Megatron-core ranks and a transformers engine on this machine."""
+    from orchestrator.run import run
+
+    for path, what in ((report, "--report"), (log, "--log")):
+        if path is not None and not path.parent.is_dir():
+            _fail(f"{what} {path}: folder {path.parent} does not exist")
+    if trace_dir is not None and trace_dir.exists() and not trace_dir.is_dir():
+        _fail(f"--trace-dir {trace_dir}: exists and is not a folder")
+    try:
+        code = run(
+            steps=steps,
+            ranks=ranks,
+            mode=Mode(mode.value),
+            verify_cycles=verify_cycles,
+            seed=seed,
+            report_path=report,
+            trace_dir=trace_dir,
+            log_path=log,
+            rank_timeout_s=rank_timeout,
+            console=Console(),
+            err=err,
+        )
+    except ConfigError as exc:
+        _fail(str(exc), code=2)
+    raise typer.Exit(code)
 
 
 def main() -> None:

@@ -13,14 +13,11 @@ Adapters report what they did and never swallow a failed call: the controller de
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from states import EngineMemory, Mode, TrainerLayout
-
-if TYPE_CHECKING:
-    import torch
 
 
 @runtime_checkable
@@ -50,7 +47,11 @@ class MemoryRegions(Protocol):
 
 @runtime_checkable
 class Trainer(Protocol):
-    """The training side: params in DDP buffers, fp32 mains and Adam state in the optimizer."""
+    """The training side: params in DDP buffers, fp32 mains and Adam state in the optimizer.
+
+    The tensors a sync reads are the weight transport's business: `layout()` says where each
+    lives, so the lifecycle can refuse a sync that would read dropped memory.
+    """
 
     def layout(self) -> TrainerLayout:
         """Where each synced tensor lives and which params no restore path covers."""
@@ -74,10 +75,6 @@ class Trainer(Protocol):
 
     def digests(self) -> Mapping[str, str]:
         """A digest per param (and extra buffer), to prove a restore bit-identical."""
-        ...
-
-    def sync_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Named tensors for the weight sync: views of resident buffers or the extras backup."""
         ...
 
     def host_pinned_bytes(self) -> int:

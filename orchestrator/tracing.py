@@ -7,12 +7,13 @@ returns None when nothing asks for export, so an unconfigured run pays for no-op
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 from opentelemetry import context, trace
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter, SpanExportResult
 from opentelemetry.trace import Span, Status, StatusCode
 
 from orchestrator.errors import GuardRejected, LifecycleError
@@ -36,17 +37,40 @@ def _otlp_exporter(env: Mapping[str, str]) -> SpanExporter:
     raise ValueError(f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r}: colocate supports 'http/protobuf' and 'grpc'")
 
 
+class OtlpJsonFileExporter(SpanExporter):
+    """Appends each batch as one line of OTLP-JSON (the protobuf JSON mapping of
+    `ExportTraceServiceRequest`), the format the OpenTelemetry Collector's file exporter writes
+    and its otlpjsonfile receiver reads back."""
+
+    def __init__(self, path: Path) -> None:
+        from google.protobuf.json_format import MessageToJson
+        from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+
+        self.path, self._encode, self._to_json = path, encode_spans, MessageToJson
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        line = self._to_json(self._encode(spans), indent=None)
+        with self.path.open("a") as out:
+            out.write(line + "\n")
+        return SpanExportResult.SUCCESS
+
+
 def configure_tracing(
-    service_name: str = "colocate", rank: int = 0, env: Mapping[str, str] | None = None
+    service_name: str = "colocate",
+    rank: int = 0,
+    env: Mapping[str, str] | None = None,
+    trace_file: Path | None = None,
 ) -> TracerProvider | None:
     """A tracer provider exporting where `OTEL_*` says, or None if tracing is not asked for.
 
     Honoured: OTEL_SDK_DISABLED, OTEL_TRACES_EXPORTER (otlp, console, none), the
     OTEL_EXPORTER_OTLP_* endpoint/protocol/header variables, OTEL_SERVICE_NAME and
-    OTEL_RESOURCE_ATTRIBUTES (the last two read by the SDK's Resource).
+    OTEL_RESOURCE_ATTRIBUTES (the last two read by the SDK's Resource). `trace_file` adds an
+    OTLP-JSON file exporter.
     """
     env = os.environ if env is None else env
-    if env.get("OTEL_SDK_DISABLED", "").lower() == "true":
+    if env.get("OTEL_SDK_DISABLED", "").lower() == "true" and trace_file is None:
         return None
     wants_otlp = any(k in env for k in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
     names = [n.strip() for n in env.get("OTEL_TRACES_EXPORTER", "otlp" if wants_otlp else "none").split(",")]
@@ -58,6 +82,8 @@ def configure_tracing(
             exporters.append(ConsoleSpanExporter())
         elif name not in ("none", ""):
             raise ValueError(f"OTEL_TRACES_EXPORTER={name!r}: colocate supports otlp, console and none")
+    if trace_file is not None:
+        exporters.append(OtlpJsonFileExporter(trace_file))
     if not exporters:
         return None
     attributes: dict[str, str | int] = {

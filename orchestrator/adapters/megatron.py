@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from orchestrator.adapters.digest import DIGESTS, DigestMethod
+from orchestrator.transport import nbytes
 from states import Mode, Source, TrainerLayout, TrainingSetup
 
 
@@ -57,10 +58,6 @@ def _strip(name: str) -> str:
     while name.startswith("module."):
         name = name[len("module.") :]
     return name
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
 
 
 def _host_like(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
@@ -133,8 +130,8 @@ class MegatronTrainer:
         return TrainerLayout(
             sync_sources=self._sources,
             uncovered=tuple(n for n, s in self._sources.items() if s is Source.ELSEWHERE),
-            param_bytes=sum(_nbytes(self._params[n]) for n in rebuilt),
-            extras_bytes=sum(_nbytes(t) for t in self._extras.values()),
+            param_bytes=sum(nbytes(self._params[n]) for n in rebuilt),
+            extras_bytes=sum(nbytes(t) for t in self._extras.values()),
         )
 
     def stash(self, mode: Mode) -> int:
@@ -144,13 +141,13 @@ class MegatronTrainer:
             if backup is None:
                 backup = self._extra_backup[name] = _host_like(tensor, self._pin)
             backup.copy_(tensor.detach())
-            copied += _nbytes(tensor)
+            copied += nbytes(tensor)
         if mode is Mode.BACKUP:
             if not self._param_backup:
                 self._param_backup = [_host_like(b.param_data, self._pin) for b in self._buffers]
             for backup, buffer in zip(self._param_backup, self._buffers, strict=True):
                 backup.copy_(buffer.param_data, non_blocking=True)
-                copied += _nbytes(buffer.param_data)
+                copied += nbytes(buffer.param_data)
         self._synchronize()
         return copied
 
@@ -159,11 +156,11 @@ class MegatronTrainer:
         if mode is Mode.BACKUP:
             for backup, buffer in zip(self._param_backup, self._buffers, strict=True):
                 buffer.param_data.copy_(backup, non_blocking=True)
-                written += _nbytes(buffer.param_data)
+                written += nbytes(buffer.param_data)
         else:
             self.cast_mains()
             self.gather_params()
-            written += sum(_nbytes(b.param_data) for b in self._buffers)
+            written += sum(nbytes(b.param_data) for b in self._buffers)
         written += self.copy_extras_back()
         # The grad buffers come back holding whatever the resumed pages held: Megatron's train
         # step zeroes them (`zero_grad_buffer`) before accumulating, so they are not restored.
@@ -183,7 +180,7 @@ class MegatronTrainer:
                 raise LookupError(f"{name} is in neither a param buffer nor the extras backup")
 
     def host_pinned_bytes(self) -> int:
-        return sum(_nbytes(t) for t in (*self._extra_backup.values(), *self._param_backup))
+        return sum(nbytes(t) for t in (*self._extra_backup.values(), *self._param_backup))
 
     # ---- the steps of a rematerialize restore, timed apart by the benchmark -----------------
 
@@ -203,7 +200,7 @@ class MegatronTrainer:
     def copy_extras_back(self) -> int:
         for name, tensor in self._extras.items():
             tensor.data.copy_(self._extra_backup[name], non_blocking=True)
-        return sum(_nbytes(t) for t in self._extras.values())
+        return sum(nbytes(t) for t in self._extras.values())
 
     # ---- what the memory regions manage --------------------------------------------------
 

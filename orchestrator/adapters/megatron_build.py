@@ -34,6 +34,7 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from orchestrator.adapters.megatron_cpu import enable_cpu_path
+from orchestrator.gpt import TinyGPTConfig
 
 __all__ = [
     "FP32_PARAM_NAME",
@@ -54,27 +55,6 @@ def device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-@dataclass(frozen=True, kw_only=True)
-class TinyGPTConfig:
-    """A Llama-shaped GPT: RMSNorm, SwiGLU, RoPE, GQA, no linear bias, untied output layer."""
-
-    hidden_size: int = 64
-    num_layers: int = 2
-    num_attention_heads: int = 4
-    num_query_groups: int = 2
-    ffn_hidden_size: int = 128
-    vocab_size: int = 128
-    seq_len: int = 32
-    num_experts: int = 0  # 0: dense; > 0: the last layer is MoE, with expert_bias
-    moe_router_topk: int = 1
-    fp32_param: bool = False  # one fp32-dtype param (its DDP buffer is its own)
-    frozen_param: bool = False  # decoder.layers.0.input_layernorm.weight gets requires_grad=False
-    rotary_base: int = 10000
-    seed: int = 1234
-    lr: float = 1e-3
-    clip_grad: float = 1.0
 
 
 @dataclass(frozen=True, kw_only=True)

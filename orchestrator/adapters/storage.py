@@ -29,7 +29,7 @@ TensorsByTag = Mapping[str, Sequence[torch.Tensor]]
 _M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
 
 
-def _return_large_frees_to_the_os(threshold: int = 1 << 20) -> None:
+def return_large_frees_to_the_os(threshold: int = 1 << 20) -> None:
     """Serve every host allocation of `threshold` bytes or more from its own mapping.
 
     glibc otherwise raises its mmap threshold after the first large free, so a storage resized
@@ -79,7 +79,7 @@ class StorageRegions:
         self._tensors = tensors
         self._keep = frozenset(keep_contents)
         self._paused: dict[str, list[_Paused]] = {}
-        _return_large_frees_to_the_os()
+        return_large_frees_to_the_os()
 
     def tags(self) -> frozenset[str]:
         return frozenset(r.value for r in Region)

@@ -1,0 +1,179 @@
+"""The main job: a colocated GRPO loop on the embedded CPU default, driven by the lifecycle.
+
+Every step walks the whole cycle through the controller, and nothing else moves memory:
+
+    pause_grads → update_weights → drop_params → rollout → restore → train
+
+The trainer is real Megatron-core (DDP + DistributedOptimizer over gloo), the engine is a real
+Hugging Face Llama that receives the trained weights each step, and the policy learns a small
+verifiable task, which it could not if the weights did not arrive.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from orchestrator.config import LifecycleConfig
+from orchestrator.errors import ConfigError
+from orchestrator.grpo import GRPOConfig, SyntheticTask, group_advantages
+from orchestrator.lifecycle import Lifecycle
+from orchestrator.listeners import Listener
+from orchestrator.ranks import RANK_TIMEOUT_S, Batch, RankGroup, Ranks, RankWorker, RemoteEngine, WorkerTransport
+from orchestrator.report import ReportListener, RunReport
+from states import Mode
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    steps: int = 30
+    ranks: int = 2
+    mode: Mode = Mode.REMATERIALIZE
+    verify_cycles: int = 2
+    seed: int = 0
+    bucket_bytes: int = 1 << 20
+    rank_timeout_s: float = RANK_TIMEOUT_S
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.steps < 1:
+            problems.append(f"--steps must be at least 1, got {self.steps}")
+        if self.ranks < 1:
+            problems.append(f"--ranks must be at least 1, got {self.ranks}")
+        if self.mode not in (Mode.REMATERIALIZE, Mode.BACKUP):
+            problems.append(f"--mode must be rematerialize or backup, got {self.mode!r}")
+        if self.verify_cycles < 0:
+            problems.append(f"--verify-cycles must be >= 0, got {self.verify_cycles}")
+        if self.ranks >= 1 and self.grpo.prompts_per_step * self.grpo.group_size % self.ranks:
+            rows = self.grpo.prompts_per_step * self.grpo.group_size
+            problems.append(f"the {rows} samples of a step do not split evenly over {self.ranks} ranks")
+        if self.rank_timeout_s <= 0:
+            problems.append(f"--rank-timeout must be positive, got {self.rank_timeout_s}")
+        if self.bucket_bytes < 1:
+            problems.append(f"bucket size must be positive, got {self.bucket_bytes}")
+        if problems:
+            raise ConfigError(problems)
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutcome:
+    step: int
+    reward_mean: float
+    loss: float
+    engine_matches_trainer: bool
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ColocatedJob:
+    """Builds the ranks, the engine and the lifecycle; `run_step()` runs one full cycle."""
+
+    def __init__(self, config: RunConfig, listeners: Sequence[Listener] = ()) -> None:
+        self.config = config
+        self.task = SyntheticTask(config.grpo.task)
+        self._generator = torch.Generator().manual_seed(config.seed)
+        self._shutdown: Callable[[], None] = lambda: None
+        ranks, self.engine = self._start()
+        self.group = RankGroup(ranks)
+        self.report = RunReport(mode=config.mode.value, ranks=config.ranks)
+        self.lifecycle = Lifecycle(
+            config=LifecycleConfig(mode=config.mode, verify_cycles=config.verify_cycles),
+            trainer=self.group,
+            regions=self.group,
+            engine=self.engine,
+            transport=WorkerTransport(ranks, self._engine_target, config.bucket_bytes),
+            listeners=[ReportListener(self.report), *listeners],
+        )
+        layout = self.lifecycle.snapshot().layout
+        self.report.param_bytes_bf16_per_rank = layout.param_bytes
+        self._step = 0
+
+    def _start(self) -> tuple[Ranks, Any]:
+        from orchestrator.adapters.hf_engine import TransformersEngine
+
+        cfg, grpo = self.config, self.config.grpo
+        port = _free_port()
+        if cfg.ranks > 1:
+            return self._start_ray(port)
+        worker = RankWorker(0, 1, port, grpo.model, grpo.clip_eps, threads=torch.get_num_threads())
+        engine = TransformersEngine(grpo.model, max_batch=grpo.prompts_per_step * grpo.group_size, max_len=grpo.max_len)
+        self._engine_target: Any = engine
+        return Ranks([worker], remote=False), engine
+
+    def _start_ray(self, port: int) -> tuple[Ranks, Any]:
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from orchestrator.adapters.hf_engine import TransformersEngine
+        from orchestrator.ranks import start_ray
+
+        cfg, grpo = self.config, self.config.grpo
+        self._shutdown = start_ray(cfg.ranks)
+        group = placement_group([{"CPU": 1}] * (cfg.ranks + 1), strategy="PACK")
+        ray.get(group.ready(), timeout=cfg.rank_timeout_s)
+
+        def placed(index: int) -> dict[str, Any]:
+            strategy = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=index)
+            return {"num_cpus": 1, "scheduling_strategy": strategy, "max_restarts": 0}
+
+        worker_cls = ray.remote(RankWorker)
+        workers = [
+            worker_cls.options(**placed(r)).remote(r, cfg.ranks, port, grpo.model, grpo.clip_eps)
+            for r in range(cfg.ranks)
+        ]
+        actor = (
+            ray.remote(TransformersEngine)
+            .options(**placed(cfg.ranks))
+            .remote(grpo.model, max_batch=grpo.prompts_per_step * grpo.group_size, max_len=grpo.max_len)
+        )
+        ranks = Ranks(workers, remote=True, timeout=cfg.rank_timeout_s)
+        ranks.call("ready")
+        self._engine_target = actor
+        return ranks, RemoteEngine(actor, cfg.rank_timeout_s)
+
+    def run_step(self) -> StepOutcome:
+        """One colocated step: sync the trained weights, roll out, restore, train on the rollout."""
+        lc = self.lifecycle
+        self._step += 1
+        with lc.step(self._step):
+            lc.pause_grads()
+            lc.update_weights()
+            matches = self.engine_matches_trainer()
+            lc.drop_params()
+            batch, reward = lc.rollout(self._rollout)
+            lc.restore()
+            loss = lc.train(lambda: self.group.train(batch))
+        current = self.report.steps[-1]
+        current.reward_mean, current.loss, current.engine_matches_trainer = reward, loss, matches
+        self.report.engine_matches_trainer &= matches
+        self.report.host_pinned_bytes_per_rank = self.group.host_pinned_bytes()
+        return StepOutcome(self._step, reward, loss, matches)
+
+    def engine_matches_trainer(self) -> bool:
+        """The engine's weights, digest for digest, against rank 0's converted weights."""
+        trainer = self.group.ranks.call("converted_digests", only=0)[0]
+        return bool(self.engine.digests() == trainer)
+
+    def _rollout(self) -> tuple[Batch, float]:
+        grpo = self.config.grpo
+        prompts = self.task.prompts(grpo.prompts_per_step, self._generator).repeat_interleave(grpo.group_size, 0)
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=self._generator))
+        completions, logprobs = self.engine.generate(
+            prompts, max_new_tokens=grpo.max_new_tokens, temperature=grpo.temperature, seed=seed
+        )
+        rewards = self.task.rewards(prompts, completions)
+        advantages = group_advantages(rewards, grpo.group_size)
+        return Batch(prompts, completions, logprobs, advantages), float(rewards.mean())
+
+    def close(self) -> None:
+        self._shutdown()

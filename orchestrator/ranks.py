@@ -1,0 +1,299 @@
+"""Trainer ranks and the engine, in process or as Ray actors, behind the lifecycle's Protocols.
+
+The driver holds the one `Lifecycle`. Each of its calls on the trainer or the regions fans out
+to every rank and waits for all of them, bounded by a timeout: a rank that dies or hangs
+becomes a `RankFailed` naming it, which the lifecycle turns into FAULTED.
+
+`RankWorker` is the whole of one rank. With `--ranks 1` it lives in the driver; with more, each
+is a Ray actor in one placement group, their torch.distributed group over gloo, and the engine
+is an actor of its own.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from orchestrator.errors import LifecycleError
+from orchestrator.protocols import TransferReport
+from orchestrator.transport import Named, push_in_buckets
+from states import EngineMemory, Mode, TrainerLayout
+
+RANK_TIMEOUT_S = 120.0
+
+
+class RankFailed(LifecycleError):
+    """A trainer rank or the engine actor died, hung past its timeout, or raised."""
+
+    def __init__(self, who: str, method: str, cause: BaseException) -> None:
+        self.who, self.method, self.cause = who, method, cause
+        super().__init__(f"{who} failed in {method}: {type(cause).__name__}: {cause}")
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """One step's rollout, as the trainer consumes it. Rank r trains on rows r::world_size."""
+
+    prompts: torch.Tensor
+    completions: torch.Tensor
+    old_logprobs: torch.Tensor
+    advantages: torch.Tensor
+
+    def shard(self, rank: int, world_size: int) -> Batch:
+        rows = slice(rank, None, world_size)
+        return Batch(self.prompts[rows], self.completions[rows], self.old_logprobs[rows], self.advantages[rows])
+
+
+class RankWorker:
+    """One trainer rank: Megatron-core DDP + DistributedOptimizer, its memory regions, its shard."""
+
+    def __init__(self, rank: int, world_size: int, port: int, model: Any, clip_eps: float, threads: int = 1) -> None:
+        os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+        torch.set_num_threads(threads)  # ranks share the host's cores
+        # megatron.core before anything that may import torch_memory_saver (design §4)
+        from orchestrator.adapters.megatron import MegatronTrainer
+        from orchestrator.adapters.megatron_build import build_gpt, init_process_group
+        from orchestrator.adapters.storage import StorageRegions
+
+        self.rank, self.world_size, self.model, self.clip_eps = rank, world_size, model, clip_eps
+        init_process_group(rank, world_size, port, seed=model.seed)
+        self.chunks, self.optimizer = build_gpt(model)
+        self.trainer = MegatronTrainer(self.chunks, self.optimizer)
+        self.regions = StorageRegions(self.trainer.region_tensors)
+
+    def ready(self) -> int:
+        return self.rank
+
+    # Trainer and MemoryRegions, for this rank.
+    def layout(self) -> TrainerLayout:
+        return self.trainer.layout()
+
+    def stash(self, mode: Mode) -> int:
+        return self.trainer.stash(mode)
+
+    def rebuild(self, mode: Mode) -> int:
+        return self.trainer.rebuild(mode)
+
+    def digests(self) -> dict[str, str]:
+        return dict(self.trainer.digests())
+
+    def host_pinned_bytes(self) -> int:
+        return self.trainer.host_pinned_bytes()
+
+    def tags(self) -> frozenset[str]:
+        return self.regions.tags()
+
+    def pause(self, tag: str) -> int:
+        return self.regions.pause(tag)
+
+    def resume(self, tag: str) -> int:
+        return self.regions.resume(tag)
+
+    def rss(self) -> int:
+        import psutil
+
+        return int(psutil.Process().memory_info().rss)
+
+    # The work of a step.
+    def train(self, batch: Batch) -> float:
+        from orchestrator.grpo import grpo_train_step
+
+        shard = batch.shard(self.rank, self.world_size)
+        stats = grpo_train_step(
+            self.chunks,
+            self.optimizer,
+            shard.prompts,
+            shard.completions,
+            shard.old_logprobs,
+            shard.advantages,
+            clip_eps=self.clip_eps,
+        )
+        return float(stats.loss)
+
+    def converted(self) -> Iterator[Named]:
+        from orchestrator.convert import to_hf
+
+        for name, tensor in self.trainer.sync_tensors():
+            yield from to_hf(name, tensor, self.model)
+
+    def push_weights(self, engine: Any, version: int, bucket_bytes: int) -> TransferReport:
+        """Rank 0 sends every (converted) weight to the engine: with TP = 1 it holds them all."""
+        sink = engine if not _is_actor(engine) else RemoteEngine(engine, RANK_TIMEOUT_S)
+        return push_in_buckets(self.converted(), sink, version, bucket_bytes=bucket_bytes)
+
+    def converted_digests(self) -> dict[str, str]:
+        from orchestrator.adapters.digest import sha256_digests
+
+        return sha256_digests(dict(self.converted()))
+
+
+def _is_actor(obj: Any) -> bool:
+    return type(obj).__name__ == "ActorHandle"
+
+
+# ---- calling ranks ------------------------------------------------------------------------
+
+
+class Ranks:
+    """Calls a method on every rank and returns their results in rank order."""
+
+    def __init__(self, workers: Sequence[Any], *, remote: bool, timeout: float = RANK_TIMEOUT_S) -> None:
+        self.workers, self.remote, self.timeout = list(workers), remote, timeout
+
+    def __len__(self) -> int:
+        return len(self.workers)
+
+    def call(self, method: str, *args: Any, only: int | None = None) -> list[Any]:
+        targets = list(enumerate(self.workers)) if only is None else [(only, self.workers[only])]
+        if not self.remote:
+            return [self._local(rank, worker, method, args) for rank, worker in targets]
+        import ray
+
+        refs = [getattr(worker, method).remote(*args) for _, worker in targets]
+        try:
+            return list(ray.get(refs, timeout=self.timeout))
+        except Exception as exc:  # RayActorError, GetTimeoutError, a rank's own exception
+            rank = _failed_rank(refs, targets)
+            raise RankFailed(f"rank {rank}", method, exc) from exc
+
+    @staticmethod
+    def _local(rank: int, worker: Any, method: str, args: tuple[Any, ...]) -> Any:
+        try:
+            return getattr(worker, method)(*args)
+        except LifecycleError:
+            raise
+        except Exception as exc:
+            raise RankFailed(f"rank {rank}", method, exc) from exc
+
+
+def _failed_rank(refs: list[Any], targets: list[tuple[int, Any]]) -> str:
+    """The first rank whose call did not succeed (or 'unknown' if all look fine now)."""
+    import ray
+
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+    for ref, (rank, _) in zip(refs, targets, strict=True):
+        if ref not in ready:
+            return f"{rank} (no answer)"
+        try:
+            ray.get(ref, timeout=0)
+        except Exception:
+            return str(rank)
+    return "unknown"
+
+
+class RankGroup:
+    """The trainer and its memory regions, as one object over all ranks (Trainer + MemoryRegions)."""
+
+    def __init__(self, ranks: Ranks) -> None:
+        self.ranks = ranks
+
+    def layout(self) -> TrainerLayout:
+        return self.ranks.call("layout", only=0)[0]
+
+    def stash(self, mode: Mode) -> int:
+        return sum(self.ranks.call("stash", mode))
+
+    def rebuild(self, mode: Mode) -> int:
+        return sum(self.ranks.call("rebuild", mode))
+
+    def digests(self) -> Mapping[str, str]:
+        """Every rank's digests, so a mismatch names the rank as well as the tensor."""
+        per_rank = self.ranks.call("digests")
+        return {f"rank{r}:{name}": d for r, digests in enumerate(per_rank) for name, d in digests.items()}
+
+    def host_pinned_bytes(self) -> int:
+        """Per rank: every rank pins the same."""
+        return max(self.ranks.call("host_pinned_bytes"))
+
+    def tags(self) -> frozenset[str]:
+        return frozenset(self.ranks.call("tags", only=0)[0])
+
+    def pause(self, tag: str) -> int:
+        return sum(self.ranks.call("pause", tag))
+
+    def resume(self, tag: str) -> int:
+        return sum(self.ranks.call("resume", tag))
+
+    def train(self, batch: Batch) -> float:
+        losses = self.ranks.call("train", batch)
+        return sum(losses) / len(losses)
+
+    def rss(self) -> list[int]:
+        return self.ranks.call("rss")
+
+
+class WorkerTransport:
+    """WeightTransport: rank 0 pushes its converted weights straight into the engine."""
+
+    def __init__(self, ranks: Ranks, engine: Any, bucket_bytes: int) -> None:
+        self.ranks, self.engine, self.bucket_bytes = ranks, engine, bucket_bytes
+
+    def push(self, version: int) -> TransferReport:
+        return self.ranks.call("push_weights", self.engine, version, self.bucket_bytes, only=0)[0]
+
+
+class RemoteEngine:
+    """The RolloutEngine Protocol (and the engine's work) over a Ray actor, every wait bounded."""
+
+    name = "transformers (ray actor)"
+
+    def __init__(self, actor: Any, timeout: float) -> None:
+        self.actor, self.timeout = actor, timeout
+
+    def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        import ray
+
+        try:
+            return ray.get(getattr(self.actor, method).remote(*args, **kwargs), timeout=self.timeout)
+        except Exception as exc:
+            raise RankFailed("engine", method, exc) from exc
+
+    def release(self, tags: frozenset[EngineMemory]) -> None:
+        self._call("release", tags)
+
+    def resume(self, tags: frozenset[EngineMemory]) -> None:
+        self._call("resume", tags)
+
+    def flush_cache(self) -> None:
+        self._call("flush_cache")
+
+    def weight_version(self) -> int | None:
+        return self._call("weight_version")
+
+    def is_idle(self) -> bool:
+        return bool(self._call("is_idle"))
+
+    def update_weights(self, named: Sequence[Named], version: int) -> int:
+        return int(self._call("update_weights", list(named), version))
+
+    def generate(self, prompts: torch.Tensor, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._call("generate", prompts, **kwargs)
+
+    def digests(self) -> dict[str, str]:
+        return self._call("digests")
+
+    def resident_bytes(self) -> dict[str, int]:
+        return self._call("resident_bytes")
+
+
+def start_ray(ranks: int) -> Callable[[], None]:
+    """A local Ray with one logical CPU per actor (ranks + engine); returns its shutdown."""
+    import logging
+    import tempfile
+
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    ray.init(
+        num_cpus=ranks + 1,
+        include_dashboard=False,
+        log_to_driver=False,
+        logging_level=logging.WARNING,
+        _temp_dir=tempfile.mkdtemp(prefix="colocate-ray-"),
+        runtime_env={"env_vars": {"TORCHDYNAMO_DISABLE": "1"}},
+    )
+    return ray.shutdown

@@ -1,0 +1,78 @@
+"""The run report: built from the lifecycle's own transitions by a listener, written as JSON."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from orchestrator.listeners import Listener, TransitionRecord
+from states import Event
+
+
+@dataclass
+class StepReport:
+    step: int
+    phases: list[str] = field(default_factory=list)
+    reward_mean: float = 0.0
+    weight_version: int = 0
+    restore_verified: bool | None = None
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+    loss: float | None = None
+    engine_matches_trainer: bool | None = None
+    bytes_freed_at_drop: int = 0
+
+
+@dataclass
+class RunReport:
+    mode: str
+    ranks: int
+    steps: list[StepReport] = field(default_factory=list)
+    host_pinned_bytes_per_rank: int = 0
+    param_bytes_bf16_per_rank: int = 0
+    engine_matches_trainer: bool = True
+    trace_file: str | None = None
+    error: str | None = None
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    def write(self, path: Path) -> None:
+        path.write_text(self.to_json() + "\n")
+
+
+class ReportListener(Listener):
+    """Records, per step, the phases visited in order and the seconds each event took.
+
+    `phases` starts with the phase the step began in and adds each new phase entered, so a full
+    step reads TRAIN, GRADS_PAUSED, WEIGHTS_SYNCED, PARAMS_DROPPED, ROLLOUT, TRAIN.
+    """
+
+    def __init__(self, report: RunReport) -> None:
+        self.report = report
+
+    @property
+    def current(self) -> StepReport:
+        return self.report.steps[-1]
+
+    def on_step_start(self, step: int, rank: int) -> None:
+        self.report.steps.append(StepReport(step=step))
+
+    def on_transition(self, record: TransitionRecord) -> None:
+        if not self.report.steps:
+            return
+        step = self.current
+        if not step.phases:
+            step.phases.append(record.src.value)
+        if record.dst.value != step.phases[-1]:
+            step.phases.append(record.dst.value)
+        step.phase_seconds[record.event.value] = round(record.seconds, 6)
+        attributes: dict[str, Any] = record.attributes
+        if record.event is Event.UPDATE_WEIGHTS:
+            step.weight_version = int(attributes["colocate.weight_version"])
+        elif record.event is Event.DROP_PARAMS:
+            step.bytes_freed_at_drop = int(attributes["colocate.bytes_freed"])
+        elif record.event is Event.RESTORE:
+            verified = attributes.get("colocate.restore_verified")
+            step.restore_verified = None if verified is None else bool(verified)

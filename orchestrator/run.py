@@ -1,0 +1,124 @@
+"""`colocate run`: the job with a progress bar, a summary table, a report and traces."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from orchestrator.errors import LifecycleError
+from orchestrator.job import ColocatedJob, RunConfig
+from orchestrator.listeners import Listener
+from orchestrator.logs import LoggingListener, configure_logging
+from orchestrator.report import RunReport
+from orchestrator.tracing import TracingListener, configure_tracing
+from states import Event, Mode
+
+SPARK = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: list[float]) -> str:
+    low, high = min(values, default=0.0), max(values, default=0.0)
+    span = (high - low) or 1.0
+    return "".join(SPARK[round((v - low) / span * (len(SPARK) - 1))] for v in values)
+
+
+def summary(report: RunReport, seconds: float) -> Table:
+    rewards = [s.reward_mean for s in report.steps]
+    table = Table(
+        title=f"colocate run: {report.mode}, {report.ranks} rank(s), {len(report.steps)} steps, {seconds:.0f} s"
+    )
+    table.add_column("what")
+    table.add_column("value", overflow="fold")
+    if rewards:
+        first, last = rewards[: min(5, len(rewards))], rewards[-min(5, len(rewards)) :]
+        table.add_row("reward curve", f"{sparkline(rewards)}  {rewards[0]:.2f} → {rewards[-1]:.2f}")
+        table.add_row("mean reward, first / last 5", f"{sum(first) / len(first):.3f} / {sum(last) / len(last):.3f}")
+    for event in (
+        Event.PAUSE_GRADS,
+        Event.UPDATE_WEIGHTS,
+        Event.DROP_PARAMS,
+        Event.ROLLOUT,
+        Event.RESTORE,
+        Event.TRAIN,
+    ):
+        times = [s.phase_seconds[event] for s in report.steps if event in s.phase_seconds]
+        if times:
+            table.add_row(f"{event} s (mean)", f"{sum(times) / len(times):.4f}")
+    table.add_row("pinned host bytes per rank", f"{report.host_pinned_bytes_per_rank:,}")
+    table.add_row("bf16 param bytes per rank", f"{report.param_bytes_bf16_per_rank:,}")
+    freed = [s.bytes_freed_at_drop for s in report.steps if s.bytes_freed_at_drop]
+    if freed:
+        table.add_row("freed at drop, all ranks", f"{freed[-1]:,} bytes")
+    verified = [s.restore_verified for s in report.steps if s.restore_verified is not None]
+    table.add_row("restores verified bit-identical", f"{sum(verified)} of {len(verified)} checked")
+    table.add_row("engine matches trainer", str(report.engine_matches_trainer))
+    if report.trace_file:
+        table.add_row("trace file", report.trace_file)
+    return table
+
+
+def run(
+    *,
+    steps: int,
+    ranks: int,
+    mode: Mode,
+    verify_cycles: int,
+    seed: int,
+    report_path: Path | None,
+    trace_dir: Path | None,
+    log_path: Path | None,
+    rank_timeout_s: float,
+    console: Console,
+    err: Console,
+) -> int:
+    """Run the job; returns the exit code. Raises ConfigError before starting anything."""
+    config = RunConfig(
+        steps=steps, ranks=ranks, mode=mode, verify_cycles=verify_cycles, seed=seed, rank_timeout_s=rank_timeout_s
+    )
+    trace_file = trace_dir / f"colocate-{mode}-{int(time.time())}.otlp.jsonl" if trace_dir else None
+    provider = configure_tracing(rank=0, trace_file=trace_file)
+    listeners: list[Listener] = [TracingListener(provider)] if provider is not None else []
+    log_file = log_path.open("a") if log_path is not None else None
+    if log_file is not None:
+        listeners.append(LoggingListener(sink=configure_logging(log_file)))
+    start = time.perf_counter()
+    job: ColocatedJob | None = None
+    error: str | None = None
+    with Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("reward {task.fields[reward]}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    ) as progress:
+        task = progress.add_task("starting ranks and engine", total=steps, reward="-")
+        try:
+            job = ColocatedJob(config, listeners)
+            progress.update(task, description=f"{mode} x{ranks}")
+            for _ in range(steps):
+                outcome = job.run_step()
+                progress.update(task, advance=1, reward=f"{outcome.reward_mean:.3f}")
+        except LifecycleError as exc:
+            error = str(exc)
+            phase = job.lifecycle.phase if job is not None else "start-up"
+            err.print(f"[bold red]error:[/] {exc}\n[red]the lifecycle is {phase}; the run stopped[/]")
+        finally:
+            if job is not None:
+                job.close()
+    report = job.report if job is not None else RunReport(mode=mode.value, ranks=ranks)
+    report.trace_file = str(trace_file) if trace_file else None
+    report.error = error
+    if provider is not None:
+        provider.shutdown()  # flushes every span, the fault's too
+    if log_file is not None:
+        log_file.close()
+    if report_path is not None:
+        report.write(report_path)
+    console.print(summary(report, time.perf_counter() - start))
+    return 1 if error else 0

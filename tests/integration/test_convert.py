@@ -1,0 +1,266 @@
+"""Megatron-core GPT → HF Llama: the name and shape rules (fast), then the real thing (slow): a
+megatron-core GPT at world size 1 in a spawned gloo process, its params converted and loaded into
+`TransformersEngine`, whose logits must match Megatron's within bf16 tolerance, while each classic
+mapping mistake must not.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from orchestrator.adapters.digest import sha256_digests
+from orchestrator.adapters.hf_engine import TransformersEngine
+from orchestrator.convert import convert, hf_llama_config, hf_names, to_hf
+from orchestrator.gpt import TinyGPTConfig
+
+# GQA with 4 heads per group (so a split that ignores the grouping moves heads), and a theta
+# other than HF's default (so a theta that is not passed through shows).
+GQA = TinyGPTConfig(
+    hidden_size=128, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=256, vocab_size=256, rotary_base=500000
+)
+TOLERANCE = 0.15  # max |Δlogit|; measured 0.039 (sdpa), 0.055 (eager), logits of mean magnitude 0.8
+BROKEN = 0.5  # measured: wrong theta 1.13, gate/up swapped 2.9, qkv split ignoring groups 4.0
+
+
+def megatron_names(shape: TinyGPTConfig) -> list[str]:
+    """The names `MegatronTrainer.sync_tensors` yields for a dense local-spec GPT."""
+    per_layer = (
+        "input_layernorm.weight",
+        "self_attention.linear_proj.weight",
+        "self_attention.linear_qkv.weight",
+        "pre_mlp_layernorm.weight",
+        "mlp.linear_fc1.weight",
+        "mlp.linear_fc2.weight",
+    )
+    layers = [f"decoder.layers.{i}.{p}" for i in range(shape.num_layers) for p in per_layer]
+    return ["embedding.word_embeddings.weight", *layers, "decoder.final_layernorm.weight", "output_layer.weight"]
+
+
+def megatron_shape(name: str, shape: TinyGPTConfig) -> tuple[int, ...]:
+    h, hd = shape.hidden_size, shape.hidden_size // shape.num_attention_heads
+    rows = {
+        "linear_qkv": (shape.num_attention_heads + 2 * shape.num_query_groups) * hd,
+        "linear_proj": h,
+        "linear_fc1": 2 * shape.ffn_hidden_size,
+        "linear_fc2": h,
+        "word_embeddings": shape.vocab_size,
+        "output_layer": shape.vocab_size,
+    }
+    module = name.removesuffix(".weight").rsplit(".", 1)[-1]
+    if module not in rows:
+        return (h,)
+    cols = shape.ffn_hidden_size if module == "linear_fc2" else h
+    return (rows[module], cols)
+
+
+# ---- the rules, no Megatron needed ------------------------------------------------------------
+
+
+def test_llama_config_computes_what_megatron_computes() -> None:
+    config = hf_llama_config(GQA)
+    assert config.rms_norm_eps == 1e-5, "Megatron's layernorm_epsilon, not HF's 1e-6"
+    assert config.rope_parameters == {"rope_type": "default", "rope_theta": 500000.0}
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (8, 2, 16)
+    assert (config.intermediate_size, config.vocab_size, config.max_position_embeddings) == (256, 256, 32)
+    assert config.tie_word_embeddings is False and config.attention_bias is False and config.mlp_bias is False
+    assert config.dtype == torch.bfloat16 and config._attn_implementation == "sdpa"
+
+
+def test_moe_configs_are_refused() -> None:
+    with pytest.raises(ValueError, match="num_experts=2"):
+        hf_llama_config(TinyGPTConfig(num_experts=2))
+
+
+def test_a_full_sync_covers_exactly_the_hf_names() -> None:
+    named = [(n, torch.zeros(megatron_shape(n, GQA), dtype=torch.bfloat16)) for n in megatron_names(GQA)]
+    converted = dict(convert(named, GQA))
+    assert sorted(converted) == sorted(hf_names(GQA))
+    engine = TransformersEngine(GQA, max_batch=1)
+    assert [n for n, _ in engine.model.named_parameters()] == hf_names(GQA)
+    assert all(converted[n].shape == p.shape for n, p in engine.model.named_parameters())
+
+
+def test_qkv_is_split_per_query_group() -> None:
+    """Row r of linear_qkv holds r: each group is [4 q heads, 1 k head, 1 v head] of 16 rows."""
+    hd, heads_per_group = 16, 4
+    rows = torch.arange(GQA.hidden_size // hd * hd + 4 * hd, dtype=torch.float32)
+    qkv = rows[:, None].expand(-1, GQA.hidden_size)
+    (q_name, q), (_, k), (_, v) = to_hf("decoder.layers.1.self_attention.linear_qkv.weight", qkv, GQA)
+    assert q_name == "model.layers.1.self_attn.q_proj.weight"
+    group = (heads_per_group + 2) * hd
+    assert q[:, 0].tolist() == [*range(0, 64), *range(group, group + 64)]
+    assert k[:, 0].tolist() == [*range(64, 80), *range(group + 64, group + 80)]
+    assert v[:, 0].tolist() == [*range(80, 96), *range(group + 80, group + 96)]
+
+
+def test_fc1_is_gate_then_up() -> None:
+    fc1 = torch.arange(2 * GQA.ffn_hidden_size, dtype=torch.float32)[:, None].expand(-1, GQA.hidden_size)
+    (gate_name, gate), (up_name, up) = to_hf("decoder.layers.0.mlp.linear_fc1.weight", fc1, GQA)
+    assert (gate_name, up_name) == ("model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight")
+    assert gate[0, 0] == 0 and up[0, 0] == GQA.ffn_hidden_size
+
+
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [
+        ("decoder.layers.1.mlp.router.weight", "MoE"),
+        ("decoder.layers.1.mlp.router.expert_bias", "MoE"),
+        ("decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.weight", "MoE"),
+        ("fp32_output_scale", "test-only"),
+        ("decoder.layers.0.self_attention.q_layernorm.weight", "no mapping"),
+        ("decoder.layers.2.mlp.linear_fc2.weight", "beyond num_layers=2"),
+    ],
+)
+def test_unmappable_tensors_are_refused_by_name(name: str, why: str) -> None:
+    with pytest.raises(ValueError, match=f"{name!r}.*{why}"):
+        to_hf(name, torch.zeros(4), GQA)
+
+
+def test_a_shape_that_does_not_fit_the_config_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"linear_qkv.weight'.*shape \(128, 128\), expected \(192, 128\)"):
+        to_hf("decoder.layers.0.self_attention.linear_qkv.weight", torch.zeros(128, 128), GQA)
+
+
+def test_te_fused_norm_names_map_to_the_same_norms() -> None:
+    norm = torch.ones(GQA.hidden_size)
+    assert to_hf("decoder.layers.0.self_attention.linear_qkv.layer_norm_weight", norm, GQA)[0][0] == (
+        "model.layers.0.input_layernorm.weight"
+    )
+    assert to_hf("decoder.layers.0.mlp.linear_fc1.layer_norm_weight", norm, GQA)[0][0] == (
+        "model.layers.0.post_attention_layernorm.weight"
+    )
+
+
+# ---- the real Megatron GPT (slow) ---------------------------------------------------------------
+
+
+def _megatron_rank(port: int, out: str) -> None:
+    """World size 1 over gloo: build, give the params O(1) values, save sync tensors and logits."""
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"
+    result: dict[str, Any]
+    try:
+        from orchestrator.adapters.megatron import MegatronTrainer
+        from orchestrator.adapters.megatron_build import (
+            TinyGPTConfig,
+            build_gpt,
+            destroy_process_group,
+            init_process_group,
+        )
+
+        init_process_group(0, 1, port)
+        cfg = TinyGPTConfig(**{f: getattr(GQA, f) for f in GQA.__dataclass_fields__})
+        chunks, optimizer = build_gpt(cfg)
+        sync = dict(MegatronTrainer(chunks, optimizer).sync_tensors())
+        generator = torch.Generator().manual_seed(0)
+        # Megatron's init (std 0.02, unit norms) leaves logits near 0, where a wrong mapping hides.
+        with torch.no_grad():
+            for name, tensor in sync.items():
+                values = torch.randn(tensor.shape, generator=generator)
+                scale = 1.0 if "word_embeddings" in name else tensor.shape[-1] ** -0.5
+                tensor.copy_(1 + 0.2 * values if tensor.dim() == 1 else values * scale)
+            tokens = torch.randint(0, cfg.vocab_size, (8, cfg.seq_len), generator=generator)
+            positions = torch.arange(cfg.seq_len).expand_as(tokens)
+            logits = chunks[0](tokens, positions, None)  # no labels: logits [b, s, vocab], fp32
+        result = {"sync": {n: t.clone() for n, t in sync.items()}, "tokens": tokens, "logits": logits}
+        destroy_process_group()
+    except BaseException:
+        result = {"error": traceback.format_exc()}
+    torch.save(result, out)
+
+
+@pytest.fixture(scope="module")
+def megatron(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    pytest.importorskip("megatron.core")
+    import torch.multiprocessing as mp
+
+    from tests.integration.megatron_ranks import free_port
+
+    out = tmp_path_factory.mktemp("convert") / "rank0.pt"
+    process = mp.get_context("spawn").Process(target=_megatron_rank, args=(free_port(), str(out)))
+    process.start()
+    process.join(240)
+    if process.is_alive():
+        process.kill()
+        raise TimeoutError("the Megatron rank did not finish in 240 s")
+    result: dict[str, Any] = torch.load(Path(out), weights_only=False)
+    if "error" in result:
+        raise RuntimeError("the Megatron rank failed:\n" + result["error"])
+    return result
+
+
+def _engine_logits(megatron: dict[str, Any], named: list[tuple[str, torch.Tensor]], **config: Any) -> torch.Tensor:
+    hf_config = hf_llama_config(GQA)
+    for key, value in config.items():
+        setattr(hf_config, key, value)
+    engine = TransformersEngine(hf_config, max_batch=8)
+    engine.update_weights(named, version=1)
+    return engine.logits(megatron["tokens"])
+
+
+def _swap_gate_up(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    swap = {"gate_proj": "up_proj", "up_proj": "gate_proj"}
+    return [(_rename(n, swap), t) for n, t in named]
+
+
+def _rename(name: str, swap: dict[str, str]) -> str:
+    for old, new in swap.items():
+        if f".{old}." in name:
+            return name.replace(f".{old}.", f".{new}.")
+    return name
+
+
+def _qkv_split_ignoring_groups(megatron: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+    """The classic bug: q, k, v as three contiguous blocks of the fused weight."""
+    named = list(convert(megatron["sync"].items(), GQA))
+    q_rows = GQA.hidden_size
+    kv_rows = GQA.num_query_groups * GQA.hidden_size // GQA.num_attention_heads
+    for i in range(GQA.num_layers):
+        fused = megatron["sync"][f"decoder.layers.{i}.self_attention.linear_qkv.weight"]
+        q, k, v = fused.split([q_rows, kv_rows, kv_rows])
+        blocks = {f"model.layers.{i}.self_attn.{p}_proj.weight": t for p, t in zip("qkv", (q, k, v), strict=True)}
+        named = [(n, blocks.get(n, t)) for n, t in named]
+    return named
+
+
+@pytest.mark.slow
+def test_hf_logits_match_megatron_within_bf16_tolerance(megatron: dict[str, Any]) -> None:
+    named = list(convert(megatron["sync"].items(), GQA))
+    diff = (_engine_logits(megatron, named) - megatron["logits"]).abs()
+    assert megatron["logits"].abs().mean() > 0.3, "logits near 0 would hide a wrong mapping"
+    assert diff.max() < TOLERANCE, f"max |Δlogit| {diff.max():.4f}, mean {diff.mean():.5f}"
+
+
+@pytest.mark.slow
+def test_the_engine_holds_exactly_the_converted_tensors(megatron: dict[str, Any]) -> None:
+    """What `engine_matches_trainer` compares: digests of the trainer's converted tensors."""
+    named = list(convert(megatron["sync"].items(), GQA))
+    engine = TransformersEngine(GQA, max_batch=8)
+    engine.update_weights(named, version=3)
+    assert engine.weight_version() == 3
+    assert engine.digests() == sha256_digests(dict(named))
+
+
+BREAKAGES: dict[str, Callable[[dict[str, Any]], torch.Tensor]] = {
+    "gate/up swapped": lambda m: _engine_logits(m, _swap_gate_up(list(convert(m["sync"].items(), GQA)))),
+    "qkv split ignoring groups": lambda m: _engine_logits(m, _qkv_split_ignoring_groups(m)),
+    "theta not passed through": lambda m: _engine_logits(
+        m, list(convert(m["sync"].items(), GQA)), rope_parameters={"rope_type": "default", "rope_theta": 10000.0}
+    ),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("breakage", list(BREAKAGES))
+def test_a_wrong_mapping_breaks_the_tolerance(megatron: dict[str, Any], breakage: str) -> None:
+    """Otherwise the match above would prove nothing."""
+    diff = (BREAKAGES[breakage](megatron) - megatron["logits"]).abs()
+    assert diff.max() > BROKEN, f"{breakage}: max |Δlogit| only {diff.max():.4f}"

@@ -1,0 +1,139 @@
+"""The GRPO pieces that need no Megatron: task rewards, group advantages, the clipped loss."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from orchestrator.errors import ConfigError
+from orchestrator.grpo import SyntheticTask, TaskConfig, group_advantages, grpo_loss, shard_rows
+
+TASK = SyntheticTask(TaskConfig(alphabet_size=8, length=4))
+
+
+def test_prompts_are_bos_symbols_sep() -> None:
+    prompts = TASK.prompts(5, torch.Generator().manual_seed(0))
+    assert prompts.shape == (5, 6) and prompts.dtype == torch.long
+    assert (prompts[:, 0] == 8).all() and (prompts[:, -1] == 9).all()
+    assert ((prompts[:, 1:-1] >= 0) & (prompts[:, 1:-1] < 8)).all()
+
+
+def test_reward_is_fraction_of_positions_copied() -> None:
+    prompts = torch.tensor([[8, 1, 2, 3, 4, 9]] * 4)
+    completions = torch.tensor([[1, 2, 3, 4], [1, 2, 0, 0], [0, 0, 0, 0], [4, 3, 2, 1]])
+    assert TASK.rewards(prompts, completions).tolist() == [1.0, 0.5, 0.0, 0.0]
+
+
+def test_reward_rejects_wrong_completion_length() -> None:
+    with pytest.raises(ValueError, match="completions must be"):
+        TASK.rewards(torch.tensor([[8, 1, 2, 3, 4, 9]]), torch.tensor([[1, 2, 3]]))
+
+
+def test_task_config_reports_every_problem() -> None:
+    with pytest.raises(ConfigError) as caught:
+        TaskConfig(alphabet_size=1, length=0)
+    assert len(caught.value.violations) == 2
+
+
+def test_advantages_are_zero_mean_unit_scale_per_group() -> None:
+    rewards = torch.tensor([0.0, 0.25, 0.5, 1.0, 0.1, 0.1, 0.9, 0.3])
+    adv = group_advantages(rewards, group_size=4).view(2, 4)
+    assert torch.allclose(adv.mean(dim=1), torch.zeros(2), atol=1e-6)
+    assert torch.allclose(adv.std(dim=1, unbiased=False), torch.ones(2), atol=1e-3)
+    # Order within a group is preserved: a better completion gets a larger advantage.
+    assert torch.equal(adv[0].argsort(), torch.arange(4))
+
+
+def test_all_equal_group_has_zero_advantages() -> None:
+    adv = group_advantages(torch.tensor([0.5, 0.5, 0.5, 0.0, 1.0, 0.0]), group_size=3)
+    assert adv[:3].tolist() == [0.0, 0.0, 0.0]
+    assert adv[3:].abs().sum() > 0
+
+
+def test_advantages_reject_partial_groups() -> None:
+    with pytest.raises(ValueError, match="whole number of groups"):
+        group_advantages(torch.zeros(5), group_size=2)
+
+
+def test_loss_on_policy_is_minus_mean_advantage_over_tokens() -> None:
+    logp = torch.log(torch.full((2, 3), 0.5))
+    adv = torch.tensor([1.0, -3.0])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    loss = grpo_loss(logp, logp.clone(), adv, mask, clip_eps=0.2)
+    # ratio 1 everywhere: -(3 * 1 + 1 * -3) / 4 tokens
+    assert loss.item() == pytest.approx(0.0)
+    loss = grpo_loss(logp, logp.clone(), torch.tensor([1.0, 1.0]), mask, clip_eps=0.2)
+    assert loss.item() == pytest.approx(-1.0)
+
+
+def _one_token(ratio: float, advantage: float, clip_eps: float = 0.2) -> tuple[float, float]:
+    """Loss and d(loss)/d(logp) for one token whose ratio to the old policy is ``ratio``."""
+    logp = torch.tensor([[0.0]], requires_grad=True)
+    old = torch.tensor([[-torch.log(torch.tensor(ratio)).item()]])
+    loss = grpo_loss(logp, old, torch.tensor([advantage]), torch.ones(1, 1), clip_eps)
+    loss.backward()
+    assert logp.grad is not None
+    return loss.item(), logp.grad.item()
+
+
+@pytest.mark.parametrize(
+    ("ratio", "advantage", "clipped_loss"),
+    [
+        (1.5, 1.0, -1.2),  # gained too much on a good token: capped at 1 + eps, no gradient
+        (0.5, -1.0, 0.8),  # dropped too much on a bad token: capped at 1 - eps, no gradient
+    ],
+)
+def test_clipping_active_stops_the_gradient(ratio: float, advantage: float, clipped_loss: float) -> None:
+    loss, grad = _one_token(ratio, advantage)
+    assert loss == pytest.approx(clipped_loss, rel=1e-5)
+    assert grad == 0.0
+
+
+@pytest.mark.parametrize(
+    ("ratio", "advantage"),
+    [
+        (1.1, 1.0),  # inside the band
+        (0.5, 1.0),  # below the band on a good token: the pessimistic min keeps the gradient
+        (1.5, -1.0),  # above the band on a bad token: likewise
+    ],
+)
+def test_clipping_inactive_keeps_the_policy_gradient(ratio: float, advantage: float) -> None:
+    loss, grad = _one_token(ratio, advantage)
+    assert loss == pytest.approx(-ratio * advantage, rel=1e-5)
+    assert grad == pytest.approx(-ratio * advantage, rel=1e-5)  # d(-r A)/d logp = -r A
+
+
+def test_gradient_sign_raises_good_and_lowers_bad_tokens() -> None:
+    _, good = _one_token(1.0, 2.0)
+    _, bad = _one_token(1.0, -2.0)
+    # Gradient descent moves logp by -grad: up for a positive advantage, down for a negative one.
+    assert good < 0 < bad
+
+
+def test_global_token_count_makes_shards_sum_to_the_global_mean() -> None:
+    gen = torch.Generator().manual_seed(0)
+    logp, old = torch.randn(6, 4, generator=gen), torch.randn(6, 4, generator=gen)
+    adv = torch.randn(6, generator=gen)
+    mask = (torch.rand(6, 4, generator=gen) > 0.3).float()
+    whole = grpo_loss(logp, old, adv, mask, 0.2)
+    parts = []
+    for rank in range(2):
+        shard = [shard_rows(t, rank, 2) for t in (logp, old, adv, mask)]
+        parts.append(grpo_loss(shard[0], shard[1], shard[2], shard[3], 0.2, num_tokens=mask.sum()))
+    assert (parts[0] + parts[1]).item() == pytest.approx(whole.item(), rel=1e-6)
+
+
+def test_shard_rows_covers_every_row_once() -> None:
+    rows = torch.arange(7)
+    assert torch.cat([shard_rows(rows, r, 3) for r in range(3)]).tolist() == list(range(7))
+
+
+def test_grpo_config_defaults_fit_the_task_and_refuse_bad_values() -> None:
+    from orchestrator.grpo import GRPOConfig
+
+    cfg = GRPOConfig()
+    assert cfg.steps == 30 and cfg.max_new_tokens == cfg.task.length
+    assert cfg.model.vocab_size == cfg.task.vocab_size and cfg.model.seq_len >= cfg.max_len
+    with pytest.raises(ConfigError) as caught:
+        GRPOConfig(group_size=1, clip_eps=0.0, task=TaskConfig(alphabet_size=200))
+    assert len(caught.value.violations) == 3

@@ -1,0 +1,208 @@
+"""TransformersEngine against the RolloutEngine contract, on a tiny random Llama (CPU, no download)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from orchestrator.adapters.digest import sha256_digests
+from orchestrator.adapters.hf_engine import TransformersEngine
+from orchestrator.convert import hf_llama_config, hf_names
+from orchestrator.errors import EngineError
+from orchestrator.gpt import TinyGPTConfig
+from orchestrator.protocols import RolloutEngine
+from states import EngineMemory
+
+WEIGHTS, KV, GRAPH = EngineMemory.WEIGHTS, EngineMemory.KV_CACHE, EngineMemory.CUDA_GRAPH
+
+
+SHAPE = TinyGPTConfig()
+
+
+def random_weights(engine: TransformersEngine, seed: int = 0) -> list[tuple[str, torch.Tensor]]:
+    """Weights scaled so activations are O(1): a wrong load changes the output visibly."""
+    generator = torch.Generator().manual_seed(seed)
+    weights = []
+    for name, param in engine.model.named_parameters():
+        values = torch.randn(param.shape, generator=generator)
+        values = 1 + 0.2 * values if param.dim() == 1 else values / param.shape[-1] ** 0.5
+        weights.append((name, values.to(param.dtype)))
+    return weights
+
+
+def prompts(batch: int = 8, length: int = 8, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, SHAPE.vocab_size, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture
+def engine() -> TransformersEngine:
+    return TransformersEngine(SHAPE, max_batch=16)
+
+
+@pytest.fixture
+def synced(engine: TransformersEngine) -> TransformersEngine:
+    engine.update_weights(random_weights(engine), version=1)
+    engine.flush_cache()
+    return engine
+
+
+def param_storage_bytes(engine: TransformersEngine) -> list[int]:
+    return [p.untyped_storage().nbytes() for p in engine.model.parameters()]
+
+
+def test_implements_the_protocol_and_names_match_the_conversion(engine: TransformersEngine) -> None:
+    assert isinstance(engine, RolloutEngine)
+    assert [name for name, _ in engine.model.named_parameters()] == hf_names(SHAPE)
+    assert engine.is_idle() and engine.weight_version() is None
+
+
+def test_generate_is_refused_before_the_first_sync(engine: TransformersEngine) -> None:
+    with pytest.raises(EngineError, match="no weight sync yet"):
+        engine.generate(prompts(), max_new_tokens=4, temperature=1.0, seed=0)
+
+
+def test_version_is_served_only_once_every_bucket_arrived(engine: TransformersEngine) -> None:
+    weights = random_weights(engine)
+    half = len(weights) // 2
+    written = engine.update_weights(weights[:half], version=1)
+    assert written == sum(t.numel() * t.element_size() for _, t in weights[:half])
+    assert engine.weight_version() is None and len(engine.missing_weights()) == len(weights) - half
+    engine.update_weights(weights[half:], version=1)
+    assert engine.weight_version() == 1 and not engine.missing_weights()
+    engine.update_weights(weights[:half], version=2)
+    assert engine.weight_version() == 1, "version 2 is incomplete"
+    with pytest.raises(EngineError, match=f"{len(weights) - half} weight\\(s\\) not loaded by sync 2"):
+        engine.generate(prompts(), max_new_tokens=2, temperature=1.0, seed=0)
+
+
+def test_loaded_weights_have_the_digests_of_what_was_sent(engine: TransformersEngine) -> None:
+    weights = random_weights(engine)
+    engine.update_weights(weights, version=1)
+    assert engine.digests() == sha256_digests(dict(weights))
+
+
+def test_unknown_name_or_wrong_shape_is_refused_before_anything_is_copied(synced: TransformersEngine) -> None:
+    before = synced.digests()
+    good = random_weights(synced, seed=5)[0]
+    with pytest.raises(ValueError, match=r"unknown weight name\(s\): model\.layers\.9\.mlp\.up_proj\.weight"):
+        synced.update_weights([good, ("model.layers.9.mlp.up_proj.weight", torch.zeros(1))], version=2)
+    with pytest.raises(ValueError, match=r"wrong shape\(s\): lm_head\.weight"):
+        synced.update_weights([good, ("lm_head.weight", torch.zeros(3, 3))], version=2)
+    assert synced.digests() == before
+    assert synced.weight_version() == 1
+
+
+def test_release_weights_frees_their_storages_and_resume_reallocates(synced: TransformersEngine) -> None:
+    held = param_storage_bytes(synced)
+    assert all(held) and synced.resident_bytes()[WEIGHTS] == sum(held)
+    synced.release(frozenset({WEIGHTS}))
+    assert param_storage_bytes(synced) == [0] * len(held)
+    assert synced.resident_bytes()[WEIGHTS] == 0
+    with pytest.raises(EngineError, match="weights are released"):
+        synced.generate(prompts(), max_new_tokens=2, temperature=1.0, seed=0)
+    with pytest.raises(EngineError, match="released"):
+        synced.update_weights(random_weights(synced), version=2)
+    synced.resume(frozenset({WEIGHTS}))
+    assert param_storage_bytes(synced) == held
+    assert synced.weight_version() == 1, "like SGLang, the version survives a release"
+    with pytest.raises(EngineError, match="not loaded since the weights were reallocated"):
+        synced.generate(prompts(), max_new_tokens=2, temperature=1.0, seed=0)
+    synced.update_weights(random_weights(synced), version=2)
+    synced.generate(prompts(), max_new_tokens=2, temperature=1.0, seed=0)
+
+
+def test_release_kv_frees_the_slab_and_resume_gives_it_back_zeroed(synced: TransformersEngine) -> None:
+    held = synced.resident_bytes()[KV]
+    # 2 (k, v) x 2 layers x 16 rows x 2 kv heads x 32 positions x 16 dims, bf16
+    assert held == 2 * 2 * 16 * 2 * 32 * 16 * 2
+    synced.release(frozenset({KV}))
+    assert synced.resident_bytes() == {WEIGHTS: synced.resident_bytes()[WEIGHTS], KV: 0, GRAPH: 0}
+    with pytest.raises(EngineError, match="KV cache is released"):
+        synced.generate(prompts(), max_new_tokens=2, temperature=1.0, seed=0)
+    synced.logits(prompts())  # teacher forcing needs no KV slab
+    synced.resume(frozenset({KV}))
+    assert synced.resident_bytes()[KV] == held
+    assert not synced._kv.any()
+    synced.generate(prompts(), max_new_tokens=2, temperature=1.0, seed=0)
+
+
+def test_cuda_graph_is_accepted_and_recorded(synced: TransformersEngine) -> None:
+    synced.release(frozenset({GRAPH}))
+    with pytest.raises(EngineError, match="cuda_graph: already released"):
+        synced.release(frozenset({GRAPH}))
+    synced.generate(prompts(), max_new_tokens=2, temperature=1.0, seed=0)
+    synced.resume(frozenset({GRAPH}))
+    with pytest.raises(EngineError, match="cuda_graph: not released"):
+        synced.resume(frozenset({GRAPH}))
+
+
+def test_flush_zeroes_the_slab_and_clears_staleness(synced: TransformersEngine) -> None:
+    synced.generate(prompts(), max_new_tokens=4, temperature=1.0, seed=0)
+    assert synced._kv.any()
+    synced.update_weights(random_weights(synced, seed=3), version=2)
+    assert synced.cache_stale
+    synced.flush_cache()
+    assert not synced.cache_stale and not synced._kv.any()
+
+
+def test_generate_is_deterministic_given_the_seed(synced: TransformersEngine) -> None:
+    first = synced.generate(prompts(), max_new_tokens=6, temperature=1.0, seed=7)
+    again = synced.generate(prompts(), max_new_tokens=6, temperature=1.0, seed=7)
+    other = synced.generate(prompts(), max_new_tokens=6, temperature=1.0, seed=8)
+    assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+    assert not torch.equal(first[0], other[0])
+    assert first[0].dtype == torch.int64 and first[1].dtype == torch.float32
+    assert first[0].shape == first[1].shape == (8, 6)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-4), (torch.bfloat16, 0.1)], ids=["fp32", "bf16"])
+def test_logprobs_are_those_of_the_sampling_distribution(temperature: float, dtype: torch.dtype, atol: float) -> None:
+    """The KV-cached decode agrees with a teacher-forced forward over prompt + completion: to
+    fp32 rounding in fp32; in bf16 the two paths' kernels round differently (measured: up to 0.04)."""
+    config = hf_llama_config(SHAPE)
+    config.dtype = dtype
+    engine = TransformersEngine(config, max_batch=16)
+    engine.update_weights(random_weights(engine), version=1)
+    batch = prompts(batch=5)
+    completions, logprobs = engine.generate(batch, max_new_tokens=6, temperature=temperature, seed=0)
+    logits = engine.logits(torch.cat([batch, completions], dim=1))[:, batch.shape[1] - 1 : -1]
+    expected = torch.log_softmax(logits / temperature, dim=-1).gather(2, completions[..., None]).squeeze(2)
+    torch.testing.assert_close(logprobs, expected, atol=atol, rtol=0)
+    assert (logprobs < 0).all()
+
+
+def test_arguments_are_checked(synced: TransformersEngine) -> None:
+    for bad, match in [
+        (dict(prompts=prompts(batch=17)), "exceeds max_batch 16"),
+        (dict(prompts=prompts(length=30)), "exceed max_len 32"),
+        (dict(prompts=prompts().int()), "int64"),
+        (dict(temperature=0.0), "temperature must be > 0"),
+        (dict(prompts=prompts() + SHAPE.vocab_size), "token ids outside"),
+    ]:
+        call = {"prompts": prompts(), "max_new_tokens": 4, "temperature": 1.0, "seed": 0, **bad}
+        with pytest.raises(ValueError, match=match):
+            synced.generate(**call)  # type: ignore[arg-type]
+
+
+def test_busy_while_generating_and_release_is_refused_then(synced: TransformersEngine) -> None:
+    seen: list[bool] = []
+    refusals: list[str] = []
+
+    def during_forward(*_: object) -> None:
+        seen.append(synced.is_idle())
+        try:
+            synced.release(frozenset({KV}))
+        except EngineError as error:
+            refusals.append(str(error))
+
+    handle = synced.model.register_forward_pre_hook(during_forward)
+    try:
+        synced.generate(prompts(), max_new_tokens=2, temperature=1.0, seed=0)
+    finally:
+        handle.remove()
+    assert seen == [False, False]
+    assert len(refusals) == 2 and "in flight" in refusals[0]
+    assert synced.is_idle() and synced.resident_bytes()[KV] > 0
