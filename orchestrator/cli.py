@@ -111,6 +111,58 @@ def run_command(
     raise typer.Exit(code)
 
 
+trace_app = typer.Typer(
+    help="Read OTLP-JSON trace files back: a table per lifecycle phase, a picture per step.", no_args_is_help=True
+)
+app.add_typer(trace_app, name="trace")
+TraceFiles = Annotated[list[Path], typer.Argument(help="OTLP-JSON files, or folders of *.jsonl files.")]
+
+
+@trace_app.command("summarize")
+def trace_summarize_command(
+    files: TraceFiles,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the numbers as JSON, for scripts.")] = False,
+) -> None:
+    """Per lifecycle phase: ms per step, p50 and p95, the slowest trainer rank, bytes moved."""
+    import json
+
+    from orchestrator import traces
+
+    try:
+        summary = traces.summarize(traces.load(files))
+    except traces.TraceError as exc:
+        _fail(str(exc))
+    if as_json:
+        typer.echo(json.dumps(summary.to_json(), indent=2))
+        return
+    console = Console()
+    console.print(traces.summary_table(summary))
+    console.print(traces.summary_line(summary))
+    if len(set(summary.steps)) < len(summary.steps):
+        err.print("[yellow]warning:[/] step numbers repeat: these files hold more than one run")
+
+
+@trace_app.command("timeline")
+def trace_timeline_command(
+    files: TraceFiles,
+    output: Annotated[Path, typer.Option("--output", "-o", help="The picture: a .png or .svg file.")],
+    step: Annotated[int | None, typer.Option(help="Which step (default: the last complete one).")] = None,
+) -> None:
+    """Draw one step: the driver's phases, each trainer rank's work and the engine's, in ms."""
+    from orchestrator import timeline, traces
+
+    if output.suffix.lower() not in (".png", ".svg"):
+        _fail(f"--output {output}: use a .png or .svg file")
+    if not output.parent.is_dir():
+        _fail(f"--output {output}: folder {output.parent} does not exist")
+    try:
+        chosen = traces.load(files).step(step)
+        timeline.draw_timeline(chosen, output)
+    except traces.TraceError as exc:
+        _fail(str(exc))
+    err.print(f"{output}: step {chosen.number}, {chosen.root.duration_ms:.1f} ms")
+
+
 def main() -> None:
     app()
 

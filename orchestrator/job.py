@@ -11,19 +11,30 @@ verifiable task, which it could not if the weights did not arrive.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from orchestrator.config import LifecycleConfig
-from orchestrator.errors import ConfigError
+from orchestrator.errors import ConfigError, LifecycleError
 from orchestrator.grpo import GRPOConfig, SyntheticTask, group_advantages
 from orchestrator.lifecycle import Lifecycle
 from orchestrator.listeners import Listener
-from orchestrator.ranks import RANK_TIMEOUT_S, Batch, RankGroup, Ranks, RankWorker, RemoteEngine, WorkerTransport
+from orchestrator.ranks import (
+    RANK_TIMEOUT_S,
+    Batch,
+    EngineClient,
+    EngineWorker,
+    RankGroup,
+    Ranks,
+    RankWorker,
+    WorkerTransport,
+)
 from orchestrator.report import ReportListener, RunReport
 from states import Mode
 
@@ -77,8 +88,9 @@ def _free_port() -> int:
 class ColocatedJob:
     """Builds the ranks, the engine and the lifecycle; `run_step()` runs one full cycle."""
 
-    def __init__(self, config: RunConfig, listeners: Sequence[Listener] = ()) -> None:
+    def __init__(self, config: RunConfig, listeners: Sequence[Listener] = (), trace_dir: Path | None = None) -> None:
         self.config = config
+        self.trace_dir = trace_dir  # where rank and engine processes write their spans
         self.task = SyntheticTask(config.grpo.task)
         self._generator = torch.Generator().manual_seed(config.seed)
         self._shutdown: Callable[[], None] = lambda: None
@@ -90,31 +102,35 @@ class ColocatedJob:
             trainer=self.group,
             regions=self.group,
             engine=self.engine,
-            transport=WorkerTransport(ranks, self._engine_target, config.bucket_bytes),
+            transport=WorkerTransport(ranks, self.engine, config.bucket_bytes),
             listeners=[ReportListener(self.report), *listeners],
         )
         layout = self.lifecycle.snapshot().layout
         self.report.param_bytes_bf16_per_rank = layout.param_bytes
         self._step = 0
 
-    def _start(self) -> tuple[Ranks, Any]:
-        from orchestrator.adapters.hf_engine import TransformersEngine
+    def _engine_args(self) -> dict[str, Any]:
+        grpo = self.config.grpo
+        return {"max_batch": grpo.prompts_per_step * grpo.group_size, "max_len": grpo.max_len}
 
+    def _trace_file(self, role: str) -> str | None:
+        return str(self.trace_dir / f"{role}.otlp.jsonl") if self.trace_dir is not None else None
+
+    def _start(self) -> tuple[Ranks, EngineClient]:
         cfg, grpo = self.config, self.config.grpo
         port = _free_port()
         if cfg.ranks > 1:
             return self._start_ray(port)
+        # One process: the driver's tracer provider serves the rank and the engine too.
         worker = RankWorker(0, 1, port, grpo.model, grpo.clip_eps, threads=torch.get_num_threads())
-        engine = TransformersEngine(grpo.model, max_batch=grpo.prompts_per_step * grpo.group_size, max_len=grpo.max_len)
-        self._engine_target: Any = engine
-        return Ranks([worker], remote=False), engine
+        engine = EngineWorker(grpo.model, **self._engine_args())
+        return Ranks([worker], remote=False), EngineClient(engine, remote=False)
 
-    def _start_ray(self, port: int) -> tuple[Ranks, Any]:
+    def _start_ray(self, port: int) -> tuple[Ranks, EngineClient]:
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from orchestrator.adapters.hf_engine import TransformersEngine
         from orchestrator.ranks import start_ray
 
         cfg, grpo = self.config, self.config.grpo
@@ -128,18 +144,19 @@ class ColocatedJob:
 
         worker_cls = ray.remote(RankWorker)
         workers = [
-            worker_cls.options(**placed(r)).remote(r, cfg.ranks, port, grpo.model, grpo.clip_eps)
+            worker_cls.options(**placed(r)).remote(
+                r, cfg.ranks, port, grpo.model, grpo.clip_eps, own_process=True, trace_file=self._trace_file(f"rank{r}")
+            )
             for r in range(cfg.ranks)
         ]
         actor = (
-            ray.remote(TransformersEngine)
+            ray.remote(EngineWorker)
             .options(**placed(cfg.ranks))
-            .remote(grpo.model, max_batch=grpo.prompts_per_step * grpo.group_size, max_len=grpo.max_len)
+            .remote(grpo.model, **self._engine_args(), own_process=True, trace_file=self._trace_file("engine"))
         )
         ranks = Ranks(workers, remote=True, timeout=cfg.rank_timeout_s)
         ranks.call("ready")
-        self._engine_target = actor
-        return ranks, RemoteEngine(actor, cfg.rank_timeout_s)
+        return ranks, EngineClient(actor, remote=True, timeout=cfg.rank_timeout_s)
 
     def run_step(self) -> StepOutcome:
         """One colocated step: sync the trained weights, roll out, restore, train on the rollout."""
@@ -176,4 +193,9 @@ class ColocatedJob:
         return Batch(prompts, completions, logprobs, advantages), float(rewards.mean())
 
     def close(self) -> None:
+        """Flush every process's spans (best effort: a dead rank has none to give), then stop."""
+        if self.config.ranks > 1:
+            for flush in (self.group.flush_traces, self.engine.flush_traces):
+                with contextlib.suppress(LifecycleError):
+                    flush()
         self._shutdown()

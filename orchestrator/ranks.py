@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -48,12 +49,83 @@ class Batch:
         return Batch(self.prompts[rows], self.completions[rows], self.old_logprobs[rows], self.advantages[rows])
 
 
-class RankWorker:
+def _rss() -> int:
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
+class Traced:
+    """A process-side object the driver calls: every call is one span, `<role>.<method>`.
+
+    The caller's trace context arrives as W3C headers, so the span joins the step's trace
+    whichever process it runs in. Host memory before and after the call is recorded (RSS).
+    """
+
+    role = "worker"
+    _provider: Any = None
+    # Queries the lifecycle makes around every transition: spans for them would bury the work.
+    untraced = frozenset({"ready", "tags", "layout", "weight_version", "is_idle", "host_pinned_bytes"})
+
+    def span_attributes(self) -> dict[str, int]:
+        return {}
+
+    def start_tracing(self, trace_file: str | None, rank: int = 0) -> None:
+        """In a process of its own: a tracer provider of this role and rank, from the `OTEL_*`
+        variables and `trace_file`, set as the global one (nothing if neither asks for spans)."""
+        from opentelemetry import trace
+
+        from orchestrator.tracing import configure_tracing
+
+        path = Path(trace_file) if trace_file else None
+        self._provider = configure_tracing(rank=rank, trace_file=path, role=self.role)
+        if self._provider is not None:
+            trace.set_tracer_provider(self._provider)
+
+    def invoke(self, headers: dict[str, str], method: str, *args: Any, **kwargs: Any) -> Any:
+        from opentelemetry import trace
+
+        from orchestrator.tracing import continued
+
+        if method in self.untraced:
+            return getattr(self, method)(*args, **kwargs)
+        attributes = {"colocate.memory_before": _rss(), **self.span_attributes()}
+        with (
+            continued(headers),
+            trace.get_tracer("colocate").start_as_current_span(f"{self.role}.{method}", attributes=attributes) as span,
+        ):
+            result = getattr(self, method)(*args, **kwargs)
+            span.set_attribute("colocate.memory_after", _rss())
+            if isinstance(result, int) and not isinstance(result, bool):
+                span.set_attribute("colocate.bytes", result)
+            return result
+
+    def flush_traces(self) -> None:
+        if self._provider is not None:
+            self._provider.force_flush()
+
+
+class RankWorker(Traced):
     """One trainer rank: Megatron-core DDP + DistributedOptimizer, its memory regions, its shard."""
 
-    def __init__(self, rank: int, world_size: int, port: int, model: Any, clip_eps: float, threads: int = 1) -> None:
+    role = "rank"
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        port: int,
+        model: Any,
+        clip_eps: float,
+        threads: int = 1,
+        own_process: bool = False,
+        trace_file: str | None = None,
+    ) -> None:
         os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
         torch.set_num_threads(threads)  # ranks share the host's cores
+        self.rank = rank
+        if own_process:
+            self.start_tracing(trace_file, rank)
         # megatron.core before anything that may import torch_memory_saver (design §4)
         from orchestrator.adapters.megatron import MegatronTrainer
         from orchestrator.adapters.megatron_build import build_gpt, init_process_group
@@ -67,6 +139,9 @@ class RankWorker:
 
     def ready(self) -> int:
         return self.rank
+
+    def span_attributes(self) -> dict[str, int]:
+        return {"colocate.rank": self.rank}
 
     # Trainer and MemoryRegions, for this rank.
     def layout(self) -> TrainerLayout:
@@ -93,11 +168,6 @@ class RankWorker:
     def resume(self, tag: str) -> int:
         return self.regions.resume(tag)
 
-    def rss(self) -> int:
-        import psutil
-
-        return int(psutil.Process().memory_info().rss)
-
     # The work of a step.
     def train(self, batch: Batch) -> float:
         from orchestrator.grpo import grpo_train_step
@@ -120,19 +190,14 @@ class RankWorker:
         for name, tensor in self.trainer.sync_tensors():
             yield from to_hf(name, tensor, self.model)
 
-    def push_weights(self, engine: Any, version: int, bucket_bytes: int) -> TransferReport:
+    def push_weights(self, engine: EngineClient, version: int, bucket_bytes: int) -> TransferReport:
         """Rank 0 sends every (converted) weight to the engine: with TP = 1 it holds them all."""
-        sink = engine if not _is_actor(engine) else RemoteEngine(engine, RANK_TIMEOUT_S)
-        return push_in_buckets(self.converted(), sink, version, bucket_bytes=bucket_bytes)
+        return push_in_buckets(self.converted(), engine, version, bucket_bytes=bucket_bytes)
 
     def converted_digests(self) -> dict[str, str]:
         from orchestrator.adapters.digest import sha256_digests
 
         return sha256_digests(dict(self.converted()))
-
-
-def _is_actor(obj: Any) -> bool:
-    return type(obj).__name__ == "ActorHandle"
 
 
 # ---- calling ranks ------------------------------------------------------------------------
@@ -148,12 +213,15 @@ class Ranks:
         return len(self.workers)
 
     def call(self, method: str, *args: Any, only: int | None = None) -> list[Any]:
+        from orchestrator.tracing import carrier
+
         targets = list(enumerate(self.workers)) if only is None else [(only, self.workers[only])]
+        headers = carrier()
         if not self.remote:
-            return [self._local(rank, worker, method, args) for rank, worker in targets]
+            return [self._local(rank, worker, headers, method, args) for rank, worker in targets]
         import ray
 
-        refs = [getattr(worker, method).remote(*args) for _, worker in targets]
+        refs = [worker.invoke.remote(headers, method, *args) for _, worker in targets]
         try:
             return list(ray.get(refs, timeout=self.timeout))
         except Exception as exc:  # RayActorError, GetTimeoutError, a rank's own exception
@@ -161,9 +229,9 @@ class Ranks:
             raise RankFailed(f"rank {rank}", method, exc) from exc
 
     @staticmethod
-    def _local(rank: int, worker: Any, method: str, args: tuple[Any, ...]) -> Any:
+    def _local(rank: int, worker: Any, headers: dict[str, str], method: str, args: tuple[Any, ...]) -> Any:
         try:
-            return getattr(worker, method)(*args)
+            return worker.invoke(headers, method, *args)
         except LifecycleError:
             raise
         except Exception as exc:
@@ -222,8 +290,8 @@ class RankGroup:
         losses = self.ranks.call("train", batch)
         return sum(losses) / len(losses)
 
-    def rss(self) -> list[int]:
-        return self.ranks.call("rss")
+    def flush_traces(self) -> None:
+        self.ranks.call("flush_traces")
 
 
 class WorkerTransport:
@@ -236,19 +304,23 @@ class WorkerTransport:
         return self.ranks.call("push_weights", self.engine, version, self.bucket_bytes, only=0)[0]
 
 
-class RemoteEngine:
-    """The RolloutEngine Protocol (and the engine's work) over a Ray actor, every wait bounded."""
+class EngineClient:
+    """The RolloutEngine Protocol (and the engine's work) over an `EngineWorker`, here or in a Ray
+    actor; every remote wait is bounded and every call carries the trace context."""
 
-    name = "transformers (ray actor)"
-
-    def __init__(self, actor: Any, timeout: float) -> None:
-        self.actor, self.timeout = actor, timeout
+    def __init__(self, target: Any, *, remote: bool, timeout: float = RANK_TIMEOUT_S) -> None:
+        self.target, self.remote, self.timeout = target, remote, timeout
+        self.name = "transformers (ray actor)" if remote else "transformers"
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        from orchestrator.tracing import carrier
+
+        if not self.remote:
+            return self.target.invoke(carrier(), method, *args, **kwargs)
         import ray
 
         try:
-            return ray.get(getattr(self.actor, method).remote(*args, **kwargs), timeout=self.timeout)
+            return ray.get(self.target.invoke.remote(carrier(), method, *args, **kwargs), timeout=self.timeout)
         except Exception as exc:
             raise RankFailed("engine", method, exc) from exc
 
@@ -276,8 +348,31 @@ class RemoteEngine:
     def digests(self) -> dict[str, str]:
         return self._call("digests")
 
-    def resident_bytes(self) -> dict[str, int]:
-        return self._call("resident_bytes")
+    def flush_traces(self) -> None:
+        self._call("flush_traces")
+
+
+class EngineWorker(Traced):
+    """The rollout engine where it runs: a TransformersEngine whose calls are spans `engine.<method>`.
+
+    transformers is imported here, only in the process that serves rollouts.
+    """
+
+    role = "engine"
+
+    def __init__(
+        self, model: Any, *, max_batch: int, max_len: int, own_process: bool = False, trace_file: str | None = None
+    ) -> None:
+        if own_process:
+            self.start_tracing(trace_file)
+        from orchestrator.adapters.hf_engine import TransformersEngine
+
+        self.engine = TransformersEngine(model, max_batch=max_batch, max_len=max_len)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "engine":  # not set yet: never recurse
+            raise AttributeError(name)
+        return getattr(self.engine, name)
 
 
 def start_ray(ranks: int) -> Callable[[], None]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from opentelemetry import trace
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -61,6 +62,15 @@ def summary(report: RunReport, seconds: float) -> Table:
     return table
 
 
+def merge_traces(parts: Path, into: Path) -> None:
+    """Concatenate the per-process OTLP-JSON files: each line is a whole export request."""
+    with into.open("w") as out:
+        for part in sorted(parts.glob("*.otlp.jsonl")):
+            out.write(part.read_text())
+            part.unlink()
+    parts.rmdir()
+
+
 def run(
     *,
     steps: int,
@@ -79,9 +89,14 @@ def run(
     config = RunConfig(
         steps=steps, ranks=ranks, mode=mode, verify_cycles=verify_cycles, seed=seed, rank_timeout_s=rank_timeout_s
     )
-    trace_file = trace_dir / f"colocate-{mode}-{int(time.time())}.otlp.jsonl" if trace_dir else None
-    provider = configure_tracing(rank=0, trace_file=trace_file)
-    listeners: list[Listener] = [TracingListener(provider)] if provider is not None else []
+    run_name = f"colocate-{mode}-{time.strftime('%Y%m%d-%H%M%S')}"
+    trace_file = trace_dir / f"{run_name}.otlp.jsonl" if trace_dir else None
+    parts = trace_dir / f".{run_name}" if trace_dir else None  # one file per process, merged at the end
+    provider = configure_tracing(rank=0, trace_file=parts / "driver.otlp.jsonl" if parts else None)
+    listeners: list[Listener] = []
+    if provider is not None:
+        trace.set_tracer_provider(provider)  # adapters in this process trace through it
+        listeners.append(TracingListener(provider))
     log_file = log_path.open("a") if log_path is not None else None
     if log_file is not None:
         listeners.append(LoggingListener(sink=configure_logging(log_file)))
@@ -99,7 +114,7 @@ def run(
     ) as progress:
         task = progress.add_task("starting ranks and engine", total=steps, reward="-")
         try:
-            job = ColocatedJob(config, listeners)
+            job = ColocatedJob(config, listeners, trace_dir=parts)
             progress.update(task, description=f"{mode} x{ranks}")
             for _ in range(steps):
                 outcome = job.run_step()
@@ -116,6 +131,8 @@ def run(
     report.error = error
     if provider is not None:
         provider.shutdown()  # flushes every span, the fault's too
+    if trace_file is not None and parts is not None:
+        merge_traces(parts, trace_file)
     if log_file is not None:
         log_file.close()
     if report_path is not None:

@@ -6,11 +6,15 @@ returns None when nothing asks for export, so an unconfigured run pays for no-op
 
 from __future__ import annotations
 
+import base64
+import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
-from opentelemetry import context, trace
+from opentelemetry import context, propagate, trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter, SpanExportResult
@@ -37,23 +41,67 @@ def _otlp_exporter(env: Mapping[str, str]) -> SpanExporter:
     raise ValueError(f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r}: colocate supports 'http/protobuf' and 'grpc'")
 
 
+_ID_FIELDS = ("traceId", "spanId", "parentSpanId")
+
+
+def _recode_ids(request: dict[str, Any], recode: Callable[[str], str]) -> dict[str, Any]:
+    """OTLP/JSON writes ids as hex where the generic protobuf mapping writes base64."""
+    for resource in request.get("resourceSpans", []):
+        for scope in resource.get("scopeSpans", []):
+            for span in scope.get("spans", []):
+                for item in (span, *span.get("links", [])):
+                    for key in _ID_FIELDS:
+                        if isinstance(item.get(key), str):
+                            item[key] = recode(item[key])
+    return request
+
+
+def parse_otlp_json(line: str | dict[str, Any]) -> Any:
+    """One OTLP/JSON line (or its decoded object) → `ExportTraceServiceRequest`, through the
+    official protobuf mapping once the hex ids are turned back into the mapping's base64."""
+    from google.protobuf.json_format import ParseDict
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    data = json.loads(line) if isinstance(line, str) else line
+    request = _recode_ids(data, lambda v: base64.b64encode(bytes.fromhex(v)).decode())
+    return ParseDict(request, ExportTraceServiceRequest())
+
+
 class OtlpJsonFileExporter(SpanExporter):
-    """Appends each batch as one line of OTLP-JSON (the protobuf JSON mapping of
-    `ExportTraceServiceRequest`), the format the OpenTelemetry Collector's file exporter writes
-    and its otlpjsonfile receiver reads back."""
+    """Appends each batch as one line of OTLP/JSON: `ExportTraceServiceRequest` in the protobuf
+    JSON mapping, with OTLP's two deviations (hex ids, integer enums). It is what the OpenTelemetry
+    Collector's file exporter writes and its otlpjsonfile receiver reads, and what Jaeger's UI loads."""
 
     def __init__(self, path: Path) -> None:
-        from google.protobuf.json_format import MessageToJson
+        from google.protobuf.json_format import MessageToDict
         from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 
-        self.path, self._encode, self._to_json = path, encode_spans, MessageToJson
+        self.path, self._encode, self._to_dict = path, encode_spans, MessageToDict
         path.parent.mkdir(parents=True, exist_ok=True)
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        line = self._to_json(self._encode(spans), indent=None)
+        request = self._to_dict(self._encode(spans), use_integers_for_enums=True)
+        _recode_ids(request, lambda v: base64.b64decode(v).hex())
         with self.path.open("a") as out:
-            out.write(line + "\n")
+            out.write(json.dumps(request, separators=(",", ":")) + "\n")
         return SpanExportResult.SUCCESS
+
+
+def carrier() -> dict[str, str]:
+    """The current trace context as W3C `traceparent` headers, to send with a remote call."""
+    headers: dict[str, str] = {}
+    propagate.inject(headers)
+    return headers
+
+
+@contextmanager
+def continued(headers: Mapping[str, str]) -> Iterator[None]:
+    """Make the caller's trace context (from `carrier()`) current for a call in another process."""
+    token = context.attach(propagate.extract(headers))
+    try:
+        yield
+    finally:
+        context.detach(token)
 
 
 def configure_tracing(
@@ -61,6 +109,7 @@ def configure_tracing(
     rank: int = 0,
     env: Mapping[str, str] | None = None,
     trace_file: Path | None = None,
+    role: str = "driver",
 ) -> TracerProvider | None:
     """A tracer provider exporting where `OTEL_*` says, or None if tracing is not asked for.
 
@@ -88,6 +137,7 @@ def configure_tracing(
         return None
     attributes: dict[str, str | int] = {
         "service.name": env.get("OTEL_SERVICE_NAME", service_name),
+        "colocate.role": role,
         "colocate.rank": rank,
     }
     provider = TracerProvider(resource=Resource.create(attributes))

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Protocol
 
 import torch
+from opentelemetry import trace
 
 from orchestrator.protocols import TransferReport
 
@@ -51,8 +52,12 @@ def push_in_buckets(
     """Convert every tensor, bucket the results, push each bucket tagged with `version`."""
     converted = (pair for name, tensor in named for pair in convert(name, tensor))
     tensors = moved = count = 0
+    tracer = trace.get_tracer("colocate")
     for bucket in buckets(converted, bucket_bytes):
-        moved += sink.update_weights(bucket, version)
+        with tracer.start_as_current_span("rank.bucket", attributes={"colocate.tensors": len(bucket)}) as span:
+            sent = sink.update_weights(bucket, version)
+            span.set_attribute("colocate.bytes", sent)
+        moved += sent
         tensors += len(bucket)
         count += 1
     return TransferReport(tensors=tensors, bytes=moved, buckets=count)

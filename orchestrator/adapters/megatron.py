@@ -21,6 +21,7 @@ from enum import StrEnum
 from typing import Any
 
 import torch
+from opentelemetry import trace
 
 from orchestrator.adapters.digest import DIGESTS, DigestMethod
 from orchestrator.transport import nbytes
@@ -62,6 +63,13 @@ def _strip(name: str) -> str:
 
 def _host_like(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
     return torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
+
+
+def _span(name: str, **attributes: int) -> Any:
+    """A child span of whatever call is current (the OTel API: a no-op unless an SDK is set)."""
+    return trace.get_tracer("colocate").start_as_current_span(
+        name, attributes={f"colocate.{k}": v for k, v in attributes.items()}
+    )
 
 
 class MegatronTrainer:
@@ -158,17 +166,21 @@ class MegatronTrainer:
                 buffer.param_data.copy_(backup, non_blocking=True)
                 written += nbytes(buffer.param_data)
         else:
-            self.cast_mains()
-            self.gather_params()
+            with _span("rank.cast"):
+                self.cast_mains()
+            with _span("rank.gather"):
+                self.gather_params()
             written += sum(nbytes(b.param_data) for b in self._buffers)
-        written += self.copy_extras_back()
+        with _span("rank.extras"):
+            written += self.copy_extras_back()
         # The grad buffers come back holding whatever the resumed pages held: Megatron's train
         # step zeroes them (`zero_grad_buffer`) before accumulating, so they are not restored.
         self._synchronize()
         return written
 
     def digests(self) -> Mapping[str, str]:
-        return self._digest({**self._params, **self._extras})
+        with _span("rank.digest", tensors=len(self._params) + len(self._extras)):
+            return self._digest({**self._params, **self._extras})
 
     def sync_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, source in self._sources.items():

@@ -23,7 +23,7 @@ class CorruptAfterSync(Listener):
 
     def on_transition(self, record: TransitionRecord) -> None:
         if record.event is Event.UPDATE_WEIGHTS and record.step == self.step:
-            weight = self.job[0].engine.model.get_parameter("model.layers.0.mlp.down_proj.weight")
+            weight = self.job[0].engine.target.engine.model.get_parameter("model.layers.0.mlp.down_proj.weight")
             weight.data.view(torch.int16).view(-1)[3] ^= 1
 
 

@@ -1,0 +1,451 @@
+"""Trace files read back: a typed span model, a per-phase summary, and a picture of one step.
+
+Each line of a file is one `ExportTraceServiceRequest` in the protobuf JSON mapping, as
+`OtlpJsonFileExporter` writes it, one file per process. A step is one trace rooted at the driver's
+`colocate.step` span; its `lifecycle.<event>` children, the trainers' `rank.*` spans and the
+engine's `engine.*` spans may sit in different files, so a step is only whole when every
+process's file is read.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any, TypeAlias
+
+from rich.table import Table
+
+from orchestrator.tracing import parse_otlp_json
+
+Value: TypeAlias = "str | bool | int | float | tuple[Value, ...] | dict[str, Value] | None"
+
+STEP_SPAN, PHASE_PREFIX, RANK_PREFIX, ENGINE_PREFIX = "colocate.step", "lifecycle.", "rank.", "engine."
+BYTE_KINDS = ("moved", "freed", "stashed", "retaken", "rebuilt")  # the `colocate.bytes_<kind>` attributes
+FORMATS = ("png", "svg")
+
+
+class TraceError(Exception):
+    """The traces cannot answer the question asked (no such step, no driver spans, a bad output path)."""
+
+
+class TraceFileError(TraceError):
+    """A file that is not OTLP-JSON trace data; `line` is 1-based, 0 for the file as a whole."""
+
+    def __init__(self, path: Path, line: int, problem: str) -> None:
+        self.path, self.line, self.problem = path, line, problem
+        super().__init__(f"{path}:{line}: {problem}" if line else f"{path}: {problem}")
+
+
+# --- the model ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Span:
+    """One finished span. Ids are lowercase hex; `parent_id` is None for a root."""
+
+    name: str
+    trace_id: str
+    span_id: str
+    parent_id: str | None
+    start_ns: int
+    end_ns: int
+    attributes: dict[str, Value] = field(hash=False)
+    status: str  # UNSET, OK or ERROR
+    resource: dict[str, Value] = field(hash=False)
+
+    @property
+    def duration_ms(self) -> float:
+        return (self.end_ns - self.start_ns) / 1e6
+
+    @property
+    def rank(self) -> int | None:
+        """The trainer rank: the span's `colocate.rank`, else its process's."""
+        rank = self.attributes.get("colocate.rank", self.resource.get("colocate.rank"))
+        return rank if isinstance(rank, int) and not isinstance(rank, bool) else None
+
+    @property
+    def refused(self) -> bool:
+        return self.attributes.get("colocate.refused") is True
+
+
+@dataclass(frozen=True)
+class Step:
+    """One training step: its root span and every other span of its trace, by start time."""
+
+    number: int
+    root: Span
+    spans: tuple[Span, ...]
+
+    @property
+    def complete(self) -> bool:
+        return self.root.status != "ERROR"
+
+    @property
+    def phases(self) -> list[Span]:
+        return [s for s in self.spans if s.name.startswith(PHASE_PREFIX)]
+
+    def offset_ms(self, ns: int) -> float:
+        return (ns - self.root.start_ns) / 1e6
+
+    @cached_property
+    def _by_id(self) -> dict[str, Span]:
+        return {s.span_id: s for s in self.spans}
+
+    def parent(self, span: Span) -> Span | None:
+        """The span's parent, or None for the root and where the parent's file was not read."""
+        return self._by_id.get(span.parent_id or "")
+
+    def phase_of(self, span: Span) -> Span | None:
+        """The nearest `lifecycle.*` ancestor, or None."""
+        parent = self.parent(span)
+        while parent is not None and not parent.name.startswith(PHASE_PREFIX):
+            parent = self.parent(parent)
+        return parent
+
+
+@dataclass(frozen=True)
+class Traces:
+    """Every step found, by start time, and how many traces had no `colocate.step` root."""
+
+    steps: tuple[Step, ...]
+    rootless: int
+
+    def step(self, number: int | None = None) -> Step:
+        """Step `number`, or the last complete step when None."""
+        if number is None:
+            complete = [s for s in self.steps if s.complete]
+            if not complete:
+                raise TraceError(f"no complete step among {len(self.steps)} step(s)")
+            return complete[-1]
+        found = [s for s in self.steps if s.number == number]
+        if len(found) > 1:
+            raise TraceError(f"step {number} appears in {len(found)} traces: pass the files of one run only")
+        if not found:
+            raise TraceError(f"no step {number}; steps found: {_ranges([s.number for s in self.steps])}")
+        return found[0]
+
+
+# --- reading --------------------------------------------------------------------------------------
+
+
+def trace_files(paths: Sequence[Path]) -> list[Path]:
+    """Files as given, folders expanded to their `*.jsonl` files."""
+    files: list[Path] = []
+    for path in paths:
+        if path.is_dir():
+            found = sorted(path.glob("*.jsonl"))
+            if not found:
+                raise TraceFileError(path, 0, "folder holds no *.jsonl files")
+            files += found
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise TraceFileError(path, 0, "no such file or folder")
+    return files
+
+
+def read_file(path: Path) -> list[Span]:
+    """Every span in one OTLP-JSON file; raises TraceFileError naming the file and line."""
+    try:
+        lines = path.read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TraceFileError(path, 0, f"cannot read: {getattr(exc, 'strerror', None) or exc}") from None
+    if not any(line.strip() for line in lines):
+        raise TraceFileError(path, 0, "empty file, no spans")
+    spans: list[Span] = []
+    for number, line in enumerate(lines, 1):
+        if line.strip():
+            spans += _parse_line(line, path, number)
+    return spans
+
+
+def load(paths: Sequence[Path]) -> Traces:
+    """Read every file and group the spans into steps; a span read twice counts once."""
+    unique = {(s.trace_id, s.span_id): s for f in trace_files(paths) for s in read_file(f)}
+    by_trace: dict[str, list[Span]] = defaultdict(list)
+    for span in unique.values():
+        by_trace[span.trace_id].append(span)
+    steps, rootless = [], 0
+    for spans in by_trace.values():
+        spans.sort(key=lambda s: (s.start_ns, -s.end_ns))
+        root = next((s for s in spans if s.name == STEP_SPAN and s.parent_id is None), None)
+        if root is None:
+            rootless += 1
+            continue
+        number = root.attributes.get("colocate.step")
+        others = tuple(s for s in spans if s is not root)
+        steps.append(Step(number if isinstance(number, int) else -1, root, others))
+    if not steps:
+        raise TraceError(f"no {STEP_SPAN} span in {len(unique)} span(s): pass the driver's trace file too")
+    return Traces(tuple(sorted(steps, key=lambda s: s.root.start_ns)), rootless)
+
+
+def _parse_line(line: str, path: Path, number: int) -> Iterator[Span]:
+    from google.protobuf import json_format
+
+    try:
+        data = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise TraceFileError(path, number, f"not JSON: {exc.msg} at column {exc.colno}") from None
+    # json_format accepts a list or an empty object silently; neither is an export batch
+    if not isinstance(data, dict) or "resourceSpans" not in data:
+        raise TraceFileError(path, number, "not an OTLP trace export: expected an object with resourceSpans")
+    try:
+        request = parse_otlp_json(data)
+    except (json_format.ParseError, ValueError) as exc:
+        raise TraceFileError(path, number, f"not an OTLP trace export: {str(exc).splitlines()[0]}") from None
+    for resource_spans in request.resource_spans:
+        resource = _attributes(resource_spans.resource.attributes)
+        for scope_spans in resource_spans.scope_spans:
+            for span in scope_spans.spans:
+                yield _span(span, resource, path, number)
+
+
+def _span(span: Any, resource: dict[str, Value], path: Path, number: int) -> Span:
+    def hex_id(raw: bytes, size: int, what: str) -> str:
+        if len(raw) != size:
+            raise TraceFileError(path, number, f"span {span.name!r}: {what} is {len(raw)} bytes, not {size}")
+        return raw.hex()
+
+    if span.end_time_unix_nano < span.start_time_unix_nano:
+        raise TraceFileError(path, number, f"span {span.name!r} ends before it starts")
+    return Span(
+        name=span.name,
+        trace_id=hex_id(span.trace_id, 16, "trace id"),
+        span_id=hex_id(span.span_id, 8, "span id"),
+        parent_id=hex_id(span.parent_span_id, 8, "parent id") if span.parent_span_id else None,
+        start_ns=span.start_time_unix_nano,
+        end_ns=span.end_time_unix_nano,
+        attributes=_attributes(span.attributes),
+        status=("UNSET", "OK", "ERROR")[span.status.code] if span.status.code < 3 else "UNSET",
+        resource=resource,
+    )
+
+
+def _attributes(pairs: Iterable[Any]) -> dict[str, Value]:
+    return {kv.key: _value(kv.value) for kv in pairs}
+
+
+def _value(any_value: Any) -> Value:
+    kind = any_value.WhichOneof("value")
+    if kind == "array_value":
+        return tuple(_value(v) for v in any_value.array_value.values)
+    if kind == "kvlist_value":
+        return _attributes(any_value.kvlist_value.values)
+    if kind == "bytes_value":
+        return bytes(any_value.bytes_value).hex()
+    return getattr(any_value, kind) if kind else None
+
+
+# --- summarizing ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PhaseSummary:
+    """One lifecycle event across steps. Refused attempts count in `refused`, not in the durations."""
+
+    event: str
+    durations_ms: tuple[float | None, ...]  # per step; None where the step did not run it
+    refused: tuple[int, ...]  # per step: attempts a guard refused
+    rank_ms: dict[int, float]  # per trainer rank: busy time in its rank.* spans, mean per step run
+    bytes: dict[str, int]  # per kind (moved, freed, ...): mean per step run
+
+    @property
+    def ran(self) -> list[float]:
+        return [d for d in self.durations_ms if d is not None]
+
+    @property
+    def p50_ms(self) -> float | None:
+        return percentile(self.ran, 0.50)
+
+    @property
+    def p95_ms(self) -> float | None:
+        return percentile(self.ran, 0.95)
+
+    @property
+    def slowest_rank(self) -> tuple[int, float] | None:
+        """The rank that took longest, and by how many ms per step it trails the fastest."""
+        if not self.rank_ms:
+            return None
+        rank = max(self.rank_ms, key=lambda r: (self.rank_ms[r], -r))
+        return rank, self.rank_ms[rank] - min(self.rank_ms.values())
+
+    def to_json(self) -> dict[str, Any]:
+        slowest = self.slowest_rank
+        return {
+            "event": self.event,
+            "durations_ms": [_ns(d) for d in self.durations_ms],
+            "p50_ms": _ns(self.p50_ms),
+            "p95_ms": _ns(self.p95_ms),
+            "refused": list(self.refused),
+            "rank_ms_per_step": {str(r): _ns(ms) for r, ms in sorted(self.rank_ms.items())},
+            "slowest_rank": None if slowest is None else {"rank": slowest[0], "over_fastest_ms": _ns(slowest[1])},
+            "bytes_per_step": self.bytes,
+        }
+
+
+@dataclass(frozen=True)
+class Summary:
+    steps: tuple[int, ...]
+    step_ms: tuple[float, ...]
+    wall_ms: float  # first step's start to last step's end
+    phases: tuple[PhaseSummary, ...]
+    rootless: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "steps": list(self.steps),
+            "step_ms": [_ns(ms) for ms in self.step_ms],
+            "wall_ms": _ns(self.wall_ms),
+            "rootless_traces": self.rootless,
+            "phases": [p.to_json() for p in self.phases],
+        }
+
+
+def _ns(ms: float | None) -> float | None:
+    return None if ms is None else round(ms, 6)  # spans are timed in ns: more digits are float noise
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Linear interpolation between closest ranks (numpy's default); None for no values."""
+    if not values:
+        return None
+    ordered, position = sorted(values), q * (len(values) - 1)
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def summarize(traces: Traces) -> Summary:
+    steps = traces.steps
+    events = _event_order(steps)
+    durations: dict[str, list[float | None]] = {e: [None] * len(steps) for e in events}
+    refused: dict[str, list[int]] = {e: [0] * len(steps) for e in events}
+    rank_ms: dict[str, dict[int, float]] = {e: defaultdict(float) for e in events}
+    byte_sums: dict[str, dict[str, int]] = {e: defaultdict(int) for e in events}
+    for i, step in enumerate(steps):
+        busy = _rank_busy_ms(step)
+        for phase in step.phases:
+            event = phase.name.removeprefix(PHASE_PREFIX)
+            if phase.refused:
+                refused[event][i] += 1
+                continue
+            durations[event][i] = (durations[event][i] or 0.0) + phase.duration_ms
+            for rank, ms in busy.get(phase.span_id, {}).items():
+                rank_ms[event][rank] += ms
+            for kind in BYTE_KINDS:
+                moved = phase.attributes.get(f"colocate.bytes_{kind}")
+                if isinstance(moved, int) and not isinstance(moved, bool):
+                    byte_sums[event][kind] += moved
+    phases = []
+    for event in events:
+        runs = sum(d is not None for d in durations[event]) or 1
+        phases.append(
+            PhaseSummary(
+                event=event,
+                durations_ms=tuple(durations[event]),
+                refused=tuple(refused[event]),
+                rank_ms={r: ms / runs for r, ms in rank_ms[event].items()},
+                bytes={k: v // runs for k, v in byte_sums[event].items()},
+            )
+        )
+    wall = (max(s.root.end_ns for s in steps) - steps[0].root.start_ns) / 1e6
+    numbers = tuple(s.number for s in steps)
+    return Summary(numbers, tuple(s.root.duration_ms for s in steps), wall, tuple(phases), traces.rootless)
+
+
+def _event_order(steps: Sequence[Step]) -> list[str]:
+    """Events in the order a step runs them: by mean start offset."""
+    offsets: dict[str, list[float]] = defaultdict(list)
+    for step in steps:
+        for phase in step.phases:
+            offsets[phase.name.removeprefix(PHASE_PREFIX)].append(step.offset_ms(phase.start_ns))
+    return sorted(offsets, key=lambda e: sum(offsets[e]) / len(offsets[e]))
+
+
+def _rank_busy_ms(step: Step) -> dict[str, dict[int, float]]:
+    """Per lifecycle span id, per rank: the time covered by that rank's rank.* spans under it.
+
+    Covered time, not a sum of durations, so a rank.bucket nested in rank.push_weights counts once.
+    """
+    intervals: dict[tuple[str, int], list[tuple[int, int]]] = defaultdict(list)
+    for span in step.spans:
+        phase = step.phase_of(span) if span.name.startswith(RANK_PREFIX) else None
+        if phase is not None and span.rank is not None:
+            intervals[(phase.span_id, span.rank)].append((span.start_ns, span.end_ns))
+    busy: dict[str, dict[int, float]] = defaultdict(dict)
+    for (phase_id, rank), spans in intervals.items():
+        covered, reach = 0, None
+        for start, end in sorted(spans):
+            start = max(start, reach or start)
+            covered += max(0, end - start)
+            reach = max(end, reach or end)
+        busy[phase_id][rank] = covered / 1e6
+    return busy
+
+
+def summary_table(summary: Summary, columns_up_to: int = 3) -> Table:
+    """One row per lifecycle event; a column per step when there are at most `columns_up_to` steps."""
+    table = Table(
+        title="colocate trace: lifecycle phases, ms",
+        caption="slowest rank: the trainer rank busiest in the phase, and its lead over the fastest, ms per step",
+    )
+    table.add_column("phase", no_wrap=True)
+    per_step = len(summary.steps) <= columns_up_to
+    for number in summary.steps if per_step else ():
+        table.add_column(f"step {number}", justify="right", min_width=7)
+    if not per_step:
+        table.add_column("per step")
+    table.add_column("p50", justify="right", min_width=5)
+    table.add_column("p95", justify="right", min_width=5)
+    table.add_column("slowest rank", no_wrap=True)
+    table.add_column("bytes/step")
+    for phase in summary.phases:
+        ran = zip(phase.durations_ms, phase.refused, strict=True)
+        steps = [_ms(d, r) for d, r in ran] if per_step else [_sparkline(phase.durations_ms, phase.refused)]
+        slowest = phase.slowest_rank
+        lead = "-" if slowest is None else f"{slowest[0]} +{slowest[1]:.1f}"
+        moved = ", ".join(f"{kind} {_size(n)}" for kind, n in phase.bytes.items() if n) or "-"
+        table.add_row(phase.event, *steps, _ms(phase.p50_ms), _ms(phase.p95_ms), lead, moved)
+    return table
+
+
+def summary_line(summary: Summary) -> str:
+    mean = sum(summary.step_ms) / len(summary.step_ms)
+    line = f"{len(summary.steps)} step(s) ({_ranges(list(summary.steps))}), wall {summary.wall_ms / 1e3:.3f} s"
+    line += f", mean step {mean:.1f} ms"
+    return line + (f"; {summary.rootless} trace(s) without a step span ignored" if summary.rootless else "")
+
+
+def _ms(value: float | None, refused: int = 0) -> str:
+    if value is None:
+        return "refused" if refused else "-"
+    return f"{value:.1f}" + (f" ({refused} refused)" if refused else "")
+
+
+def _sparkline(values: Sequence[float | None], refused: Sequence[int]) -> str:
+    """One character a step: a bar, × for a refusal only, blank where the step did not run it."""
+    ran = [v for v in values if v is not None]
+    low, high = min(ran, default=0.0), max(ran, default=0.0)
+    bars = "".join(
+        ("×" if r else " ") if v is None else "▁▂▃▄▅▆▇█"[round((v - low) / ((high - low) or 1.0) * 7)]
+        for v, r in zip(values, refused, strict=True)
+    )
+    return f"{bars} {low:.1f}–{high:.1f}" if ran else bars
+
+
+def _size(n: int) -> str:
+    size, unit = float(n), "B"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            break
+        size /= 1024
+    return f"{n} B" if unit == "B" else f"{size:.2f} {unit}"
+
+
+def _ranges(numbers: list[int]) -> str:
+    return f"{numbers[0]}–{numbers[-1]}" if numbers == list(range(numbers[0], numbers[-1] + 1)) else str(numbers)

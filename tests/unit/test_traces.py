@@ -1,0 +1,207 @@
+"""Trace files read back: a synthetic two-step run written by the real SDK and our file exporter."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+from opentelemetry.trace import Status, StatusCode
+from opentelemetry.util.types import AttributeValue
+from typer.testing import CliRunner
+
+from orchestrator import timeline, traces
+from orchestrator.cli import app
+from orchestrator.tracing import OtlpJsonFileExporter
+
+MS = 1_000_000
+T0 = 1_700_000_000_000 * MS
+UPDATE_MS = {1: 100, 2: 200}  # update_weights takes 100 ms in step 1, 200 ms in step 2
+PUSH_MS = {0: 60, 1: 90}  # per rank, rank.push_weights under update_weights, every step
+
+
+class Process:
+    """One process's tracer provider, writing its own OTLP-JSON file."""
+
+    def __init__(self, folder: Path, name: str, role: str, rank: int | None = None, batch: bool = False) -> None:
+        attributes: dict[str, str | int] = {"service.name": name, "colocate.role": role}
+        if rank is not None:
+            attributes["colocate.rank"] = rank
+        self.provider = TracerProvider(resource=Resource.create(attributes))
+        exporter = OtlpJsonFileExporter(folder / f"{name}.jsonl")
+        processor = BatchSpanProcessor(exporter) if batch else SimpleSpanProcessor(exporter)
+        self.provider.add_span_processor(processor)
+        self.tracer = self.provider.get_tracer("test")
+
+    def start(self, name: str, parent: trace.Span | None, start_ms: float, **attrs: AttributeValue) -> trace.Span:
+        context = trace.set_span_in_context(parent) if parent is not None else None
+        return self.tracer.start_span(name, context=context, start_time=T0 + int(start_ms * MS), attributes=attrs)
+
+    def span(
+        self, name: str, parent: trace.Span | None, start_ms: float, end_ms: float, **attrs: AttributeValue
+    ) -> trace.Span:
+        span = self.start(name, parent, start_ms, **attrs)
+        span.end(end_time=T0 + int(end_ms * MS))
+        return span
+
+
+def write_run(folder: Path) -> Path:
+    """Two steps from four processes, four files: the driver (batched), two trainer ranks, the engine."""
+    folder.mkdir(exist_ok=True)
+    driver = Process(folder, "driver", "driver", batch=True)
+    ranks = [Process(folder, f"trainer-{r}", "trainer", rank=r) for r in (0, 1)]
+    engine = Process(folder, "engine", "engine")
+    for number in (1, 2):
+        base, update = (number - 1) * 1000, UPDATE_MS[number]
+        root = driver.start("colocate.step", None, base, **{"colocate.step": number})
+        driver.span("lifecycle.pause_grads", root, base, base + 10, **{"colocate.event": "pause_grads"})
+        phase = driver.start("lifecycle.update_weights", root, base + 10, **{"colocate.bytes_moved": 1000})
+        for rank, process in enumerate(ranks):
+            push = process.span("rank.push_weights", phase, base + 12, base + 12 + PUSH_MS[rank])
+            process.span("rank.bucket", push, base + 13, base + 40, **{"colocate.bytes": 500})  # nested: counts once
+        engine.span("engine.update_weights", phase, base + 15, base + 10 + update - 5)
+        phase.end(end_time=T0 + (base + 10 + update) * MS)
+        if number == 2:
+            refused = driver.start("lifecycle.skip_update", root, base + 10 + update, **{"colocate.refused": True})
+            refused.set_status(Status(StatusCode.ERROR, "refused"))
+            refused.end(end_time=T0 + (base + 10 + update) * MS)
+        phase = driver.start("lifecycle.train", root, base + 10 + update)
+        for rank, process in enumerate(ranks):
+            process.span("rank.train", phase, base + 10 + update + 1, base + 390 - 10 * rank)
+        phase.end(end_time=T0 + (base + 400) * MS)
+        root.end(end_time=T0 + (base + 400) * MS)
+    for process in (driver, *ranks, engine):
+        process.provider.shutdown()
+    return folder
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    return write_run(tmp_path / "traces")
+
+
+def test_load_joins_the_processes_files_into_steps(run_dir: Path) -> None:
+    loaded = traces.load([run_dir])
+    assert [s.number for s in loaded.steps] == [1, 2] and loaded.rootless == 0
+    step = loaded.steps[0]
+    names = {s.name for s in step.spans}
+    assert {"lifecycle.update_weights", "rank.push_weights", "rank.bucket", "engine.update_weights"} <= names
+    push = next(s for s in step.spans if s.name == "rank.push_weights" and s.rank == 1)
+    assert push.resource["colocate.role"] == "trainer" and push.duration_ms == pytest.approx(90)
+    assert step.phase_of(push) is not None and step.phase_of(push).name == "lifecycle.update_weights"  # type: ignore[union-attr]
+    assert len(step.root.trace_id) == 32 and len(push.span_id) == 16
+
+
+def test_summary_numbers(run_dir: Path) -> None:
+    summary = traces.summarize(traces.load([run_dir]))
+    phases = {p.event: p for p in summary.phases}
+    assert list(phases)[:2] == ["pause_grads", "update_weights"]  # in the order a step runs them
+    update = phases["update_weights"]
+    assert update.durations_ms == pytest.approx((100, 200))
+    assert update.p50_ms == pytest.approx(150) and update.p95_ms == pytest.approx(195)
+    assert update.rank_ms == pytest.approx({0: 60, 1: 90})  # the nested rank.bucket is not counted twice
+    assert update.slowest_rank == (1, pytest.approx(30))
+    assert update.bytes == {"moved": 1000}
+    skip = phases["skip_update"]
+    assert skip.refused == (0, 1) and skip.durations_ms == (None, None) and skip.p50_ms is None
+    assert phases["train"].slowest_rank == (0, pytest.approx(10))
+    assert summary.wall_ms == pytest.approx(1400) and summary.step_ms == pytest.approx((400, 400))
+
+
+def test_percentile_interpolates_between_closest_ranks() -> None:
+    assert traces.percentile([], 0.5) is None
+    assert traces.percentile([3.0], 0.95) == 3.0
+    assert traces.percentile([4.0, 1.0, 3.0, 2.0], 0.5) == pytest.approx(2.5)
+    assert traces.percentile(list(map(float, range(101))), 0.95) == pytest.approx(95)
+
+
+@pytest.mark.parametrize(
+    ("content", "where", "problem"),
+    [
+        ("", "bad.jsonl", "empty file"),
+        ('{"resourceSpans": []}\nnot json\n', "bad.jsonl:2", "not JSON"),
+        ("[]\n", "bad.jsonl:1", "expected an object with resourceSpans"),
+        ('{"resourceSpans": [], "bogus": 1}\n', "bad.jsonl:1", "not an OTLP trace export"),
+        (
+            '{"resourceSpans":[{"scopeSpans":[{"spans":[{"traceId":"abcd","spanId":"0011223344556677","name":"x"}]}]}]}\n',
+            "bad.jsonl:1",
+            "trace id is 2 bytes, not 16",
+        ),
+    ],
+    ids=["empty", "not-json", "a-list", "unknown-field", "bad-trace-id"],
+)
+def test_malformed_file_names_the_file_and_line(tmp_path: Path, content: str, where: str, problem: str) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content)
+    with pytest.raises(traces.TraceFileError) as caught:
+        traces.load([path])
+    assert f"{tmp_path}/{where}" in str(caught.value) and problem in str(caught.value)
+
+
+def test_missing_file_and_rootless_traces(run_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(traces.TraceFileError, match="no such file"):
+        traces.load([tmp_path / "missing.jsonl"])
+    with pytest.raises(traces.TraceError, match="driver's trace file"):
+        traces.load([run_dir / "trainer-0.jsonl", run_dir / "engine.jsonl"])
+
+
+@pytest.mark.parametrize("suffix", [".png", ".svg"])
+def test_timeline_draws_a_picture(run_dir: Path, tmp_path: Path, suffix: str) -> None:
+    pytest.importorskip("matplotlib")
+    output = tmp_path / f"step{suffix}"
+    timeline.draw_timeline(traces.load([run_dir]).step(1), output)
+    head = output.read_bytes()[:200]
+    assert head.startswith(b"\x89PNG") if suffix == ".png" else b"<svg" in output.read_bytes()
+    assert len(head) > 0
+
+
+def test_timeline_refuses_unknown_suffix_and_picks_steps(run_dir: Path, tmp_path: Path) -> None:
+    loaded = traces.load([run_dir])
+    with pytest.raises(traces.TraceError, match=r"use \.png or \.svg"):
+        timeline.draw_timeline(loaded.step(), tmp_path / "step.pdf")
+    assert loaded.step().number == 2
+    with pytest.raises(traces.TraceError, match=r"no step 7; steps found: 1–2"):
+        loaded.step(7)
+
+
+runner = CliRunner()
+
+
+def test_cli_summarize_table_and_json(run_dir: Path) -> None:
+    result = runner.invoke(app, ["trace", "summarize", str(run_dir)], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "update_weights" in result.output and "│ 1 +30.0 " in result.output
+    assert "2 step(s) (1–2), wall 1.400 s" in result.output
+    result = runner.invoke(app, ["trace", "summarize", *map(str, sorted(run_dir.glob("*.jsonl"))), "--json"])
+    assert result.exit_code == 0, result.output
+    numbers = json.loads(result.stdout)
+    update = next(p for p in numbers["phases"] if p["event"] == "update_weights")
+    assert update["p50_ms"] == pytest.approx(150) and update["p95_ms"] == pytest.approx(195)
+    assert update["slowest_rank"] == {"rank": 1, "over_fastest_ms": pytest.approx(30)}
+    assert update["bytes_per_step"] == {"moved": 1000} and numbers["steps"] == [1, 2]
+
+
+def test_cli_timeline_and_its_errors(run_dir: Path, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    output = tmp_path / "step.svg"
+    result = runner.invoke(app, ["trace", "timeline", str(run_dir), "--output", str(output), "--step", "1"])
+    assert result.exit_code == 0, result.output
+    assert output.stat().st_size > 0 and "step 1" in result.output
+    folder = tmp_path / "a-folder.png"
+    folder.mkdir()
+    for args, message in (
+        (["--output", str(tmp_path / "step.gif")], "use a .png or .svg file"),
+        (["--output", str(tmp_path / "nowhere" / "step.png")], "does not exist"),
+        (["--output", str(output), "--step", "9"], "no step 9"),
+        (["--output", str(tmp_path)], "use a .png or .svg file"),
+        (["--output", str(folder)], f"cannot write {folder}"),
+    ):
+        result = runner.invoke(app, ["trace", "timeline", str(run_dir), *args])
+        assert result.exit_code == 1 and message in result.output, result.output
+    (tmp_path / "bad.jsonl").write_text("{oops\n")
+    result = runner.invoke(app, ["trace", "summarize", str(tmp_path / "bad.jsonl")])
+    assert result.exit_code == 1 and "bad.jsonl:1: not JSON" in result.output
