@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 
 from orchestrator import diagram
-from orchestrator.errors import ConfigError
+from orchestrator.errors import ConfigError, TraceError
 from states import Mode
 
 
@@ -130,7 +130,7 @@ def trace_summarize_command(
 
     try:
         summary = traces.summarize(traces.load(files))
-    except traces.TraceError as exc:
+    except TraceError as exc:
         _fail(str(exc))
     if as_json:
         typer.echo(json.dumps(summary.to_json(), indent=2))
@@ -158,7 +158,7 @@ def trace_timeline_command(
     try:
         chosen = traces.load(files).step(step)
         timeline.draw_timeline(chosen, output)
-    except traces.TraceError as exc:
+    except TraceError as exc:
         _fail(str(exc))
     err.print(f"{output}: step {chosen.number}, {chosen.root.duration_ms:.1f} ms")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 from guards.verdict import Verdict
 from states import Event, Phase
@@ -63,9 +64,30 @@ class EngineError(LifecycleError):
         super().__init__(f"engine {engine}: {reason}")
 
 
+class RankFailed(LifecycleError):
+    """A trainer rank or the engine actor died, hung past its timeout, or raised."""
+
+    def __init__(self, who: str, method: str, cause: BaseException) -> None:
+        self.who, self.method, self.cause = who, method, cause
+        super().__init__(f"{who} failed in {method}: {type(cause).__name__}: {cause}")
+
+
 class RestoreMismatch(LifecycleError):
     """Params restored after a drop are not bit-identical to those dropped."""
 
     def __init__(self, cycle: int, verdict: Verdict) -> None:
         self.cycle, self.verdict = cycle, verdict
         super().__init__(f"restore of cycle {cycle} is not bit-identical: {verdict.reason}")
+
+
+# Trace files are read after the fact, outside any lifecycle.
+class TraceError(Exception):
+    """The traces cannot answer the question asked (no such step, no driver spans, a bad output path)."""
+
+
+class TraceFileError(TraceError):
+    """A file that is not OTLP-JSON trace data; `line` is 1-based, 0 for the file as a whole."""
+
+    def __init__(self, path: Path, line: int, problem: str) -> None:
+        self.path, self.line, self.problem = path, line, problem
+        super().__init__(f"{path}:{line}: {problem}" if line else f"{path}: {problem}")

@@ -19,20 +19,12 @@ from typing import Any
 
 import torch
 
-from orchestrator.errors import LifecycleError
+from orchestrator.errors import LifecycleError, RankFailed
 from orchestrator.protocols import TransferReport
 from orchestrator.transport import Named, push_in_buckets
 from states import EngineMemory, Mode, TrainerLayout
 
 RANK_TIMEOUT_S = 120.0
-
-
-class RankFailed(LifecycleError):
-    """A trainer rank or the engine actor died, hung past its timeout, or raised."""
-
-    def __init__(self, who: str, method: str, cause: BaseException) -> None:
-        self.who, self.method, self.cause = who, method, cause
-        super().__init__(f"{who} failed in {method}: {type(cause).__name__}: {cause}")
 
 
 @dataclass(frozen=True, slots=True)

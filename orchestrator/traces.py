@@ -19,6 +19,7 @@ from typing import Any, TypeAlias
 
 from rich.table import Table
 
+from orchestrator.errors import TraceError, TraceFileError
 from orchestrator.tracing import parse_otlp_json
 
 Value: TypeAlias = "str | bool | int | float | tuple[Value, ...] | dict[str, Value] | None"
@@ -26,18 +27,6 @@ Value: TypeAlias = "str | bool | int | float | tuple[Value, ...] | dict[str, Val
 STEP_SPAN, PHASE_PREFIX, RANK_PREFIX, ENGINE_PREFIX = "colocate.step", "lifecycle.", "rank.", "engine."
 BYTE_KINDS = ("moved", "freed", "stashed", "retaken", "rebuilt")  # the `colocate.bytes_<kind>` attributes
 FORMATS = ("png", "svg")
-
-
-class TraceError(Exception):
-    """The traces cannot answer the question asked (no such step, no driver spans, a bad output path)."""
-
-
-class TraceFileError(TraceError):
-    """A file that is not OTLP-JSON trace data; `line` is 1-based, 0 for the file as a whole."""
-
-    def __init__(self, path: Path, line: int, problem: str) -> None:
-        self.path, self.line, self.problem = path, line, problem
-        super().__init__(f"{path}:{line}: {problem}" if line else f"{path}: {problem}")
 
 
 # --- the model ------------------------------------------------------------------------------------

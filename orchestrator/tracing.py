@@ -150,7 +150,8 @@ class TracingListener(Listener):
     """Spans `colocate.step` and `lifecycle.<event>` with fixed `colocate.*` attributes."""
 
     def __init__(self, provider: trace.TracerProvider | None = None) -> None:
-        self._tracer = (provider or trace.get_tracer_provider()).get_tracer(SCOPE)
+        self._provider = provider or trace.get_tracer_provider()
+        self._tracer = self._provider.get_tracer(SCOPE)
         self._open: list[tuple[Span, object]] = []  # (span, context token), innermost last
 
     def _enter(self, span: Span) -> None:
@@ -193,6 +194,9 @@ class TracingListener(Listener):
         span.record_exception(error.__cause__ or error)
         span.set_status(Status(StatusCode.ERROR, str(error)))
         span.end()
+        flush = getattr(self._provider, "force_flush", None)  # the SDK's; the API's no-op has none
+        if flush is not None:
+            flush()  # a faulted run may not live to its next batch
 
 
 def _attributes(record: TransitionRecord) -> dict[str, str | bool | int | float]:

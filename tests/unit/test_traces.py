@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 from orchestrator import timeline, traces
 from orchestrator.cli import app
+from orchestrator.errors import TraceError, TraceFileError
 from orchestrator.tracing import OtlpJsonFileExporter
 
 MS = 1_000_000
@@ -137,15 +138,15 @@ def test_percentile_interpolates_between_closest_ranks() -> None:
 def test_malformed_file_names_the_file_and_line(tmp_path: Path, content: str, where: str, problem: str) -> None:
     path = tmp_path / "bad.jsonl"
     path.write_text(content)
-    with pytest.raises(traces.TraceFileError) as caught:
+    with pytest.raises(TraceFileError) as caught:
         traces.load([path])
     assert f"{tmp_path}/{where}" in str(caught.value) and problem in str(caught.value)
 
 
 def test_missing_file_and_rootless_traces(run_dir: Path, tmp_path: Path) -> None:
-    with pytest.raises(traces.TraceFileError, match="no such file"):
+    with pytest.raises(TraceFileError, match="no such file"):
         traces.load([tmp_path / "missing.jsonl"])
-    with pytest.raises(traces.TraceError, match="driver's trace file"):
+    with pytest.raises(TraceError, match="driver's trace file"):
         traces.load([run_dir / "trainer-0.jsonl", run_dir / "engine.jsonl"])
 
 
@@ -161,10 +162,10 @@ def test_timeline_draws_a_picture(run_dir: Path, tmp_path: Path, suffix: str) ->
 
 def test_timeline_refuses_unknown_suffix_and_picks_steps(run_dir: Path, tmp_path: Path) -> None:
     loaded = traces.load([run_dir])
-    with pytest.raises(traces.TraceError, match=r"use \.png or \.svg"):
+    with pytest.raises(TraceError, match=r"use \.png or \.svg"):
         timeline.draw_timeline(loaded.step(), tmp_path / "step.pdf")
     assert loaded.step().number == 2
-    with pytest.raises(traces.TraceError, match=r"no step 7; steps found: 1–2"):
+    with pytest.raises(TraceError, match=r"no step 7; steps found: 1–2"):
         loaded.step(7)
 
 

@@ -1,0 +1,356 @@
+"""`RolloutEngine` over SGLang's HTTP server (checked against sglang 0.5.23's source, design §4).
+
+One `requests.Session` per engine, with urllib3 `Retry` on its adapter: connection failures are
+retried a few times with backoff (the request never reached the server, so this is safe for POSTs);
+502/503/504 are retried for GETs only; a read timeout is never retried, since SGLang may have
+applied the call. An unreachable URL raises `EngineError` naming it within a few seconds.
+
+Routes, as sglang 0.5.23's `sglang/srt/entrypoints/http_server.py` defines them:
+
+- `release`/`resume`: POST /release_memory_occupation, /resume_memory_occupation {"tags": [...]}.
+  SGLang's scheduler *asserts* it is idle on release: colocate's `engine_idle` guard must hold.
+- `flush_cache`: POST /flush_cache; 400 while requests run. Retried (the one hand-rolled loop here)
+  until `flush_max_wait_s`, then `EngineError`. 0.5.23 also takes `?timeout=` to wait server-side;
+  not relied on, since older 0.5.x releases lack it.
+- `weight_version`: GET /model_info, key `weight_version`. 0.5.23 has no /get_weight_version
+  route (earlier 0.5.x had one); /model_info is where 0.5.23 reports what `weight_version=` set.
+  The server's own initial value ("default", or null) reads as None.
+- `is_idle`: GET /v1/loads?include=core: per DP rank `num_running_reqs` and `num_waiting_reqs`.
+  It is a snapshot the schedulers publish each step, so it can lag one step; /flush_cache's 400
+  remains the authoritative busy signal.
+- `update_weights`: one flattened bucket per POST /update_weights_from_tensor (see `_payload`).
+- `update_weights_from_distributed`: metadata only; the tensors travel by NCCL broadcast from the
+  trainer over a group made by `init_weights_update_group` (engines off the trainer's GPUs).
+- `generate`: POST /generate with `input_ids`, `sampling_params`, `return_logprob`.
+
+Serialization is SGLang's `MultiprocessingSerializer` wire format, reimplemented here without
+importing sglang: `ForkingPickler` (torch's tensor reductions: CUDA IPC handles on GPU, shared
+memory file descriptors on CPU), then standard base64, one copy per TP rank (each rank
+unpickles only its own, which keeps CUDA IPC refcounts right). As SGLang's patched reductions do,
+a CUDA tensor's device index is replaced by the device UUID, so trainer and engine need not agree
+on device numbering; SGLang's receiver patches `rebuild_cuda_tensor` to accept it.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import time
+import types
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+import requests
+import torch
+from requests.adapters import HTTPAdapter
+from torch.multiprocessing import reductions  # importing it registers torch's reductions with ForkingPickler
+from urllib3.util.retry import Retry
+
+from orchestrator.errors import EngineError
+from states import EngineMemory
+
+__all__ = ["Generation", "SGLangEngine", "flattened_bucket", "serialize"]
+
+Named = tuple[str, torch.Tensor]
+_CUDA_DEVICE_ARG = 6  # index of `device` in torch's reduce_tensor args for CUDA tensors (SGLang's patch_torch)
+_NO_VERSION = (None, "", "default")  # what SGLang reports before any versioned update
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """One completion: sampled token ids and the log-probability of each."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: Any = None
+    weight_version: str | None = None
+
+
+class _Pickler(ForkingPickler):
+    """ForkingPickler whose CUDA tensors carry the device UUID, as sglang's patch_torch does."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor) and obj.is_cuda:
+            rebuild, args = reductions.reduce_tensor(obj)
+            uuid = str(torch.cuda.get_device_properties(args[_CUDA_DEVICE_ARG]).uuid)
+            return rebuild, (*args[:_CUDA_DEVICE_ARG], uuid, *args[_CUDA_DEVICE_ARG + 1 :])
+        return NotImplemented
+
+
+def serialize(obj: object) -> str:
+    """SGLang's `MultiprocessingSerializer.serialize(obj, output_str=True)`."""
+    buf = io.BytesIO()
+    _Pickler(buf).dump(obj)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def flattened_bucket(named: Sequence[Named]) -> dict[str, Any]:
+    """The dict SGLang's `_update_weights_from_flattened_bucket` reads.
+
+    `flattened_tensor`: every tensor's bytes, concatenated (uint8, one device). `metadata`: per
+    tensor `name, shape, dtype, start_idx, end_idx, numel` (byte offsets), the fields of SGLang's
+    `FlattenedTensorMetadata`. Entries are `types.SimpleNamespace`: SGLang reads them by attribute
+    and its SafeUnpickler allows that type; pickling SGLang's own class would need sglang here.
+    """
+    if not named:
+        raise ValueError("cannot send an empty bucket")
+    devices = {t.device for _, t in named}
+    if len(devices) > 1:
+        raise ValueError(f"one bucket, one device: got {sorted(map(str, devices))}")
+    chunks, metadata, offset = [], [], 0
+    for name, tensor in named:
+        chunk = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        metadata.append(
+            types.SimpleNamespace(
+                name=name,
+                shape=tensor.shape,
+                dtype=tensor.dtype,
+                start_idx=offset,
+                end_idx=offset + chunk.numel(),
+                numel=chunk.numel(),
+            )
+        )
+        chunks.append(chunk)
+        offset += chunk.numel()
+    return {"flattened_tensor": torch.cat(chunks), "metadata": metadata}
+
+
+def _session(retries: int) -> requests.Session:
+    retry = Retry(
+        total=retries,
+        connect=retries,
+        read=0,  # the server may have applied the call
+        status=retries,
+        status_forcelist=(502, 503, 504),
+        allowed_methods=frozenset({"GET"}),  # statuses: retry reads only
+        backoff_factor=0.2,
+        raise_on_status=False,
+    )
+    session = requests.Session()
+    adapter = HTTPAdapter(max_retries=retry)
+    session.mount("http://", adapter)
+    session.mount("https://", adapter)
+    return session
+
+
+def _message(response: requests.Response) -> str:
+    """The error text of any SGLang error shape: {success, message}, {error: {message}}, {message}, text."""
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text.strip() or response.reason
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict) and "message" in error:
+            return str(error["message"])
+        if "message" in body:
+            return str(body["message"])
+    return str(body)
+
+
+class SGLangEngine:
+    """Implements `orchestrator.protocols.RolloutEngine` for one SGLang server; `name` is its URL.
+
+    `tp_size` is the server's tensor-parallel size (one serialized payload per TP rank).
+    Timeouts: `connect_timeout_s` for the TCP connect, `read_timeout_s` for an answer.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        tp_size: int = 1,
+        connect_timeout_s: float = 3.0,
+        read_timeout_s: float = 600.0,
+        retries: int = 2,
+        flush_max_wait_s: float = 60.0,
+        flush_poll_s: float = 0.25,
+    ) -> None:
+        if tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+        self.name = url.rstrip("/")
+        self.tp_size = tp_size
+        self.flush_max_wait_s, self.flush_poll_s = flush_max_wait_s, flush_poll_s
+        self._timeout = (connect_timeout_s, read_timeout_s)
+        self._session = _session(retries)
+
+    def close(self) -> None:
+        self._session.close()
+
+    # ---- HTTP ------------------------------------------------------------------------------
+
+    def _send(self, method: str, path: str, body: Mapping[str, Any] | None = None) -> requests.Response:
+        try:
+            return self._session.request(method, self.name + path, json=body, timeout=self._timeout)
+        except requests.RequestException as exc:
+            raise EngineError(self.name, f"{method} {path}: unreachable: {type(exc).__name__}: {exc}") from exc
+
+    def _call(self, method: str, path: str, body: Mapping[str, Any] | None = None) -> Any:
+        """Send; raise EngineError on an HTTP error or `success: false`; return the JSON body (or None)."""
+        response = self._send(method, path, body)
+        if response.status_code >= 400:
+            raise EngineError(self.name, f"{path}: HTTP {response.status_code}: {_message(response)}")
+        try:
+            result = response.json() if response.content else None
+        except ValueError:
+            return response.text
+        if isinstance(result, dict) and result.get("success") is False:
+            raise EngineError(self.name, f"{path}: {result.get('message', 'success=false')}")
+        return result
+
+    # ---- the RolloutEngine Protocol --------------------------------------------------------
+
+    def release(self, tags: frozenset[EngineMemory]) -> None:
+        self._call("POST", "/release_memory_occupation", {"tags": sorted(tags)})
+
+    def resume(self, tags: frozenset[EngineMemory]) -> None:
+        self._call("POST", "/resume_memory_occupation", {"tags": sorted(tags)})
+
+    def flush_cache(self) -> None:
+        """Flush; while SGLang answers 400 (requests in flight) ask again, up to `flush_max_wait_s`."""
+        deadline = time.monotonic() + self.flush_max_wait_s
+        while True:
+            response = self._send("POST", "/flush_cache")
+            if response.status_code == 200:
+                return
+            if response.status_code != 400:
+                raise EngineError(self.name, f"/flush_cache: HTTP {response.status_code}: {_message(response)}")
+            if time.monotonic() + self.flush_poll_s > deadline:
+                raise EngineError(
+                    self.name,
+                    f"/flush_cache still refused after {self.flush_max_wait_s:g} s (requests in flight): "
+                    f"{_message(response)}",
+                )
+            time.sleep(self.flush_poll_s)
+
+    def weight_version(self) -> int | None:
+        reported = (self._call("GET", "/model_info") or {}).get("weight_version")
+        if reported in _NO_VERSION:
+            return None
+        try:
+            return int(reported)
+        except (TypeError, ValueError):
+            raise EngineError(self.name, f"weight_version {reported!r} is not one colocate set") from None
+
+    def is_idle(self) -> bool:
+        loads = (self._call("GET", "/v1/loads?include=core") or {}).get("loads")
+        if not isinstance(loads, list) or not loads:
+            raise EngineError(self.name, f"/v1/loads returned no per-rank loads: {loads!r}")
+        return all(load.get("num_running_reqs", 0) == 0 and load.get("num_waiting_reqs", 0) == 0 for load in loads)
+
+    # ---- serving control -------------------------------------------------------------------
+
+    def pause_generation(self, mode: str = "abort") -> None:
+        """SGLang's modes: `abort` (return running requests), `retract` (requeue them, KV flushable),
+        `in_place` (keep them and their KV; /flush_cache then fails while they exist)."""
+        self._call("POST", "/pause_generation", {"mode": mode})
+
+    def continue_generation(self) -> None:
+        self._call("POST", "/continue_generation", {})
+
+    def health(self) -> bool:
+        """True when /health answers 200; False on any other answer or no answer."""
+        try:
+            return self._send("GET", "/health").status_code == 200
+        except EngineError:
+            return False
+
+    def wait_until_ready(self, timeout_s: float, poll_s: float = 0.5) -> None:
+        """Poll /health until it answers 200 (a starting server answers 503 or refuses connections)."""
+        deadline = time.monotonic() + timeout_s
+        while not self.health():
+            if time.monotonic() + poll_s > deadline:
+                raise EngineError(self.name, f"/health not ready after {timeout_s:g} s")
+            time.sleep(poll_s)
+
+    # ---- weights ---------------------------------------------------------------------------
+
+    def update_weights(self, named: Sequence[Named], version: int) -> int:
+        """Send one bucket of HF-named tensors, tagged `version`; returns the bytes sent.
+
+        The flattened tensor stays referenced until SGLang answers: its CUDA IPC handle is only
+        valid while this process holds the memory. The cache is not flushed here (`flush_cache=False`):
+        colocate flushes once after the last bucket, under the `cache_flushed` guard.
+        """
+        bucket = flattened_bucket(named)
+        payloads = [serialize(bucket) for _ in range(self.tp_size)]
+        self._call(
+            "POST",
+            "/update_weights_from_tensor",
+            {
+                "serialized_named_tensors": payloads,
+                "load_format": "flattened_bucket",
+                "flush_cache": False,
+                "weight_version": str(version),
+            },
+        )
+        return int(bucket["flattened_tensor"].numel())
+
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        *,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+    ) -> None:
+        """Join the trainer's broadcast group (engines outside the trainer's GPUs)."""
+        body = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
+        }
+        self._call("POST", "/init_weights_update_group", body)
+
+    def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[torch.dtype | str],
+        shapes: Sequence[Sequence[int]],
+        group_name: str,
+        version: int,
+    ) -> None:
+        """Announce tensors the trainer is about to broadcast over `group_name`; SGLang receives them."""
+        if not len(names) == len(dtypes) == len(shapes):
+            raise ValueError(f"{len(names)} names, {len(dtypes)} dtypes, {len(shapes)} shapes")
+        body = {
+            "names": list(names),
+            "dtypes": [str(d).removeprefix("torch.") for d in dtypes],
+            "shapes": [list(s) for s in shapes],
+            "group_name": group_name,
+            "flush_cache": False,
+            "weight_version": str(version),
+        }
+        self._call("POST", "/update_weights_from_distributed", body)
+
+    # ---- generation ------------------------------------------------------------------------
+
+    def generate(self, input_ids: Sequence[Sequence[int]], sampling_params: Mapping[str, Any]) -> list[Generation]:
+        """One completion per prompt, with the log-probability of each sampled token."""
+        prompts = [[int(t) for t in row] for row in input_ids]
+        body = {"input_ids": prompts, "sampling_params": dict(sampling_params), "return_logprob": True}
+        result = self._call("POST", "/generate", body)
+        if not isinstance(result, list) or len(result) != len(prompts):
+            raise EngineError(self.name, f"/generate: expected {len(prompts)} results, got {result!r:.200}")
+        return [self._generation(item) for item in result]
+
+    def _generation(self, item: Mapping[str, Any]) -> Generation:
+        meta = item.get("meta_info", {})
+        token_ids = [int(t) for t in item.get("output_ids", [])]
+        # SGLang: [[logprob, token_id, text_or_null], ...] for the output tokens.
+        logprob_rows = meta.get("output_token_logprobs", [])
+        if [int(row[1]) for row in logprob_rows] != token_ids:
+            raise EngineError(self.name, "/generate: output_token_logprobs do not match output_ids")
+        return Generation(
+            token_ids=token_ids,
+            logprobs=[float(row[0]) for row in logprob_rows],
+            finish_reason=meta.get("finish_reason"),
+            weight_version=meta.get("weight_version"),
+        )

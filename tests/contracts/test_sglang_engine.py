@@ -1,0 +1,219 @@
+"""SGLangEngine against SGLang's request definitions, through a local stand-in server.
+
+These tests check colocate's requests against SGLang's request definitions (the schema extracted
+from sglang's io_struct.py, orchestrator/adapters/sglang_schema.json) and its documented
+behaviours, through a local stand-in server (tests/contracts/sglang_server.py). No SGLang engine
+runs here: no model, no GPU, no CUDA IPC. The payloads are real (CPU tensors through the same
+ForkingPickler + base64 format) and are unpickled and rebuilt by the stand-in.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from orchestrator.adapters.sglang import Generation, SGLangEngine, flattened_bucket, serialize
+from orchestrator.errors import EngineError
+from orchestrator.protocols import RolloutEngine
+from orchestrator.transport import push_in_buckets
+from states import EngineMemory
+from tests.contracts.sglang_server import SCHEMA_PATH, SGLangStandIn
+
+pytestmark = pytest.mark.timeout(20)
+
+WEIGHTS = {
+    "model.embed_tokens.weight": ((32, 8), torch.bfloat16),
+    "model.layers.0.self_attn.q_proj.weight": ((8, 8), torch.bfloat16),
+    "model.norm.weight": ((8,), torch.float32),
+    "lm_head.weight": ((32, 8), torch.bfloat16),
+}
+ALL = frozenset(EngineMemory)
+
+
+def tensors(seed: int = 0) -> list[tuple[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [(name, torch.randn(shape, generator=gen).to(dtype)) for name, (shape, dtype) in WEIGHTS.items()]
+
+
+@pytest.fixture
+def server() -> Iterator[SGLangStandIn]:
+    with SGLangStandIn(weights=WEIGHTS) as s:
+        yield s
+
+
+@pytest.fixture
+def engine(server: SGLangStandIn) -> Iterator[SGLangEngine]:
+    e = SGLangEngine(server.url, flush_max_wait_s=2.0, flush_poll_s=0.01)
+    yield e
+    e.close()
+
+
+def sent(server: SGLangStandIn, route: str) -> list[dict]:
+    return [body for path, body in server.state.requests if path.split("?")[0] == route]
+
+
+# ---- the schema and the requests -------------------------------------------------------------
+
+
+def test_schema_is_sglang_05x_and_covers_every_route_sent() -> None:
+    schema = json.loads(SCHEMA_PATH.read_text())
+    assert schema["sglang_version"].startswith("0.5.")
+    tensor_req = schema["classes"]["UpdateWeightsFromTensorReqInput"]["fields"]
+    assert not tensor_req["serialized_named_tensors"]["has_default"]
+    assert {"load_format", "flush_cache", "weight_version"} <= set(tensor_req)
+    generate = schema["classes"]["GenerateReqInput"]["fields"]
+    assert {"input_ids", "sampling_params", "return_logprob"} <= set(generate)
+
+
+def test_engine_is_a_rollout_engine_named_by_its_url(engine: SGLangEngine, server: SGLangStandIn) -> None:
+    assert isinstance(engine, RolloutEngine)
+    assert engine.name == server.url
+
+
+def test_every_request_matches_its_sglang_class(engine: SGLangEngine, server: SGLangStandIn) -> None:
+    engine.release(ALL)
+    engine.resume(frozenset({EngineMemory.WEIGHTS}))
+    engine.update_weights(tensors(), version=1)
+    engine.init_weights_update_group("127.0.0.1", 29500, rank_offset=1, world_size=2)
+    engine.update_weights_from_distributed(["lm_head.weight"], [torch.bfloat16], [(32, 8)], "weight_update_group", 2)
+    engine.resume(frozenset({EngineMemory.KV_CACHE, EngineMemory.CUDA_GRAPH}))
+    engine.pause_generation("retract")
+    engine.continue_generation()
+    engine.generate([[1, 2, 3]], {"max_new_tokens": 2, "temperature": 1.0})
+    # The stand-in answered 400 to any unknown or missing field: every call above passed validation.
+    assert sent(server, "/release_memory_occupation") == [{"tags": ["cuda_graph", "kv_cache", "weights"]}]
+    (update,) = sent(server, "/update_weights_from_tensor")
+    assert update["load_format"] == "flattened_bucket"
+    assert update["flush_cache"] is False and update["weight_version"] == "1"
+    (dist,) = sent(server, "/update_weights_from_distributed")
+    assert dist["dtypes"] == ["bfloat16"] and dist["shapes"] == [[32, 8]] and dist["weight_version"] == "2"
+    assert sent(server, "/generate")[0]["return_logprob"] is True
+    assert server.state.paused is None
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [({"tags": ["weights"], "tagz": []}, "unknown field(s) ['tagz']"), ({"load_format": "x"}, "missing required")],
+)
+def test_the_stand_in_refuses_what_sglangs_schema_does_not_define(
+    engine: SGLangEngine, server: SGLangStandIn, body: dict, fragment: str
+) -> None:
+    route = "/release_memory_occupation" if "tags" in body else "/update_weights_from_tensor"
+    with pytest.raises(EngineError, match="HTTP 400") as info:
+        engine._call("POST", route, body)
+    assert fragment in str(info.value)
+
+
+def test_bucket_arrives_with_names_shapes_dtypes_and_values(engine: SGLangEngine, server: SGLangStandIn) -> None:
+    named = tensors(seed=3)
+    sent_bytes = engine.update_weights(named, version=7)
+    assert sent_bytes == sum(t.numel() * t.element_size() for _, t in named)
+    assert server.state.buckets == [[(n, tuple(t.shape), t.dtype) for n, t in named]]
+    for name, tensor in named:
+        assert torch.equal(server.state.loaded[name], tensor)
+    assert engine.weight_version() == 7
+
+
+def test_one_payload_per_tp_rank() -> None:
+    with SGLangStandIn(tp_size=2, weights=WEIGHTS) as server:
+        engine = SGLangEngine(server.url, tp_size=2)
+        engine.update_weights(tensors()[:2], version=1)
+        assert len(sent(server, "/update_weights_from_tensor")[0]["serialized_named_tensors"]) == 2
+        engine.close()
+
+
+def test_flattened_bucket_offsets_are_bytes_across_dtypes() -> None:
+    bucket = flattened_bucket(tensors())
+    meta = bucket["metadata"]
+    assert bucket["flattened_tensor"].dtype == torch.uint8
+    assert [(m.start_idx, m.end_idx) for m in meta[:2]] == [(0, 512), (512, 640)]
+    assert meta[2].numel == 8 * 4 and meta[2].dtype == torch.float32
+
+
+# ---- documented behaviours -------------------------------------------------------------------
+
+
+def test_flush_is_retried_while_requests_are_in_flight(engine: SGLangEngine, server: SGLangStandIn) -> None:
+    server.hold(requests=2, polls=3)
+    assert not engine.is_idle()
+    engine.flush_cache()
+    assert len(sent(server, "/flush_cache")) == 4  # three 400s, then 200
+    assert engine.is_idle()
+
+
+def test_flush_gives_up_after_its_bound_naming_the_engine(server: SGLangStandIn) -> None:
+    engine = SGLangEngine(server.url, flush_max_wait_s=0.2, flush_poll_s=0.02)
+    server.hold(requests=1, polls=10**6)
+    start = time.monotonic()
+    with pytest.raises(EngineError, match="still refused") as info:
+        engine.flush_cache()
+    assert time.monotonic() - start < 2
+    assert info.value.engine == server.url
+    engine.close()
+
+
+def test_release_refused_while_busy(engine: SGLangEngine, server: SGLangStandIn) -> None:
+    server.hold(requests=1, polls=1)
+    with pytest.raises(EngineError, match="only when server is idle"):
+        engine.release(ALL)
+
+
+def test_unreachable_url_fails_fast_naming_it() -> None:
+    engine = SGLangEngine("http://127.0.0.1:9", connect_timeout_s=2.0)
+    start = time.monotonic()
+    with pytest.raises(EngineError, match="unreachable") as info:
+        engine.release(ALL)
+    assert time.monotonic() - start < 30
+    assert info.value.engine == "http://127.0.0.1:9" and "http://127.0.0.1:9" in str(info.value)
+    assert not engine.health()
+    with pytest.raises(EngineError, match="not ready"):
+        engine.wait_until_ready(timeout_s=0.3, poll_s=0.1)
+
+
+def test_success_false_raises_engine_error_with_the_message(engine: SGLangEngine, server: SGLangStandIn) -> None:
+    server.state.fail_next_update = "Failed to load weights: shape mismatch"
+    with pytest.raises(EngineError, match="shape mismatch") as info:
+        engine.update_weights(tensors(), version=1)
+    assert info.value.engine == server.url
+
+
+def test_unknown_weight_name_is_reported(engine: SGLangEngine) -> None:
+    with pytest.raises(EngineError, match=r"unknown weight name model\.bogus"):
+        engine.update_weights([("model.bogus", torch.zeros(2))], version=1)
+
+
+def test_generate_before_any_weights_is_refused(engine: SGLangEngine) -> None:
+    assert engine.weight_version() is None
+    with pytest.raises(EngineError, match="no weights"):
+        engine.generate([[1, 2]], {"max_new_tokens": 2})
+
+
+def test_lifecycle_sequence(engine: SGLangEngine, server: SGLangStandIn) -> None:
+    engine.wait_until_ready(timeout_s=2)
+    for version in (1, 2):
+        assert engine.is_idle()
+        engine.release(ALL)  # rollout done: hand the GPU to the trainer
+        engine.resume(frozenset({EngineMemory.WEIGHTS}))  # trainer params still resident: weights only
+        with pytest.raises(EngineError, match=r"released|no weights"):
+            engine.generate([[1]], {"max_new_tokens": 1})
+        report = push_in_buckets(tensors(seed=version), engine, version, bucket_bytes=600)
+        assert report.buckets == 3 and report.tensors == len(WEIGHTS)
+        engine.resume(frozenset({EngineMemory.KV_CACHE, EngineMemory.CUDA_GRAPH}))  # trainer params dropped
+        engine.flush_cache()
+        assert engine.weight_version() == version
+        (out,) = engine.generate([[5, 6, 7]], {"max_new_tokens": 3, "temperature": 1.0})
+        assert len(out.token_ids) == len(out.logprobs) == 3 and out.weight_version == str(version)
+    for name, tensor in tensors(seed=2):
+        assert torch.equal(server.state.loaded[name], tensor)
+    assert len(server.state.buckets) == 6
+
+
+def test_payload_globals_outside_sglangs_allowlist_are_refused(engine: SGLangEngine) -> None:
+    payload = serialize({"flattened_tensor": torch.zeros(4, dtype=torch.uint8), "metadata": [Generation([], [])]})
+    body = {"serialized_named_tensors": [payload], "load_format": "flattened_bucket"}
+    with pytest.raises(EngineError, match=r"Blocked unsafe global \(orchestrator\.adapters\.sglang\.Generation\)"):
+        engine._call("POST", "/update_weights_from_tensor", body)
