@@ -149,10 +149,6 @@ class Lifecycle:
         return self._model.state
 
     @property
-    def step_number(self) -> int:
-        return self._t.step
-
-    @property
     def weight_version(self) -> int:
         return self._t.weight_version
 
