@@ -94,7 +94,7 @@ def regions_for(trainer: MegatronTrainer) -> Any:
     if torch.cuda.is_available():
         from orchestrator.adapters.tms import TorchMemorySaverRegions
 
-        return TorchMemorySaverRegions(trainer.region_tensors())
+        return TorchMemorySaverRegions(trainer.region_tensors)
     return StorageRegions(trainer.region_tensors)
 
 

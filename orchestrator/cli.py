@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 
 from orchestrator import diagram
+from orchestrator.config import Device, EngineKind
 from orchestrator.errors import ConfigError, TraceError
 from states import Mode
 
@@ -75,16 +76,30 @@ def diagram_command(
 @app.command("run")
 def run_command(
     steps: Annotated[int, typer.Option(help="Training steps, each one full cycle.")] = 30,
-    ranks: Annotated[int, typer.Option(help="Trainer ranks; more than 1 runs them as Ray actors.")] = 2,
+    ranks: Annotated[
+        int | None,
+        typer.Option(
+            help="Trainer ranks; more than 1 runs them as Ray actors.", show_default="2; 1 with --device cuda"
+        ),
+    ] = None,
     mode: Annotated[RunMode, typer.Option(help="How params survive the rollout.")] = RunMode.REMATERIALIZE,
     verify_cycles: Annotated[int, typer.Option(help="Check the first N restores bit-identical.")] = 2,
     seed: Annotated[int, typer.Option(help="Seed for the task and the sampling.")] = 0,
+    device: Annotated[Device, typer.Option(help="Where the ranks train: cuda takes this machine's GPU.")] = Device.CPU,
+    engine: Annotated[
+        EngineKind, typer.Option(help="transformers: started by the job; sglang: running servers.")
+    ] = EngineKind.TRANSFORMERS,
+    engine_url: Annotated[
+        list[str] | None,
+        typer.Option(metavar="URL", help="An SGLang server (repeat for several), e.g. http://127.0.0.1:30000."),
+    ] = None,
     report: Annotated[Path | None, typer.Option(help="Write the run report here, as JSON.")] = None,
     trace_dir: Annotated[Path | None, typer.Option(help="Write OTLP-JSON traces under this folder.")] = None,
     log: Annotated[Path | None, typer.Option(help="Write one JSON log line per transition here.")] = None,
     rank_timeout: Annotated[float, typer.Option(help="Seconds any rank or the engine may take to answer.")] = 120.0,
 ) -> None:
-    """Run the colocated GRPO demo: Megatron-core ranks and a transformers engine on this machine."""
+    """Run the colocated GRPO demo: Megatron-core ranks and a rollout engine, one full cycle per step."""
+    from orchestrator.job import RunConfig
     from orchestrator.run import run
 
     for path, what in ((report, "--report"), (log, "--log")):
@@ -93,21 +108,20 @@ def run_command(
     if trace_dir is not None and trace_dir.exists() and not trace_dir.is_dir():
         _fail(f"--trace-dir {trace_dir}: exists and is not a folder")
     try:
-        code = run(
+        config = RunConfig(
             steps=steps,
-            ranks=ranks,
+            ranks=ranks if ranks is not None else (1 if device is Device.CUDA else 2),
             mode=Mode(mode.value),
             verify_cycles=verify_cycles,
             seed=seed,
-            report_path=report,
-            trace_dir=trace_dir,
-            log_path=log,
             rank_timeout_s=rank_timeout,
-            console=Console(),
-            err=err,
+            device=device,
+            engine=engine,
+            engine_urls=tuple(engine_url or ()),
         )
     except ConfigError as exc:
         _fail(str(exc), code=2)
+    code = run(config, report_path=report, trace_dir=trace_dir, log_path=log, console=Console(), err=err)
     raise typer.Exit(code)
 
 

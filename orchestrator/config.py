@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from guards.config import violations
 from guards.verdict import Verdict
@@ -35,3 +36,17 @@ class LifecycleConfig:
             problems.append(f"rank must be >= 0, got {self.rank}")
         if problems:
             raise ConfigError(problems)
+
+
+class EngineKind(StrEnum):
+    """The rollout engine of `colocate run`."""
+
+    TRANSFORMERS = "transformers"  # a Hugging Face Llama the job starts itself
+    SGLANG = "sglang"  # running SGLang servers, one --engine-url each
+
+
+class Device(StrEnum):
+    """Where the trainer ranks of `colocate run` train."""
+
+    CPU = "cpu"
+    CUDA = "cuda"

@@ -7,24 +7,31 @@ Every step walks the whole cycle through the controller, and nothing else moves 
 The trainer is real Megatron-core (DDP + DistributedOptimizer over gloo), the engine is a real
 Hugging Face Llama that receives the trained weights each step, and the policy learns a small
 verifiable task, which it could not if the weights did not arrive.
+
+On a GPU (`device="cuda"`) the rank trains over NCCL with torch_memory_saver regions. The engine
+is then either the same Llama on that GPU or running SGLang servers (`engine="sglang"`, one URL
+each), which receive the weights by CUDA IPC from the rank's own memory.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-from orchestrator.config import LifecycleConfig
+from orchestrator.adapters.sglang import SGLangGroup, url_problems
+from orchestrator.config import Device, EngineKind, LifecycleConfig
 from orchestrator.errors import ConfigError, LifecycleError
 from orchestrator.grpo import GRPOConfig, SyntheticTask, group_advantages
 from orchestrator.lifecycle import Lifecycle
 from orchestrator.listeners import Listener
+from orchestrator.protocols import RolloutEngine
 from orchestrator.ranks import (
     RANK_TIMEOUT_S,
     Batch,
@@ -36,7 +43,26 @@ from orchestrator.ranks import (
     WorkerTransport,
 )
 from orchestrator.report import ReportListener, RunReport
+from orchestrator.transport import Named
 from states import Mode
+
+
+class JobEngine(RolloutEngine, Protocol):
+    """What the job asks of its engine beyond the lifecycle's `RolloutEngine`."""
+
+    def update_weights(self, named: Sequence[Named], version: int) -> int: ...
+
+    def generate(
+        self, prompts: torch.Tensor, *, max_new_tokens: int, temperature: float, seed: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Completions of exactly `max_new_tokens` per prompt row, and each token's log-probability."""
+        ...
+
+    def digests(self) -> dict[str, str] | None:
+        """A digest per engine weight; None where the engine cannot report its weights."""
+        ...
+
+    def flush_traces(self) -> None: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,10 +74,21 @@ class RunConfig:
     seed: int = 0
     bucket_bytes: int = 1 << 20
     rank_timeout_s: float = RANK_TIMEOUT_S
+    device: Device = Device.CPU
+    engine: EngineKind = EngineKind.TRANSFORMERS
+    engine_urls: tuple[str, ...] = ()
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
 
     def __post_init__(self) -> None:
         problems = []
+        if self.engine is EngineKind.SGLANG:
+            problems += url_problems(self.engine_urls)
+        if self.engine is EngineKind.TRANSFORMERS and self.engine_urls:
+            problems.append("--engine-url is for --engine sglang; the transformers engine runs in this job")
+        if self.device is Device.CUDA and self.ranks > 1:
+            problems.append(
+                f"--device cuda runs one rank (got --ranks {self.ranks}): several GPU ranks are not built yet"
+            )
         if self.steps < 1:
             problems.append(f"--steps must be at least 1, got {self.steps}")
         if self.ranks < 1:
@@ -76,7 +113,7 @@ class StepOutcome:
     step: int
     reward_mean: float
     loss: float
-    engine_matches_trainer: bool
+    engine_matches_trainer: bool | None
 
 
 def _free_port() -> int:
@@ -116,17 +153,28 @@ class ColocatedJob:
     def _trace_file(self, role: str) -> str | None:
         return str(self.trace_dir / f"{role}.otlp.jsonl") if self.trace_dir is not None else None
 
-    def _start(self) -> tuple[Ranks, EngineClient]:
+    def _start(self) -> tuple[Ranks, JobEngine]:
         cfg, grpo = self.config, self.config.grpo
+        if cfg.device is Device.CPU:
+            os.environ["CUDA_VISIBLE_DEVICES"] = ""  # this process and its Ray actors: ranks never see a GPU
+        sglang = None
+        if cfg.engine is EngineKind.SGLANG:
+            # Before any rank starts: an unreachable server fails the run at once, by its URL.
+            sglang = SGLangGroup(cfg.engine_urls, read_timeout_s=cfg.rank_timeout_s)
+            sglang.connect()
         port = _free_port()
-        if cfg.ranks > 1:
-            return self._start_ray(port)
-        # One process: the driver's tracer provider serves the rank and the engine too.
-        worker = RankWorker(0, 1, port, grpo.model, grpo.clip_eps, threads=torch.get_num_threads())
-        engine = EngineWorker(grpo.model, **self._engine_args())
-        return Ranks([worker], remote=False), EngineClient(engine, remote=False)
+        if cfg.ranks == 1:
+            # One process: the driver's tracer provider serves the rank and the engine too.
+            threads = torch.get_num_threads()
+            worker = RankWorker(0, 1, port, grpo.model, grpo.clip_eps, threads=threads, device=cfg.device)
+            ranks = Ranks([worker], remote=False)
+            return ranks, sglang or EngineClient(EngineWorker(grpo.model, **self._engine_args()), remote=False)
+        ranks, placed = self._start_ray(port, engine_bundle=sglang is None)
+        return ranks, sglang or self._engine_actor(placed(cfg.ranks))
 
-    def _start_ray(self, port: int) -> tuple[Ranks, EngineClient]:
+    def _start_ray(self, port: int, *, engine_bundle: bool) -> tuple[Ranks, Callable[[int], dict[str, Any]]]:
+        """Ranks as Ray actors in one placement group (one bundle each, and one for the transformers
+        engine if `engine_bundle`); returns them and the actor options for bundle `i`."""
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -135,7 +183,7 @@ class ColocatedJob:
 
         cfg, grpo = self.config, self.config.grpo
         self._shutdown = start_ray(cfg.ranks)
-        group = placement_group([{"CPU": 1}] * (cfg.ranks + 1), strategy="PACK")
+        group = placement_group([{"CPU": 1}] * (cfg.ranks + engine_bundle), strategy="PACK")
         ray.get(group.ready(), timeout=cfg.rank_timeout_s)
 
         def placed(index: int) -> dict[str, Any]:
@@ -149,14 +197,21 @@ class ColocatedJob:
             )
             for r in range(cfg.ranks)
         ]
-        actor = (
-            ray.remote(EngineWorker)
-            .options(**placed(cfg.ranks))
-            .remote(grpo.model, **self._engine_args(), own_process=True, trace_file=self._trace_file("engine"))
-        )
         ranks = Ranks(workers, remote=True, timeout=cfg.rank_timeout_s)
         ranks.call("ready")
-        return ranks, EngineClient(actor, remote=True, timeout=cfg.rank_timeout_s)
+        return ranks, placed
+
+    def _engine_actor(self, options: dict[str, Any]) -> EngineClient:
+        import ray
+
+        actor = (
+            ray.remote(EngineWorker)
+            .options(**options)
+            .remote(
+                self.config.grpo.model, **self._engine_args(), own_process=True, trace_file=self._trace_file("engine")
+            )
+        )
+        return EngineClient(actor, remote=True, timeout=self.config.rank_timeout_s)
 
     def run_step(self) -> StepOutcome:
         """One colocated step: sync the trained weights, roll out, restore, train on the rollout."""
@@ -172,14 +227,18 @@ class ColocatedJob:
             loss = lc.train(lambda: self.group.train(batch))
         current = self.report.steps[-1]
         current.reward_mean, current.loss, current.engine_matches_trainer = reward, loss, matches
-        self.report.engine_matches_trainer &= matches
+        if matches is not None:
+            self.report.engine_matches_trainer = self.report.engine_matches_trainer is not False and matches
         self.report.host_pinned_bytes_per_rank = self.group.host_pinned_bytes()
         return StepOutcome(self._step, reward, loss, matches)
 
-    def engine_matches_trainer(self) -> bool:
-        """The engine's weights, digest for digest, against rank 0's converted weights."""
-        trainer = self.group.ranks.call("converted_digests", only=0)[0]
-        return bool(self.engine.digests() == trainer)
+    def engine_matches_trainer(self) -> bool | None:
+        """The engine's weights, digest for digest, against rank 0's converted weights (None: the
+        engine cannot report its weights, so nothing was compared)."""
+        engine = self.engine.digests()
+        if engine is None:
+            return None
+        return bool(engine == self.group.ranks.call("converted_digests", only=0)[0])
 
     def _rollout(self) -> tuple[Batch, float]:
         grpo = self.config.grpo
@@ -199,3 +258,5 @@ class ColocatedJob:
                 with contextlib.suppress(LifecycleError):
                     flush()
         self._shutdown()
+        if isinstance(self.engine, SGLangGroup):
+            self.engine.close()

@@ -93,7 +93,9 @@ class Lifecycle:
         if config.mode is not Mode.TRAIN_ONLY:
             require_restore_coverage(self._layout)
         self.listeners = FanOut(listeners)
-        self._t = _Tracked()
+        # Versions continue from what an attached engine already serves (an earlier job's
+        # weights), so they keep increasing; it still serves nothing of this job's before a sync.
+        self._t = _Tracked(weight_version=(engine.weight_version() or 0) if engine is not None else 0)
         self.last_restore_verified: bool | None = None
         self.fault_cause: BaseException | None = None
         self._rows = {(row.source, row.event): row for row in TABLE}

@@ -98,7 +98,11 @@ class Traced:
 
 
 class RankWorker(Traced):
-    """One trainer rank: Megatron-core DDP + DistributedOptimizer, its memory regions, its shard."""
+    """One trainer rank: Megatron-core DDP + DistributedOptimizer, its memory regions, its shard.
+
+    On the CPU: gloo and `StorageRegions`. On a GPU (`device="cuda"`): NCCL and
+    torch_memory_saver regions, which return the device memory and keep the addresses.
+    """
 
     role = "rank"
 
@@ -112,6 +116,7 @@ class RankWorker(Traced):
         threads: int = 1,
         own_process: bool = False,
         trace_file: str | None = None,
+        device: str = "cpu",
     ) -> None:
         os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
         torch.set_num_threads(threads)  # ranks share the host's cores
@@ -123,11 +128,19 @@ class RankWorker(Traced):
         from orchestrator.adapters.megatron_build import build_gpt, init_process_group
         from orchestrator.adapters.storage import StorageRegions
 
+        cuda = device == "cuda"
+        if cuda != torch.cuda.is_available():
+            raise RuntimeError(f"rank {rank}: device {device!r}, but CUDA available is {torch.cuda.is_available()}")
         self.rank, self.world_size, self.model, self.clip_eps = rank, world_size, model, clip_eps
-        init_process_group(rank, world_size, port, seed=model.seed)
+        init_process_group(rank, world_size, port, "nccl" if cuda else "gloo", seed=model.seed)
         self.chunks, self.optimizer = build_gpt(model)
         self.trainer = MegatronTrainer(self.chunks, self.optimizer)
-        self.regions = StorageRegions(self.trainer.region_tensors)
+        if cuda:
+            from orchestrator.adapters.tms import TorchMemorySaverRegions
+
+            self.regions: Any = TorchMemorySaverRegions(self.trainer.region_tensors)
+        else:
+            self.regions = StorageRegions(self.trainer.region_tensors)
 
     def ready(self) -> int:
         return self.rank

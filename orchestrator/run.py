@@ -16,7 +16,7 @@ from orchestrator.listeners import Listener
 from orchestrator.logs import LoggingListener, configure_logging
 from orchestrator.report import RunReport
 from orchestrator.tracing import TracingListener, configure_tracing
-from states import Event, Mode
+from states import Event
 
 SPARK = "▁▂▃▄▅▆▇█"
 
@@ -56,7 +56,11 @@ def summary(report: RunReport, seconds: float) -> Table:
         table.add_row("freed at drop, all ranks", f"{freed[-1]:,} bytes")
     verified = [s.restore_verified for s in report.steps if s.restore_verified is not None]
     table.add_row("restores verified bit-identical", f"{sum(verified)} of {len(verified)} checked")
-    table.add_row("engine matches trainer", str(report.engine_matches_trainer))
+    matches = report.engine_matches_trainer
+    table.add_row(
+        "engine matches trainer",
+        "not checked: the engine cannot report its weights" if matches is None else str(matches),
+    )
     if report.trace_file:
         table.add_row("trace file", report.trace_file)
     return table
@@ -72,23 +76,16 @@ def merge_traces(parts: Path, into: Path) -> None:
 
 
 def run(
+    config: RunConfig,
     *,
-    steps: int,
-    ranks: int,
-    mode: Mode,
-    verify_cycles: int,
-    seed: int,
     report_path: Path | None,
     trace_dir: Path | None,
     log_path: Path | None,
-    rank_timeout_s: float,
     console: Console,
     err: Console,
 ) -> int:
-    """Run the job; returns the exit code. Raises ConfigError before starting anything."""
-    config = RunConfig(
-        steps=steps, ranks=ranks, mode=mode, verify_cycles=verify_cycles, seed=seed, rank_timeout_s=rank_timeout_s
-    )
+    """Run the job; returns the exit code."""
+    steps, ranks, mode = config.steps, config.ranks, config.mode
     run_name = f"colocate-{mode}-{time.strftime('%Y%m%d-%H%M%S')}"
     trace_file = trace_dir / f"{run_name}.otlp.jsonl" if trace_dir else None
     parts = trace_dir / f".{run_name}" if trace_dir else None  # one file per process, merged at the end
@@ -115,7 +112,7 @@ def run(
         task = progress.add_task("starting ranks and engine", total=steps, reward="-")
         try:
             job = ColocatedJob(config, listeners, trace_dir=parts)
-            progress.update(task, description=f"{mode} x{ranks}")
+            progress.update(task, description=f"{mode} x{ranks} {config.device}, {config.engine} engine")
             for _ in range(steps):
                 outcome = job.run_step()
                 progress.update(task, advance=1, reward=f"{outcome.reward_mean:.3f}")
@@ -137,5 +134,6 @@ def run(
         log_file.close()
     if report_path is not None:
         report.write(report_path)
-    console.print(summary(report, time.perf_counter() - start))
+    if report.steps:
+        console.print(summary(report, time.perf_counter() - start))
     return 1 if error else 0

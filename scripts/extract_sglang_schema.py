@@ -6,8 +6,10 @@
 The argument is a wheel, an sdist (.tar.gz) or an unpacked tree holding `sglang/`. The script parses
 `sglang/srt/managers/io_struct.py` with `ast` and records, for every request class colocate sends,
 its fields (inherited ones included), each annotation as source text, and whether it has a default;
-and, from `sglang/srt/utils/common.py`, `SafeUnpickler.ALLOWED_GLOBALS`, the globals SGLang agrees to
-unpickle from a serialized tensor payload.
+from `sglang/srt/utils/common.py`, `SafeUnpickler.ALLOWED_GLOBALS`, the globals SGLang agrees to
+unpickle from a serialized tensor payload; and from `sglang/srt/sampling/sampling_params.py`, the
+fields of `SamplingParams`, the only keys a request's `sampling_params` may hold (SGLang builds
+`SamplingParams(**sampling_params)`, which refuses any other).
 
 Why a checked-in schema rather than an optional `pip install --no-deps sglang` in CI: importing
 sglang needs triton (about 1 GB) at import time, and a full install pins a CUDA torch (about 11 GB,
@@ -28,6 +30,8 @@ from pathlib import Path
 
 IO_STRUCT = "sglang/srt/managers/io_struct.py"
 COMMON = "sglang/srt/utils/common.py"  # SafeUnpickler.ALLOWED_GLOBALS: what a tensor payload may reference
+SAMPLING = "sglang/srt/sampling/sampling_params.py"  # SamplingParams: the keys of `sampling_params`
+SOURCES = (IO_STRUCT, COMMON, SAMPLING)
 DEFAULT_OUT = Path(__file__).resolve().parent.parent / "orchestrator" / "adapters" / "sglang_schema.json"
 
 # The request classes colocate sends, and the route each is posted to (sglang/srt/entrypoints/http_server.py).
@@ -43,23 +47,21 @@ CLASSES: dict[str, str] = {
 }
 
 
-def read_sources(path: Path) -> tuple[str, str, str]:
-    """(io_struct.py source, common.py source, sglang version) from a wheel, an sdist or a directory."""
+def read_sources(path: Path) -> tuple[dict[str, str], str]:
+    """({source path: text} for SOURCES, sglang version) from a wheel, an sdist or a directory."""
     if path.is_dir():
         version = _version_from_text((path / "sglang" / "_version.py").read_text())
-        return (path / IO_STRUCT).read_text(), (path / COMMON).read_text(), version
+        return {name: (path / name).read_text() for name in SOURCES}, version
     if path.suffix == ".whl":
         with zipfile.ZipFile(path) as whl:
             metadata = next(n for n in whl.namelist() if n.endswith(".dist-info/METADATA"))
             version = _version_from_metadata(whl.read(metadata).decode())
-            return whl.read(IO_STRUCT).decode(), whl.read(COMMON).decode(), version
+            return {name: whl.read(name).decode() for name in SOURCES}, version
     with tarfile.open(path) as sdist:
         members = sdist.getnames()
-        io_name = next(n for n in members if n.endswith("/" + IO_STRUCT))
-        common_name = next(n for n in members if n.endswith("/" + COMMON))
         pkg_info = next(n for n in members if n.count("/") == 1 and n.endswith("/PKG-INFO"))
         version = _version_from_metadata(_extract(sdist, pkg_info))
-        return _extract(sdist, io_name), _extract(sdist, common_name), version
+        return {name: _extract(sdist, next(n for n in members if n.endswith("/" + name))) for name in SOURCES}, version
 
 
 def _extract(archive: tarfile.TarFile, name: str) -> str:
@@ -127,8 +129,16 @@ def allowed_globals(common_source: str) -> list[list[str]]:
     raise SystemExit(f"no SafeUnpickler.ALLOWED_GLOBALS in {COMMON}")
 
 
-def extract(source: str, common_source: str, version: str) -> dict[str, object]:
-    tree = ast.parse(source)
+def sampling_fields(sampling_source: str) -> list[str]:
+    """Every field of `SamplingParams`: the keys `SamplingParams(**sampling_params)` accepts."""
+    for node in ast.walk(ast.parse(sampling_source)):
+        if isinstance(node, ast.ClassDef) and node.name == "SamplingParams":
+            return list(_own_fields(node))
+    raise SystemExit(f"no SamplingParams in {SAMPLING}")
+
+
+def extract(sources: dict[str, str], version: str) -> dict[str, object]:
+    tree = ast.parse(sources[IO_STRUCT])
     classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
     missing = sorted(set(CLASSES) - set(classes))
     if missing:
@@ -140,7 +150,8 @@ def extract(source: str, common_source: str, version: str) -> dict[str, object]:
         "classes": {
             name: {"route": route, "fields": class_fields(classes, name)} for name, route in sorted(CLASSES.items())
         },
-        "safe_unpickler_allowed_globals": allowed_globals(common_source),
+        "safe_unpickler_allowed_globals": allowed_globals(sources[COMMON]),
+        "sampling_params_fields": sampling_fields(sources[SAMPLING]),
     }
 
 

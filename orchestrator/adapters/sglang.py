@@ -23,10 +23,19 @@ Routes, as sglang 0.5.23's `sglang/srt/entrypoints/http_server.py` defines them:
   trainer over a group made by `init_weights_update_group` (engines off the trainer's GPUs).
 - `generate`: POST /generate with `input_ids`, `sampling_params`, `return_logprob`.
 
+Every call is a client span `sglang <METHOD> <path>` carrying `server.address`, and its request
+carries the W3C `traceparent` header (SGLang started with `--enable-trace` continues the trace).
+
+`SGLangGroup` is what `colocate run --engine sglang` drives: every server of the job (one per
+`--engine-url`) behind one `RolloutEngine`, and the job's rollout over all of them.
+
 Serialization is SGLang's `MultiprocessingSerializer` wire format, reimplemented here without
 importing sglang: `ForkingPickler` (torch's tensor reductions: CUDA IPC handles on GPU, shared
-memory file descriptors on CPU), then standard base64, one copy per TP rank (each rank
-unpickles only its own, which keeps CUDA IPC refcounts right). As SGLang's patched reductions do,
+memory files on CPU), then standard base64, one copy per TP rank (each rank unpickles only its
+own, which keeps CUDA IPC refcounts right). CPU storages go by shared-memory file *name*
+(torch's `file_system` strategy) for the call: torch's default passes a file descriptor through
+multiprocessing's resource sharer, which answers only processes holding the sender's authkey,
+and a server is no child of the trainer. As SGLang's patched reductions do,
 a CUDA tensor's device index is replaced by the device UUID, so trainer and engine need not agree
 on device numbering; SGLang's receiver patches `rebuild_cuda_tensor` to accept it.
 """
@@ -34,24 +43,30 @@ on device numbering; SGLang's receiver patches `rebuild_cuda_tensor` to accept i
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
+import itertools
+import os
+import re
 import time
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import requests
 import torch
+from opentelemetry import propagate, trace
 from requests.adapters import HTTPAdapter
 from torch.multiprocessing import reductions  # importing it registers torch's reductions with ForkingPickler
 from urllib3.util.retry import Retry
 
-from orchestrator.errors import EngineError
+from orchestrator.errors import ConfigError, EngineError
 from states import EngineMemory
 
-__all__ = ["Generation", "SGLangEngine", "flattened_bucket", "serialize"]
+__all__ = ["Generation", "SGLangEngine", "SGLangGroup", "flattened_bucket", "serialize", "url_problems"]
 
 Named = tuple[str, torch.Tensor]
 _CUDA_DEVICE_ARG = 6  # index of `device` in torch's reduce_tensor args for CUDA tensors (SGLang's patch_torch)
@@ -79,10 +94,42 @@ class _Pickler(ForkingPickler):
         return NotImplemented
 
 
+@contextlib.contextmanager
+def _cpu_storages_by_name() -> Iterator[None]:
+    """Share CPU storages by shared-memory file name for the block (module docstring).
+
+    The first such share starts torch's `torch_shm_manager`, a daemon that inherits stderr and
+    lives as long as any process maps a shared file: a server's, possibly longer than this
+    process. It would hold the caller's stderr pipe open (`colocate run 2>&1 | tee log` would
+    never end), so it is started once with stderr on /dev/null.
+    """
+    strategy = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    try:
+        global _shm_manager_started
+        if not _shm_manager_started:
+            saved = os.dup(2)
+            with open(os.devnull, "wb") as null:
+                os.dup2(null.fileno(), 2)
+            try:
+                ForkingPickler.dumps(torch.empty(1))
+            finally:
+                os.dup2(saved, 2)
+                os.close(saved)
+            _shm_manager_started = True
+        yield
+    finally:
+        torch.multiprocessing.set_sharing_strategy(strategy)
+
+
+_shm_manager_started = False
+
+
 def serialize(obj: object) -> str:
     """SGLang's `MultiprocessingSerializer.serialize(obj, output_str=True)`."""
     buf = io.BytesIO()
-    _Pickler(buf).dump(obj)
+    with _cpu_storages_by_name():
+        _Pickler(buf).dump(obj)
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
@@ -182,10 +229,29 @@ class SGLangEngine:
     # ---- HTTP ------------------------------------------------------------------------------
 
     def _send(self, method: str, path: str, body: Mapping[str, Any] | None = None) -> requests.Response:
-        try:
-            return self._session.request(method, self.name + path, json=body, timeout=self._timeout)
-        except requests.RequestException as exc:
-            raise EngineError(self.name, f"{method} {path}: unreachable: {type(exc).__name__}: {exc}") from exc
+        attributes = {"server.address": self.name, "http.request.method": method}
+        with trace.get_tracer("colocate").start_as_current_span(
+            f"sglang {method} {path.split('?', 1)[0]}", kind=trace.SpanKind.CLIENT, attributes=attributes
+        ) as span:
+            headers: dict[str, str] = {}
+            propagate.inject(headers)
+            try:
+                response = self._session.request(
+                    method, self.name + path, json=body, headers=headers, timeout=self._timeout
+                )
+            except requests.RequestException as exc:
+                raise EngineError(self.name, f"{method} {path}: {self._unreachable(exc)}") from exc
+            span.set_attribute("http.response.status_code", response.status_code)
+            return response
+
+    def _unreachable(self, exc: requests.RequestException) -> str:
+        """Why no answer came, in a few words (urllib3's own text repeats the URL and the retries)."""
+        if isinstance(exc, requests.ConnectTimeout):
+            return f"unreachable: no connection within {self._timeout[0]:g} s"
+        if isinstance(exc, requests.ReadTimeout):
+            return f"no answer within {self._timeout[1]:g} s"
+        errno = re.search(r"\[Errno -?\d+\] ([^'\")]+)", str(exc))
+        return f"unreachable: {errno.group(1).strip()}" if errno else f"{type(exc).__name__}: {exc}"
 
     def _call(self, method: str, path: str, body: Mapping[str, Any] | None = None) -> Any:
         """Send; raise EngineError on an HTTP error or `success: false`; return the JSON body (or None)."""
@@ -332,10 +398,19 @@ class SGLangEngine:
 
     # ---- generation ------------------------------------------------------------------------
 
-    def generate(self, input_ids: Sequence[Sequence[int]], sampling_params: Mapping[str, Any]) -> list[Generation]:
-        """One completion per prompt, with the log-probability of each sampled token."""
+    def generate(
+        self, input_ids: Sequence[Sequence[int]], sampling_params: Mapping[str, Any] | Sequence[Mapping[str, Any]]
+    ) -> list[Generation]:
+        """One completion per prompt, with the log-probability of each sampled token.
+
+        `sampling_params`: one dict for every prompt, or a list of one dict per prompt."""
         prompts = [[int(t) for t in row] for row in input_ids]
-        body = {"input_ids": prompts, "sampling_params": dict(sampling_params), "return_logprob": True}
+        params: dict[str, Any] | list[dict[str, Any]] = (
+            dict(sampling_params) if isinstance(sampling_params, Mapping) else [dict(p) for p in sampling_params]
+        )
+        if isinstance(params, list) and len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
+        body = {"input_ids": prompts, "sampling_params": params, "return_logprob": True}
         result = self._call("POST", "/generate", body)
         if not isinstance(result, list) or len(result) != len(prompts):
             raise EngineError(self.name, f"/generate: expected {len(prompts)} results, got {result!r:.200}")
@@ -354,3 +429,143 @@ class SGLangEngine:
             finish_reason=meta.get("finish_reason"),
             weight_version=meta.get("weight_version"),
         )
+
+
+# ---- every server of a job -------------------------------------------------------------------
+
+
+class SGLangGroup:
+    """Several SGLang servers (data-parallel replicas, one URL each) as one `RolloutEngine`.
+
+    Memory calls, flushes and weight buckets go to every server, concurrently; the version is
+    the one they all serve (servers that disagree are an `EngineError` naming each one's). The
+    rollout splits the prompts into contiguous shares, one per server.
+
+    It implements the job's engine (`orchestrator.job.JobEngine`) too: `generate` takes and
+    returns tensors, and `digests()` is None, since SGLang's HTTP API has no way to read every
+    weight back.
+    """
+
+    def __init__(self, urls: Sequence[str], **engine_options: Any) -> None:
+        problems = url_problems(urls)
+        if problems:
+            raise ConfigError(problems)
+        names = [url.rstrip("/") for url in urls]
+        self.engines = [SGLangEngine(url, **engine_options) for url in urls]
+        self.name = self.engines[0].name if len(self.engines) == 1 else f"sglang[{', '.join(names)}]"
+
+    def _each(self, call: Callable[[SGLangEngine], Any]) -> list[Any]:
+        """`call` on every server at once; results in URL order; the first failure, re-raised."""
+        if len(self.engines) == 1:
+            return [call(self.engines[0])]
+        with ThreadPoolExecutor(len(self.engines), thread_name_prefix="sglang") as pool:
+            return list(pool.map(call, self.engines))
+
+    def connect(self, timeout_s: float = 0.0) -> None:
+        """Check every server answers, waiting up to `timeout_s` for one that is starting.
+
+        An unreachable server is an `EngineError` naming its URL: refused connections fail within a
+        second, and an unroutable host after the connect timeout and its retries."""
+
+        def check(engine: SGLangEngine) -> None:
+            if timeout_s > 0:
+                engine.wait_until_ready(timeout_s)
+            try:
+                engine.weight_version()
+            except EngineError as exc:
+                if "HTTP 404" not in exc.reason:
+                    raise
+                raise EngineError(engine.name, f"{exc.reason}: is this an SGLang 0.5 server?") from exc
+
+        self._each(check)
+        self.weight_version()
+
+    def close(self) -> None:
+        for engine in self.engines:
+            engine.close()
+
+    # ---- the RolloutEngine Protocol --------------------------------------------------------
+
+    def release(self, tags: frozenset[EngineMemory]) -> None:
+        self._each(lambda e: e.release(tags))
+
+    def resume(self, tags: frozenset[EngineMemory]) -> None:
+        self._each(lambda e: e.resume(tags))
+
+    def flush_cache(self) -> None:
+        self._each(SGLangEngine.flush_cache)
+
+    def weight_version(self) -> int | None:
+        versions = dict(zip((e.name for e in self.engines), self._each(SGLangEngine.weight_version), strict=True))
+        if len(set(versions.values())) > 1:
+            raise EngineError(self.name, f"the servers serve different weight versions: {versions}")
+        return next(iter(versions.values()))
+
+    def is_idle(self) -> bool:
+        return all(self._each(SGLangEngine.is_idle))
+
+    # ---- the job's engine ------------------------------------------------------------------
+
+    def update_weights(self, named: Sequence[Named], version: int) -> int:
+        """One bucket to every server; returns the bytes sent to all of them."""
+        return sum(self._each(lambda e: e.update_weights(named, version)))
+
+    def generate(
+        self, prompts: torch.Tensor, *, max_new_tokens: int, temperature: float, seed: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Exactly `max_new_tokens` sampled tokens per prompt row, and their log-probabilities.
+
+        `ignore_eos` keeps every completion at full length, as the trainer's batch needs. Each row
+        gets its own `sampling_seed` (seed + row): SGLang honours it only under
+        `--enable-deterministic-inference`, and a seed shared by a group's identical prompts would
+        make their samples identical there.
+        """
+        rows = prompts.tolist()
+        params = [
+            {
+                "max_new_tokens": max_new_tokens,
+                "min_new_tokens": max_new_tokens,
+                "ignore_eos": True,
+                "temperature": temperature,
+                "sampling_seed": seed + row,
+            }
+            for row in range(len(rows))
+        ]
+        share = dict(zip(self.engines, _shares(len(rows), len(self.engines)), strict=True))
+        per_server = self._each(lambda e: e.generate(rows[share[e]], params[share[e]]) if rows[share[e]] else [])
+        generations = [g for share in per_server for g in share]
+        short = [(i, len(g.token_ids)) for i, g in enumerate(generations) if len(g.token_ids) != max_new_tokens]
+        if short:
+            raise EngineError(
+                self.name, f"{len(short)} completions are not {max_new_tokens} tokens long (row, length): {short[:4]}"
+            )
+        completions = torch.tensor([g.token_ids for g in generations], dtype=torch.int64).reshape(len(rows), -1)
+        logprobs = torch.tensor([g.logprobs for g in generations], dtype=torch.float32).reshape(len(rows), -1)
+        return completions, logprobs
+
+    def digests(self) -> None:
+        """SGLang cannot report its weights in full, so `engine_matches_trainer` is not checked."""
+        return None
+
+    def flush_traces(self) -> None:
+        """The servers export their own spans, if started with `--enable-trace`."""
+
+
+def _shares(rows: int, servers: int) -> list[slice]:
+    """Contiguous, near-equal shares of `rows`, one per server (the first ones take the remainder)."""
+    size, extra = divmod(rows, servers)
+    starts = [i * size + min(i, extra) for i in range(servers + 1)]
+    return [slice(a, b) for a, b in itertools.pairwise(starts)]
+
+
+def url_problems(urls: Sequence[str]) -> list[str]:
+    """What is wrong with a list of server URLs: none, not http(s), or one given twice."""
+    if not urls:
+        return ["--engine sglang needs at least one --engine-url"]
+    problems = [
+        f"--engine-url {url!r}: not an http:// or https:// URL"
+        for url in urls
+        if not url.startswith(("http://", "https://")) or not url.split("://", 1)[1].strip("/")
+    ]
+    names = [url.rstrip("/") for url in urls]
+    return problems + [f"--engine-url {url} given twice" for url in sorted({u for u in names if names.count(u) > 1})]

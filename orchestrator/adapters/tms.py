@@ -6,7 +6,8 @@ Megatron allocates each DDP buffer's `param_data` and `grad_data` in one constru
 re-homes their storages after construction: it frees each storage and reallocates it (same
 size, same storage object, so every param view follows) inside `region(tag)`, where
 torch_memory_saver's `hook_mode="torch"` pool serves the allocation. The optimizer state is
-re-homed into `default` with a CPU backup, so its contents survive a pause.
+re-homed into `default` with a CPU backup, so its contents survive a pause. Storages that
+appear later (Adam moments, at the first optimizer step) are re-homed at the next pause.
 
 Import order: Megatron sets `torch_memory_saver.hook_mode = "torch"` when its inference context
 is imported, which fails once torch_memory_saver is initialised, so Megatron is imported first.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -44,21 +46,30 @@ def _free_device_bytes() -> int:
 class TorchMemorySaverRegions:
     """Implements `orchestrator.protocols.MemoryRegions` on torch_memory_saver.
 
-    Build it once the optimizer state exists (after the first optimizer step): only the
-    storages it re-homes are paused. Bytes reported are the device's free memory before and
-    after, as the driver sees them.
+    `tensors` is called at construction and before every pause: each storage it names is
+    re-homed once, the first time it is seen (a host round trip of its bytes). Bytes reported
+    are the device's free memory before and after, as the driver sees them.
     """
 
-    def __init__(self, tensors: TensorsByTag) -> None:
+    def __init__(self, tensors: Callable[[], TensorsByTag]) -> None:
         if not torch.cuda.is_available():
             raise RuntimeError("torch_memory_saver needs a CUDA device; use StorageRegions on the CPU")
         self._tms = _saver()
+        self._tensors = tensors
+        self._homed: set[int] = set()  # data_ptr of re-homed storages: stable across pause and resume
         self.rehomed_bytes: dict[str, int] = {}
-        for tag, storages in storages_by_tag(tensors).items():
-            self.rehomed_bytes[tag] = sum(s.nbytes() for s in storages)
+        self._rehome_new()
+
+    def _rehome_new(self) -> None:
+        moved = False
+        for tag, storages in storages_by_tag(self._tensors()).items():
             for storage in storages:
-                self._rehome(storage, tag)
-        torch.cuda.empty_cache()  # the pre-re-homing blocks go back to the device
+                if storage.data_ptr() not in self._homed:
+                    self._rehome(storage, tag)
+                    self.rehomed_bytes[tag] = self.rehomed_bytes.get(tag, 0) + storage.nbytes()
+                    moved = True
+        if moved:
+            torch.cuda.empty_cache()  # the pre-re-homing blocks go back to the device
 
     def _rehome(self, storage: torch.UntypedStorage, tag: str) -> None:
         nbytes = storage.nbytes()
@@ -67,11 +78,13 @@ class TorchMemorySaverRegions:
         with self._tms.region(tag=tag, enable_cpu_backup=tag in _KEEP_CONTENTS):
             storage.resize_(nbytes)
         as_bytes(storage).copy_(host)
+        self._homed.add(storage.data_ptr())
 
     def tags(self) -> frozenset[str]:
         return frozenset(r.value for r in Region)
 
     def pause(self, tag: str) -> int:
+        self._rehome_new()
         before = _free_device_bytes()
         self._tms.pause(tag)
         return _free_device_bytes() - before

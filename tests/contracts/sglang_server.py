@@ -1,4 +1,4 @@
-"""A local stand-in for SGLang's HTTP server: its request schemas and documented behaviours, no model.
+"""A local stand-in for SGLang's HTTP server: its request schemas and documented behaviours.
 
 Not an SGLang engine. It checks what colocate sends against the request classes recorded in
 `orchestrator/adapters/sglang_schema.json` (extracted from sglang's io_struct.py) and plays the
@@ -14,20 +14,32 @@ behaviours colocate relies on (sglang 0.5.23, design §4):
 - /generate is refused before any weights arrived, and while weights or KV cache are released
   (SGLang would serve garbage: the stand-in flags it).
 - /update_weights_from_tensor payloads are really deserialized: base64, then an unpickler limited
-  to SGLang's own `SafeUnpickler.ALLOWED_GLOBALS` (recorded in the schema file). With CPU
-  tensors, torch's ForkingPickler reductions share each storage through a file descriptor of
-  shared memory (`rebuild_storage_fd` + `multiprocessing.resource_sharer.DupFd`, the default
-  `file_descriptor` sharing strategy on Linux); the flattened bucket is then rebuilt as SGLang's
+  to SGLang's own `SafeUnpickler.ALLOWED_GLOBALS` (recorded in the schema file). CPU tensors
+  arrive as shared-memory files named in the payload (`rebuild_storage_filename`), so any
+  process can open them; the flattened bucket is then rebuilt as SGLang's
   `FlattenedTensorBucket.reconstruct_tensors` does, and names, shapes, dtypes and values recorded.
+  CUDA tensors travel as CUDA IPC handles whose device is a UUID, mapped back to a local device
+  index as SGLang's patched `rebuild_cuda_tensor` does.
+- `sampling_params` keys are checked against SGLang's `SamplingParams` fields: SGLang builds
+  `SamplingParams(**sampling_params)`, which refuses any other.
+
+By default it has no model: /generate answers with made-up tokens. Given a `TransformersEngine`
+(`model=`, or `--model` when run as a process), it is a server that really serves: the weights it
+receives are loaded into that model, memory calls release and resume it, and /generate samples
+from it. That is what `colocate run --engine sglang` is tested against on machines without SGLang:
+
+    python -m tests.contracts.sglang_server --model [--device cuda]   # prints the URL, then serves
 """
 
 from __future__ import annotations
 
+import argparse
 import base64
 import binascii
 import io
 import json
 import pickle
+import sys
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -37,11 +49,32 @@ from typing import Any
 
 import torch
 
+from states import EngineMemory
+
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "orchestrator" / "adapters" / "sglang_schema.json"
 TAGS = ("weights", "kv_cache", "cuda_graph")
 
 # sglang's SafeUnpickler.ALLOWED_GLOBALS, as extracted from its common.py with the schema.
 ALLOWED_GLOBALS = {tuple(pair) for pair in json.loads(SCHEMA_PATH.read_text())["safe_unpickler_allowed_globals"]}
+SAMPLING_FIELDS = frozenset(json.loads(SCHEMA_PATH.read_text())["sampling_params_fields"])
+_CUDA_DEVICE_ARG = 6  # `device` in torch's rebuild_cuda_tensor args: a UUID on SGLang's wire
+
+
+def _device_index(uuid: str) -> int:
+    for index in range(torch.cuda.device_count()):
+        if str(torch.cuda.get_device_properties(index).uuid) == uuid:
+            return index
+    raise _Refused(f"no local CUDA device has UUID {uuid}")
+
+
+def _rebuild_cuda_tensor(*args: Any) -> torch.Tensor:
+    """SGLang's patch: the sender put the device UUID where torch puts the device index."""
+    from torch.multiprocessing import reductions
+
+    device = args[_CUDA_DEVICE_ARG]
+    if isinstance(device, str):
+        args = (*args[:_CUDA_DEVICE_ARG], _device_index(device), *args[_CUDA_DEVICE_ARG + 1 :])
+    return reductions.rebuild_cuda_tensor(*args)
 
 
 class _Refused(Exception):
@@ -54,6 +87,8 @@ class _SafeUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) not in ALLOWED_GLOBALS:
             raise _Refused(f"Blocked unsafe global ({module}.{name}) during pickle deserialization")
+        if (module, name) == ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"):
+            return _rebuild_cuda_tensor
         return super().find_class(module, name)
 
 
@@ -103,18 +138,26 @@ class StandInState:
     requests: list[tuple[str, Any]] = field(default_factory=list)
     fail_next_update: str | None = None
     paused: str | None = None
+    model: Any = None  # a TransformersEngine that serves, or None (made-up tokens)
 
 
 class SGLangStandIn:
     """`with SGLangStandIn() as server: SGLangEngine(server.url)...`."""
 
-    def __init__(self, *, tp_size: int = 1, weights: Mapping[str, tuple[tuple[int, ...], torch.dtype]] | None = None):
+    def __init__(
+        self,
+        *,
+        tp_size: int = 1,
+        weights: Mapping[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
+        model: Any = None,
+        port: int = 0,
+    ):
         schema = json.loads(SCHEMA_PATH.read_text())
         self.sglang_version: str = schema["sglang_version"]
         self.routes: dict[str, dict[str, Any]] = {c["route"]: c for c in schema["classes"].values()}
-        self.state = StandInState(tp_size=tp_size, weights=weights)
+        self.state = StandInState(tp_size=tp_size, weights=weights, model=model)
         self.lock = threading.Lock()
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
+        self._server = ThreadingHTTPServer(("127.0.0.1", port), _handler(self))
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, args=(0.05,), daemon=True)
 
@@ -149,6 +192,11 @@ class SGLangStandIn:
         missing = sorted(name for name, spec in fields.items() if not spec["has_default"] and name not in body)
         if missing:
             raise _Refused(f"{route}: missing required field(s) {missing}")
+        sampling = body.get("sampling_params") or {}
+        for params in [sampling] if isinstance(sampling, dict) else sampling:
+            unknown = sorted(set(params) - SAMPLING_FIELDS)
+            if unknown:
+                raise _Refused(f"SamplingParams.__init__() got unexpected keyword argument(s) {unknown}")
 
     # ---- routes ----------------------------------------------------------------------------
 
@@ -175,6 +223,8 @@ def _release(server: SGLangStandIn, state: StandInState, body: dict[str, Any]) -
     unknown = sorted(set(tags) - set(TAGS))
     if unknown:
         raise _Refused(f"unknown memory tag(s) {unknown}")
+    if state.model is not None:
+        state.model.release(frozenset(EngineMemory(t) for t in set(tags) - state.released))
     state.released |= set(tags)
     return 200, None
 
@@ -184,6 +234,8 @@ def _resume(server: SGLangStandIn, state: StandInState, body: dict[str, Any]) ->
     not_released = sorted(set(tags) - state.released)
     if not_released:
         raise _Refused(f"KeyError: {not_released} not released")
+    if state.model is not None:
+        state.model.resume(frozenset(EngineMemory(t) for t in tags))
     state.released -= set(tags)
     return 200, None
 
@@ -194,6 +246,8 @@ def _flush(server: SGLangStandIn, state: StandInState, body: Any) -> tuple[int, 
         if state.polls_until_idle <= 0:
             state.in_flight = 0
         return 400, "Flush cache failed: there are running or waiting requests.\n"
+    if state.model is not None:
+        state.model.flush_cache()
     return 200, "Cache flushed.\n"
 
 
@@ -221,6 +275,8 @@ def _update_from_tensor(server: SGLangStandIn, state: StandInState, body: dict[s
     state.buckets.append([(n, tuple(t.shape), t.dtype) for n, t in named])
     if body.get("weight_version") is not None:
         state.weight_version = body["weight_version"]
+    if state.model is not None:
+        state.model.update_weights(named, int(state.weight_version))
     return 200, {"success": True, "message": "Success"}
 
 
@@ -247,9 +303,13 @@ def _generate(server: SGLangStandIn, state: StandInState, body: dict[str, Any]) 
     released = sorted(state.released & {"weights", "kv_cache"})
     if released:
         return 400, {"error": {"message": f"memory released: {released}"}}
-    max_new = int((body.get("sampling_params") or {}).get("max_new_tokens", 4))
+    sampling = body.get("sampling_params") or {}
+    per_row = sampling if isinstance(sampling, list) else [sampling] * len(body["input_ids"])
+    if state.model is not None:
+        return 200, _generate_with(state.model, body["input_ids"], per_row, state)
     results = []
-    for prompt in body["input_ids"]:
+    for prompt, params in zip(body["input_ids"], per_row, strict=True):
+        max_new = int(params.get("max_new_tokens", 4))
         ids = [(sum(prompt) + i) % 97 for i in range(max_new)]
         meta = {
             "output_token_logprobs": [[-0.25 * (i + 1), t, None] for i, t in enumerate(ids)],
@@ -258,6 +318,27 @@ def _generate(server: SGLangStandIn, state: StandInState, body: dict[str, Any]) 
         }
         results.append({"output_ids": ids, "meta_info": meta})
     return 200, results
+
+
+def _generate_with(model: Any, input_ids: list[list[int]], per_row: list[Any], state: StandInState) -> list[Any]:
+    """Sample from the model: every row at full length (`ignore_eos`), seeded by the first row's seed."""
+    first = per_row[0]
+    max_new = int(first.get("max_new_tokens", 128))
+    completions, logprobs = model.generate(
+        torch.tensor(input_ids, dtype=torch.int64),
+        max_new_tokens=max_new,
+        temperature=float(first.get("temperature", 1.0)),
+        seed=int(first.get("sampling_seed") or 0),
+    )
+    results = []
+    for ids, lps in zip(completions.tolist(), logprobs.tolist(), strict=True):
+        meta = {
+            "output_token_logprobs": [[lp, t, None] for lp, t in zip(lps, ids, strict=True)],
+            "finish_reason": {"type": "length", "length": max_new},
+            "weight_version": state.weight_version,
+        }
+        results.append({"output_ids": ids, "meta_info": meta})
+    return results
 
 
 def _pause(server: SGLangStandIn, state: StandInState, body: dict[str, Any]) -> tuple[int, Any]:
@@ -307,6 +388,8 @@ def _handler(server: SGLangStandIn) -> type[BaseHTTPRequestHandler]:
                 status, content = server.handle(method, self.path, body)
             except _Refused as exc:
                 status, content = exc.status, {"object": "error", "message": str(exc), "code": exc.status}
+            except (LookupError, ValueError, RuntimeError) as exc:  # the model refused (EngineError is one)
+                status, content = 400, {"object": "error", "message": f"{type(exc).__name__}: {exc}", "code": 400}
             except json.JSONDecodeError as exc:
                 status, content = 400, {"object": "error", "message": f"invalid JSON: {exc}", "code": 400}
             text = content if isinstance(content, str) else json.dumps(content)
@@ -324,3 +407,27 @@ def _handler(server: SGLangStandIn) -> type[BaseHTTPRequestHandler]:
             self._serve("POST")
 
     return Handler
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Serve the SGLang stand-in until killed; print its URL first.")
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--model", action="store_true", help="serve colocate run's default model")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    args = parser.parse_args(argv)
+    model = None
+    if args.model:
+        from orchestrator.adapters.hf_engine import TransformersEngine
+        from orchestrator.grpo import GRPOConfig
+
+        grpo = GRPOConfig()
+        rows = grpo.prompts_per_step * grpo.group_size
+        model = TransformersEngine(grpo.model, max_batch=rows, max_len=grpo.max_len, device=args.device)
+    with SGLangStandIn(model=model, port=args.port) as server:
+        print(server.url, flush=True)
+        server._thread.join()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -10,14 +10,22 @@ ForkingPickler + base64 format) and are unpickled and rebuilt by the stand-in.
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Iterator
 
 import pytest
 import torch
 
-from orchestrator.adapters.sglang import Generation, SGLangEngine, flattened_bucket, serialize
-from orchestrator.errors import EngineError
+from orchestrator.adapters.sglang import (
+    Generation,
+    SGLangEngine,
+    SGLangGroup,
+    flattened_bucket,
+    serialize,
+    url_problems,
+)
+from orchestrator.errors import ConfigError, EngineError
 from orchestrator.protocols import RolloutEngine
 from orchestrator.transport import push_in_buckets
 from states import EngineMemory
@@ -217,3 +225,87 @@ def test_payload_globals_outside_sglangs_allowlist_are_refused(engine: SGLangEng
     body = {"serialized_named_tensors": [payload], "load_format": "flattened_bucket"}
     with pytest.raises(EngineError, match=r"Blocked unsafe global \(orchestrator\.adapters\.sglang\.Generation\)"):
         engine._call("POST", "/update_weights_from_tensor", body)
+
+
+# ---- several servers: SGLangGroup ----------------------------------------------------------------
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[SGLangStandIn, SGLangStandIn]]:
+    with SGLangStandIn(weights=WEIGHTS) as a, SGLangStandIn(weights=WEIGHTS) as b:
+        yield a, b
+
+
+def test_group_fans_memory_weights_and_flushes_out_to_every_server(pair: tuple[SGLangStandIn, ...]) -> None:
+    group = SGLangGroup([s.url for s in pair], flush_max_wait_s=2.0, flush_poll_s=0.01)
+    assert isinstance(group, RolloutEngine) and group.name == f"sglang[{pair[0].url}, {pair[1].url}]"
+    group.connect()
+    group.release(ALL)
+    group.resume(frozenset({EngineMemory.WEIGHTS}))
+    sent_bytes = group.update_weights(tensors(), version=1)
+    group.resume(frozenset({EngineMemory.KV_CACHE, EngineMemory.CUDA_GRAPH}))
+    pair[1].hold(requests=1, polls=2)  # one server still busy: the group's flush waits for it
+    group.flush_cache()
+    assert group.weight_version() == 1 and group.is_idle()
+    for server in pair:
+        assert not server.state.released and len(server.state.buckets) == 1
+        assert [p for p, _ in server.state.requests].count("/flush_cache") >= 1
+    assert sent_bytes == 2 * sum(t.numel() * t.element_size() for _, t in tensors())
+
+
+def test_group_refuses_servers_that_disagree_on_the_version(pair: tuple[SGLangStandIn, ...]) -> None:
+    SGLangEngine(pair[0].url).update_weights(tensors(), version=3)
+    group = SGLangGroup([s.url for s in pair])
+    with pytest.raises(EngineError, match="different weight versions") as info:
+        group.connect()
+    assert pair[0].url in str(info.value) and pair[1].url in str(info.value)
+
+
+def test_group_generate_splits_rows_in_order_with_a_seed_per_row(pair: tuple[SGLangStandIn, ...]) -> None:
+    group = SGLangGroup([s.url for s in pair])
+    group.update_weights(tensors(), version=1)
+    prompts = torch.arange(15).reshape(5, 3)
+    completions, logprobs = group.generate(prompts, max_new_tokens=4, temperature=1.0, seed=100)
+    assert completions.shape == logprobs.shape == (5, 4)
+    assert completions.dtype == torch.int64 and logprobs.dtype == torch.float32
+    shares = [sent(server, "/generate")[0] for server in pair]
+    assert [len(s["input_ids"]) for s in shares] == [3, 2]  # contiguous, the first takes the remainder
+    assert shares[0]["input_ids"] + shares[1]["input_ids"] == prompts.tolist()
+    params = shares[0]["sampling_params"] + shares[1]["sampling_params"]
+    assert [p["sampling_seed"] for p in params] == [100, 101, 102, 103, 104]
+    assert all(p["max_new_tokens"] == p["min_new_tokens"] == 4 and p["ignore_eos"] for p in params)
+
+
+def test_a_short_completion_is_an_engine_error(pair: tuple[SGLangStandIn, ...]) -> None:
+    """SGLang ends a row early at a stop string or a length limit; the trainer's batch cannot take it."""
+    group = SGLangGroup([pair[0].url])
+    group.update_weights(tensors(), version=1)
+    original = group.engines[0].generate
+    group.engines[0].generate = (
+        lambda ids, params: [  # type: ignore[method-assign]
+            Generation(g.token_ids[:2], g.logprobs[:2]) for g in original(ids, params)
+        ]
+    )
+    with pytest.raises(EngineError, match="not 4 tokens long"):
+        group.generate(torch.ones(2, 3, dtype=torch.int64), max_new_tokens=4, temperature=1.0, seed=0)
+
+
+def test_sampling_params_are_checked_against_sglangs_fields(engine: SGLangEngine) -> None:
+    engine.update_weights(tensors(), version=1)
+    with pytest.raises(EngineError, match=r"unexpected keyword argument\(s\) \['max_tokens'\]"):
+        engine.generate([[1, 2]], {"max_tokens": 2})  # the OpenAI name, not SGLang's
+
+
+@pytest.mark.parametrize(
+    ("urls", "problem"),
+    [
+        ([], "at least one --engine-url"),
+        (["127.0.0.1:30000"], "not an http:// or https:// URL"),
+        (["http://"], "not an http:// or https:// URL"),
+        (["http://a:1", "http://a:1/"], "http://a:1 given twice"),
+    ],
+)
+def test_bad_server_lists_are_config_errors(urls: list[str], problem: str) -> None:
+    assert any(problem in p for p in url_problems(urls))
+    with pytest.raises(ConfigError, match=re.escape(problem)):
+        SGLangGroup(urls)

@@ -59,7 +59,7 @@ def regions_for(trainer: MegatronTrainer) -> Any:
     if CUDA:
         from orchestrator.adapters.tms import TorchMemorySaverRegions
 
-        return TorchMemorySaverRegions(trainer.region_tensors())
+        return TorchMemorySaverRegions(trainer.region_tensors)
     return StorageRegions(trainer.region_tensors)
 
 

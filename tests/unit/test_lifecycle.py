@@ -221,3 +221,21 @@ def test_mode_accepts_its_name_and_rejects_unknown() -> None:
     assert LifecycleConfig(mode="backup").mode is Mode.BACKUP  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="mode must be one of"):
         LifecycleConfig(mode="lazy")  # type: ignore[arg-type]
+
+
+def test_versions_continue_from_what_an_attached_engine_serves() -> None:
+    """An engine still serving an earlier job's version 7: this job pushes 8, and serves nothing before."""
+    rig = make_rig()
+    rig.engine.version = 7
+    lc = Lifecycle(
+        config=rig.lifecycle.config,
+        trainer=rig.trainer,
+        regions=rig.regions,
+        engine=rig.engine,
+        transport=rig.transport,
+    )
+    lc.pause_grads()
+    with pytest.raises(IllegalTransition):
+        lc.rollout()
+    lc.update_weights()
+    assert lc.weight_version == 8 and rig.engine.version == 8

@@ -1,0 +1,83 @@
+"""`colocate run --engine sglang` as a user runs it, against servers that speak SGLang's HTTP API.
+
+No SGLang runs here (it needs a GPU and a CUDA torch). The servers are the contract stand-in
+(tests/contracts/sglang_server.py) in processes of their own, each serving a real transformers
+Llama: they check every request against SGLang's request classes, rebuild the weight buckets
+from SGLang's wire format (shared-memory files here, CUDA IPC on a GPU), load them into the
+model and sample from it. The CLI, the ranks, the lifecycle and `SGLangEngine` are the real ones.
+What this cannot show is SGLang's own behaviour beyond what the stand-in reproduces.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import requests
+
+from tests.e2e.test_cli_run import CYCLE, ROOT, run
+
+pytest.importorskip("megatron.core")
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[list[str]]:
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "tests.contracts.sglang_server", "--model"],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    try:
+        assert all(p.stdout is not None for p in procs)
+        yield [p.stdout.readline().strip() for p in procs if p.stdout is not None]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_an_unreachable_server_fails_the_run_fast_naming_it() -> None:
+    start = time.monotonic()
+    done = run("run", "--engine", "sglang", "--engine-url", "http://127.0.0.1:9", timeout=60)
+    assert done.returncode != 0
+    assert time.monotonic() - start < 30
+    assert "http://127.0.0.1:9" in done.stderr and "unreachable" in done.stderr, done.stderr
+
+
+def test_server_lists_are_checked_before_anything_starts() -> None:
+    done = run("run", "--engine", "sglang", "--engine-url", "localhost:30000", "--engine-url", "http://a:1")
+    assert done.returncode == 2
+    assert "--engine-url 'localhost:30000': not an http:// or https:// URL" in done.stderr
+    done = run("run", "--engine-url", "http://a:1")
+    assert done.returncode == 2 and "--engine-url is for --engine sglang" in done.stderr
+
+
+@pytest.mark.slow
+def test_a_run_against_two_servers_learns_through_sglangs_wire_format(servers: list[str], tmp_path: Path) -> None:
+    report_path = tmp_path / "report.json"
+    urls = [arg for url in servers for arg in ("--engine-url", url)]
+    done = run("run", "--engine", "sglang", *urls, "--steps", "6", "--ranks", "1", "--report", str(report_path))
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(report_path.read_text())
+    steps = report["steps"]
+    assert all(s["phases"] == CYCLE for s in steps)
+    versions = [s["weight_version"] for s in steps]
+    assert versions == sorted(set(versions)) and len(versions) == 6
+    assert [s["restore_verified"] for s in steps[:2]] == [True, True]
+    assert report["engine_matches_trainer"] is None  # SGLang cannot report its weights: not compared
+    assert "not checked" in done.stdout
+    for url in servers:  # both servers got every version
+        assert requests.get(f"{url}/model_info", timeout=5).json()["weight_version"] == str(versions[-1])
+    rewards = [s["reward_mean"] for s in steps]
+    assert sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2 + 0.03, rewards  # the policy learns: the weights arrive
