@@ -25,8 +25,7 @@ from typing import Any, Protocol
 
 import torch
 
-from orchestrator.adapters.sglang import SGLangGroup, url_problems
-from orchestrator.config import Device, EngineKind, LifecycleConfig
+from orchestrator.config import Device, EngineKind, LifecycleConfig, url_problems
 from orchestrator.errors import ConfigError, LifecycleError
 from orchestrator.grpo import GRPOConfig, SyntheticTask, group_advantages
 from orchestrator.lifecycle import Lifecycle
@@ -131,6 +130,7 @@ class ColocatedJob:
         self.task = SyntheticTask(config.grpo.task)
         self._generator = torch.Generator().manual_seed(config.seed)
         self._shutdown: Callable[[], None] = lambda: None
+        self._close_engine: Callable[[], None] = lambda: None
         ranks, self.engine = self._start()
         self.group = RankGroup(ranks)
         self.report = RunReport(mode=config.mode.value, ranks=config.ranks)
@@ -159,8 +159,11 @@ class ColocatedJob:
             os.environ["CUDA_VISIBLE_DEVICES"] = ""  # this process and its Ray actors: ranks never see a GPU
         sglang = None
         if cfg.engine is EngineKind.SGLANG:
+            from orchestrator.adapters.sglang import SGLangGroup  # requests: the sglang extra
+
             # Before any rank starts: an unreachable server fails the run at once, by its URL.
             sglang = SGLangGroup(cfg.engine_urls, read_timeout_s=cfg.rank_timeout_s)
+            self._close_engine = sglang.close
             sglang.connect()
         port = _free_port()
         if cfg.ranks == 1:
@@ -258,5 +261,4 @@ class ColocatedJob:
                 with contextlib.suppress(LifecycleError):
                     flush()
         self._shutdown()
-        if isinstance(self.engine, SGLangGroup):
-            self.engine.close()
+        self._close_engine()

@@ -22,6 +22,7 @@ import inspect
 from collections.abc import Sequence
 
 import torch
+import transformers
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import Cache, StaticLayer
 
@@ -72,10 +73,13 @@ def _sample(logits: torch.Tensor, temperature: float, generator: torch.Generator
 
 
 def _build_model(config: LlamaConfig, device: torch.device) -> LlamaForCausalLM:
-    # transformers 5 renamed forward's `past_key_values` to `cache`; an older build would take
-    # `cache` into **kwargs and silently decode every token without its context.
+    # transformers 5.x renamed forward's `past_key_values` to `cache` (5.17 lacks it, 5.24 has it);
+    # an older build would take `cache` into **kwargs and decode every token without its context.
     if "cache" not in inspect.signature(LlamaForCausalLM.forward).parameters:
-        raise ImportError("TransformersEngine needs transformers >= 5 (forward's `cache` argument)")
+        raise ImportError(
+            f"TransformersEngine needs a transformers whose LlamaForCausalLM.forward takes `cache` "
+            f"(5.24 does); this is {transformers.__version__}"
+        )
     with device:  # built in place: no copy of throwaway weights from the host
         model = AutoModelForCausalLM.from_config(config)  # params in config.dtype; RoPE buffers stay fp32
     if not isinstance(model, LlamaForCausalLM):

@@ -63,10 +63,11 @@ from requests.adapters import HTTPAdapter
 from torch.multiprocessing import reductions  # importing it registers torch's reductions with ForkingPickler
 from urllib3.util.retry import Retry
 
+from orchestrator.config import url_problems
 from orchestrator.errors import ConfigError, EngineError
 from states import EngineMemory
 
-__all__ = ["Generation", "SGLangEngine", "SGLangGroup", "flattened_bucket", "serialize", "url_problems"]
+__all__ = ["Generation", "SGLangEngine", "SGLangGroup", "flattened_bucket", "serialize"]
 
 Named = tuple[str, torch.Tensor]
 _CUDA_DEVICE_ARG = 6  # index of `device` in torch's reduce_tensor args for CUDA tensors (SGLang's patch_torch)
@@ -556,16 +557,3 @@ def _shares(rows: int, servers: int) -> list[slice]:
     size, extra = divmod(rows, servers)
     starts = [i * size + min(i, extra) for i in range(servers + 1)]
     return [slice(a, b) for a, b in itertools.pairwise(starts)]
-
-
-def url_problems(urls: Sequence[str]) -> list[str]:
-    """What is wrong with a list of server URLs: none, not http(s), or one given twice."""
-    if not urls:
-        return ["--engine sglang needs at least one --engine-url"]
-    problems = [
-        f"--engine-url {url!r}: not an http:// or https:// URL"
-        for url in urls
-        if not url.startswith(("http://", "https://")) or not url.split("://", 1)[1].strip("/")
-    ]
-    names = [url.rstrip("/") for url in urls]
-    return problems + [f"--engine-url {url} given twice" for url in sorted({u for u in names if names.count(u) > 1})]

@@ -23,8 +23,8 @@ from orchestrator.adapters.sglang import (
     SGLangGroup,
     flattened_bucket,
     serialize,
-    url_problems,
 )
+from orchestrator.config import url_problems
 from orchestrator.errors import ConfigError, EngineError
 from orchestrator.protocols import RolloutEngine
 from orchestrator.transport import push_in_buckets

@@ -4,32 +4,20 @@ from __future__ import annotations
 
 import contextlib
 import json
-import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from tests.cli import CYCLE, ROOT, colocate, run
 
 pytest.importorskip("megatron.core")
 pytest.importorskip("ray")
 pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.slow
-
-ROOT = Path(__file__).resolve().parents[2]
-CYCLE = ["TRAIN", "GRADS_PAUSED", "WEIGHTS_SYNCED", "PARAMS_DROPPED", "ROLLOUT", "TRAIN"]
-
-
-def colocate(*args: str) -> list[str]:
-    exe = shutil.which("colocate")
-    return [exe, *args] if exe else [sys.executable, "-m", "orchestrator.cli", *args]
-
-
-def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(colocate(*args), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.e2e.test_cli_run import CYCLE, ROOT, run
+from tests.cli import CYCLE, ROOT, run
 
 pytest.importorskip("megatron.core")
 pytest.importorskip("transformers")
@@ -39,8 +39,9 @@ def servers() -> Iterator[list[str]]:
         for _ in range(2)
     ]
     try:
-        assert all(p.stdout is not None for p in procs)
-        yield [p.stdout.readline().strip() for p in procs if p.stdout is not None]
+        urls = [p.stdout.readline().strip() if p.stdout is not None else "" for p in procs]
+        assert all(u.startswith("http://") for u in urls), f"a stand-in server did not start: {urls}"
+        yield urls
     finally:
         for p in procs:
             p.kill()

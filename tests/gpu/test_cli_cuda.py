@@ -1,0 +1,84 @@
+"""`colocate run --device cuda` on a GPU: the rank trains over NCCL with torch_memory_saver regions.
+
+Two engines: the transformers Llama on the same GPU, and a server speaking SGLang's HTTP API (the
+contract stand-in, tests/contracts/sglang_server.py, serving a transformers Llama on the GPU in a
+process of its own) that receives every weight bucket as a CUDA IPC handle carrying the device
+UUID, as SGLang's patched torch reductions do. SGLang itself is not installed here.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.cli import CYCLE, ROOT, run
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+STEPS = 12
+
+
+def learned(report: dict) -> bool:
+    rewards = [s["reward_mean"] for s in report["steps"]]
+    return sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.05
+
+
+def check_cycles(report: dict) -> None:
+    steps = report["steps"]
+    assert len(steps) == STEPS and all(s["phases"] == CYCLE for s in steps)
+    assert [s["restore_verified"] for s in steps[:2]] == [True, True]
+    versions = [s["weight_version"] for s in steps]
+    assert versions == sorted(set(versions))
+    assert all(s["bytes_freed_at_drop"] > 0 for s in steps), "torch_memory_saver returned no device memory"
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[str]:
+    pytest.importorskip("transformers")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.contracts.sglang_server", "--model", "--device", "cuda"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        url = proc.stdout.readline().strip()
+        assert url.startswith("http://"), f"the stand-in server did not start (exit {proc.poll()})"
+        yield url
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize("mode", ["rematerialize", "backup"])
+def test_transformers_engine_on_the_gpu(mode: str, tmp_path: Path) -> None:
+    pytest.importorskip("torch_memory_saver")
+    path = tmp_path / "report.json"
+    done = run("run", "--device", "cuda", "--mode", mode, "--steps", str(STEPS), "--report", str(path))
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(path.read_text())
+    check_cycles(report)
+    assert report["engine_matches_trainer"] is True
+    assert learned(report), [s["reward_mean"] for s in report["steps"]]
+
+
+def test_sglang_server_receives_weights_by_cuda_ipc(server: str, tmp_path: Path) -> None:
+    pytest.importorskip("torch_memory_saver")
+    path = tmp_path / "report.json"
+    done = run(
+        "run", "--device", "cuda", "--engine", "sglang", "--engine-url", server,
+        "--steps", str(STEPS), "--report", str(path),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(path.read_text())
+    check_cycles(report)
+    assert learned(report), [s["reward_mean"] for s in report["steps"]]
