@@ -125,6 +125,34 @@ def run_command(
     raise typer.Exit(code)
 
 
+@app.command("engine-config")
+def engine_config_command(
+    folder: Annotated[Path, typer.Argument(help="Where to write config.json (created if missing).")],
+    force: Annotated[bool, typer.Option(help="Replace an existing config.json.")] = False,
+) -> None:
+    """Write the Hugging Face config of the model `colocate run` trains, for an SGLang server to load.
+
+    Start the server with `--load-format dummy`: colocate sends every weight before the first rollout.
+    """
+    from orchestrator.convert import hf_llama_config
+    from orchestrator.grpo import GRPOConfig
+
+    target = folder / "config.json"
+    if target.exists() and not force:
+        _fail(f"{target} exists; pass --force to replace it")
+    if folder.exists() and not folder.is_dir():
+        _fail(f"{folder}: exists and is not a folder")
+    try:
+        hf_llama_config(GRPOConfig().model).save_pretrained(folder)
+    except OSError as exc:
+        _fail(f"cannot write {target}: {exc.strerror or exc}")
+    err.print(f"{target}: written. Serve it with")
+    typer.echo(
+        f"python -m sglang.launch_server --model-path {folder} --load-format dummy --skip-tokenizer-init "
+        "--enable-memory-saver --port 30000"
+    )
+
+
 trace_app = typer.Typer(
     help="Read OTLP-JSON trace files back: a table per lifecycle phase, a picture per step.", no_args_is_help=True
 )

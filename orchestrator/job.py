@@ -159,7 +159,12 @@ class ColocatedJob:
             os.environ["CUDA_VISIBLE_DEVICES"] = ""  # this process and its Ray actors: ranks never see a GPU
         sglang = None
         if cfg.engine is EngineKind.SGLANG:
-            from orchestrator.adapters.sglang import SGLangGroup  # requests: the sglang extra
+            try:
+                from orchestrator.adapters.sglang import SGLangGroup
+            except ImportError as exc:
+                raise ConfigError(
+                    [f"--engine sglang needs the sglang extra (pip install -e '.[sglang]'): {exc}"]
+                ) from exc
 
             # Before any rank starts: an unreachable server fails the run at once, by its URL.
             sglang = SGLangGroup(cfg.engine_urls, read_timeout_s=cfg.rank_timeout_s)

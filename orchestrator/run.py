@@ -28,9 +28,9 @@ def sparkline(values: list[float]) -> str:
 
 
 def summary(report: RunReport, seconds: float) -> Table:
-    rewards = [s.reward_mean for s in report.steps]
+    rewards = [s.reward_mean for s in report.steps if s.loss is not None]  # steps that finished
     table = Table(
-        title=f"colocate run: {report.mode}, {report.ranks} rank(s), {len(report.steps)} steps, {seconds:.0f} s"
+        title=f"colocate run: {report.mode}, {report.ranks} rank(s), {len(rewards)} steps done, {seconds:.0f} s"
     )
     table.add_column("what")
     table.add_column("value", overflow="fold")

@@ -24,11 +24,13 @@ behaviours colocate relies on (sglang 0.5.23, design §4):
   `SamplingParams(**sampling_params)`, which refuses any other.
 
 By default it has no model: /generate answers with made-up tokens. Given a `TransformersEngine`
-(`model=`, or `--model` when run as a process), it is a server that really serves: the weights it
-receives are loaded into that model, memory calls release and resume it, and /generate samples
-from it. That is what `colocate run --engine sglang` is tested against on machines without SGLang:
+(`model=`, or `--model-path` when run as a process), it is a server that really serves: the
+weights it receives are loaded into that model, memory calls release and resume it, and /generate
+samples from it. That is what `colocate run --engine sglang` is tested against on machines
+without SGLang, started as SGLang would be:
 
-    python -m tests.contracts.sglang_server --model [--device cuda]   # prints the URL, then serves
+    colocate engine-config DIR
+    python -m tests.contracts.sglang_server --model-path DIR [--device cuda]   # prints its URL
 """
 
 from __future__ import annotations
@@ -413,17 +415,20 @@ def _handler(server: SGLangStandIn) -> type[BaseHTTPRequestHandler]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Serve the SGLang stand-in until killed; print its URL first.")
     parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--model", action="store_true", help="serve colocate run's default model")
+    parser.add_argument("--model-path", help="a folder with a Llama config.json (`colocate engine-config`) to serve")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = parser.parse_args(argv)
     model = None
-    if args.model:
+    if args.model_path:
+        from transformers import LlamaConfig
+
         from orchestrator.adapters.hf_engine import TransformersEngine
+        from orchestrator.convert import ATTN_IMPLEMENTATION
         from orchestrator.grpo import GRPOConfig
 
-        grpo = GRPOConfig()
-        rows = grpo.prompts_per_step * grpo.group_size
-        model = TransformersEngine(grpo.model, max_batch=rows, max_len=grpo.max_len, device=args.device)
+        config = LlamaConfig.from_pretrained(args.model_path, attn_implementation=ATTN_IMPLEMENTATION)
+        grpo = GRPOConfig()  # the largest batch `colocate run` sends
+        model = TransformersEngine(config, max_batch=grpo.prompts_per_step * grpo.group_size, device=args.device)
     with SGLangStandIn(model=model, port=args.port) as server:
         print(server.url, flush=True)
         server._thread.join()

@@ -1,8 +1,9 @@
 """`colocate run --engine sglang` as a user runs it, against servers that speak SGLang's HTTP API.
 
 No SGLang runs here (it needs a GPU and a CUDA torch). The servers are the contract stand-in
-(tests/contracts/sglang_server.py) in processes of their own, each serving a real transformers
-Llama: they check every request against SGLang's request classes, rebuild the weight buckets
+(tests/contracts/sglang_server.py) in processes of their own, started as the README starts
+SGLang (on the folder `colocate engine-config` writes), each serving a real transformers Llama:
+they check every request against SGLang's request classes, rebuild the weight buckets
 from SGLang's wire format (shared-memory files here, CUDA IPC on a GPU), load them into the
 model and sample from it. The CLI, the ranks, the lifecycle and `SGLangEngine` are the real ones.
 What this cannot show is SGLang's own behaviour beyond what the stand-in reproduces.
@@ -11,8 +12,6 @@ What this cannot show is SGLang's own behaviour beyond what the stand-in reprodu
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,32 +19,16 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.cli import CYCLE, ROOT, run
+from tests.cli import CYCLE, run, sglang_stand_ins
 
 pytest.importorskip("megatron.core")
 pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
-def servers() -> Iterator[list[str]]:
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "tests.contracts.sglang_server", "--model"],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
-        for _ in range(2)
-    ]
-    try:
-        urls = [p.stdout.readline().strip() if p.stdout is not None else "" for p in procs]
-        assert all(u.startswith("http://") for u in urls), f"a stand-in server did not start: {urls}"
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
+    with sglang_stand_ins(tmp_path_factory.mktemp("model"), count=2) as urls:
         yield urls
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
 
 
 def test_an_unreachable_server_fails_the_run_fast_naming_it() -> None:
@@ -62,6 +45,24 @@ def test_server_lists_are_checked_before_anything_starts() -> None:
     assert "--engine-url 'localhost:30000': not an http:// or https:// URL" in done.stderr
     done = run("run", "--engine-url", "http://a:1")
     assert done.returncode == 2 and "--engine-url is for --engine sglang" in done.stderr
+
+
+def test_engine_config_writes_the_trained_models_llama_config_and_never_overwrites(tmp_path: Path) -> None:
+    from transformers import LlamaConfig
+
+    from orchestrator.convert import hf_llama_config
+    from orchestrator.grpo import GRPOConfig
+
+    done = run("engine-config", str(tmp_path / "model"))
+    assert done.returncode == 0 and "--load-format dummy" in done.stdout, done.stderr
+    written = LlamaConfig.from_pretrained(tmp_path / "model").to_dict()
+    expected = hf_llama_config(GRPOConfig().model).to_dict()
+    keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_key_value_heads", "head_dim", "rope_parameters")
+    assert {k: written[k] for k in keys} == {k: expected[k] for k in keys}
+    before = (tmp_path / "model" / "config.json").read_text()
+    done = run("engine-config", str(tmp_path / "model"))
+    assert done.returncode == 1 and "exists; pass --force" in done.stderr
+    assert (tmp_path / "model" / "config.json").read_text() == before
 
 
 @pytest.mark.slow

@@ -9,15 +9,13 @@ UUID, as SGLang's patched torch reductions do. SGLang itself is not installed he
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.cli import CYCLE, ROOT, run
+from tests.cli import CYCLE, run, sglang_stand_ins
 
 pytestmark = [
     pytest.mark.gpu,
@@ -41,22 +39,10 @@ def check_cycles(report: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[str]:
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     pytest.importorskip("transformers")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.contracts.sglang_server", "--model", "--device", "cuda"],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        url = proc.stdout.readline().strip()
-        assert url.startswith("http://"), f"the stand-in server did not start (exit {proc.poll()})"
+    with sglang_stand_ins(tmp_path_factory.mktemp("model"), device="cuda") as (url,):
         yield url
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 @pytest.mark.parametrize("mode", ["rematerialize", "backup"])
