@@ -43,14 +43,13 @@ on device numbering; SGLang's receiver patches `rebuild_cuda_tensor` to accept i
 from __future__ import annotations
 
 import base64
-import contextlib
 import io
 import itertools
 import os
 import re
 import time
 import types
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
@@ -92,45 +91,45 @@ class _Pickler(ForkingPickler):
             rebuild, args = reductions.reduce_tensor(obj)
             uuid = str(torch.cuda.get_device_properties(args[_CUDA_DEVICE_ARG]).uuid)
             return rebuild, (*args[:_CUDA_DEVICE_ARG], uuid, *args[_CUDA_DEVICE_ARG + 1 :])
+        if isinstance(obj, torch.Tensor):
+            _start_shm_manager_quietly()
         return NotImplemented
-
-
-@contextlib.contextmanager
-def _cpu_storages_by_name() -> Iterator[None]:
-    """Share CPU storages by shared-memory file name for the block (module docstring).
-
-    The first such share starts torch's `torch_shm_manager`, a daemon that inherits stderr and
-    lives as long as any process maps a shared file: a server's, possibly longer than this
-    process. It would hold the caller's stderr pipe open (`colocate run 2>&1 | tee log` would
-    never end), so it is started once with stderr on /dev/null.
-    """
-    strategy = torch.multiprocessing.get_sharing_strategy()
-    torch.multiprocessing.set_sharing_strategy("file_system")
-    try:
-        global _shm_manager_started
-        if not _shm_manager_started:
-            saved = os.dup(2)
-            with open(os.devnull, "wb") as null:
-                os.dup2(null.fileno(), 2)
-            try:
-                ForkingPickler.dumps(torch.empty(1))
-            finally:
-                os.dup2(saved, 2)
-                os.close(saved)
-            _shm_manager_started = True
-        yield
-    finally:
-        torch.multiprocessing.set_sharing_strategy(strategy)
 
 
 _shm_manager_started = False
 
 
+def _start_shm_manager_quietly() -> None:
+    """Start torch's `torch_shm_manager` with stderr on /dev/null, once per process.
+
+    The first CPU storage shared by file name starts that daemon, which inherits stderr and lives
+    as long as any process maps a shared file: a server's, possibly longer than this process. It
+    would hold the caller's stderr pipe open (`colocate run 2>&1 | tee log` would never end).
+    """
+    global _shm_manager_started
+    if _shm_manager_started:
+        return
+    saved = os.dup(2)
+    with open(os.devnull, "wb") as null:
+        os.dup2(null.fileno(), 2)
+    try:
+        ForkingPickler.dumps(torch.empty(1))  # strategy file_system: see serialize()
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+    _shm_manager_started = True
+
+
 def serialize(obj: object) -> str:
-    """SGLang's `MultiprocessingSerializer.serialize(obj, output_str=True)`."""
+    """SGLang's `MultiprocessingSerializer.serialize(obj, output_str=True)`; CPU storages by file
+    name (module docstring)."""
     buf = io.BytesIO()
-    with _cpu_storages_by_name():
+    strategy = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    try:
         _Pickler(buf).dump(obj)
+    finally:
+        torch.multiprocessing.set_sharing_strategy(strategy)
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
@@ -534,7 +533,7 @@ class SGLangGroup:
         ]
         share = dict(zip(self.engines, _shares(len(rows), len(self.engines)), strict=True))
         per_server = self._each(lambda e: e.generate(rows[share[e]], params[share[e]]) if rows[share[e]] else [])
-        generations = [g for share in per_server for g in share]
+        generations = [g for answers in per_server for g in answers]
         short = [(i, len(g.token_ids)) for i, g in enumerate(generations) if len(g.token_ids) != max_new_tokens]
         if short:
             raise EngineError(
