@@ -140,6 +140,10 @@ def flattened_bucket(named: Sequence[Named]) -> dict[str, Any]:
     tensor `name, shape, dtype, start_idx, end_idx, numel` (byte offsets), the fields of SGLang's
     `FlattenedTensorMetadata`. Entries are `types.SimpleNamespace`: SGLang reads them by attribute
     and its SafeUnpickler allows that type; pickling SGLang's own class would need sglang here.
+
+    SGLang rebuilds each tensor as a `view(dtype)` of its byte range, which torch refuses unless
+    the offset is a multiple of the dtype's size (an odd-length bf16 tensor before an fp32 one).
+    So the widest dtypes go first: every offset is then aligned, with no padding.
     """
     if not named:
         raise ValueError("cannot send an empty bucket")
@@ -147,7 +151,7 @@ def flattened_bucket(named: Sequence[Named]) -> dict[str, Any]:
     if len(devices) > 1:
         raise ValueError(f"one bucket, one device: got {sorted(map(str, devices))}")
     chunks, metadata, offset = [], [], 0
-    for name, tensor in named:
+    for name, tensor in sorted(named, key=lambda pair: -pair[1].element_size()):  # stable: same-width order kept
         chunk = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
         metadata.append(
             types.SimpleNamespace(

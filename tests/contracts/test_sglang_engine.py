@@ -29,7 +29,7 @@ from orchestrator.errors import ConfigError, EngineError
 from orchestrator.protocols import RolloutEngine
 from orchestrator.transport import push_in_buckets
 from states import EngineMemory
-from tests.contracts.sglang_server import SCHEMA_PATH, SGLangStandIn
+from tests.contracts.sglang_server import SCHEMA_PATH, SGLangStandIn, reconstruct
 
 pytestmark = pytest.mark.timeout(20)
 
@@ -120,7 +120,8 @@ def test_bucket_arrives_with_names_shapes_dtypes_and_values(engine: SGLangEngine
     named = tensors(seed=3)
     sent_bytes = engine.update_weights(named, version=7)
     assert sent_bytes == sum(t.numel() * t.element_size() for _, t in named)
-    assert server.state.buckets == [[(n, tuple(t.shape), t.dtype) for n, t in named]]
+    assert sorted(server.state.buckets[0]) == sorted((n, tuple(t.shape), t.dtype) for n, t in named)
+    assert len(server.state.buckets) == 1
     for name, tensor in named:
         assert torch.equal(server.state.loaded[name], tensor)
     assert engine.weight_version() == 7
@@ -138,8 +139,22 @@ def test_flattened_bucket_offsets_are_bytes_across_dtypes() -> None:
     bucket = flattened_bucket(tensors())
     meta = bucket["metadata"]
     assert bucket["flattened_tensor"].dtype == torch.uint8
-    assert [(m.start_idx, m.end_idx) for m in meta[:2]] == [(0, 512), (512, 640)]
-    assert meta[2].numel == 8 * 4 and meta[2].dtype == torch.float32
+    assert meta[0].name == "model.norm.weight" and meta[0].dtype == torch.float32  # the widest first
+    assert [(m.start_idx, m.end_idx) for m in meta] == [(0, 32), (32, 544), (544, 672), (672, 1184)]
+
+
+def test_mixed_widths_of_odd_length_are_rebuilt_as_sglang_does() -> None:
+    """An odd-length bf16 tensor before an fp32 one would put the fp32 at an offset SGLang's
+    `view(dtype)` refuses; the bucket orders them so that every offset is aligned."""
+    named = [
+        ("b", torch.arange(3, dtype=torch.bfloat16)),
+        ("f", torch.arange(2, dtype=torch.float32)),
+        ("u", torch.arange(1, dtype=torch.uint8)),
+        ("d", torch.arange(1, dtype=torch.float64)),
+    ]
+    rebuilt = dict(reconstruct(flattened_bucket(named)))
+    for name, tensor in named:
+        assert torch.equal(rebuilt[name], tensor) and rebuilt[name].dtype == tensor.dtype
 
 
 # ---- documented behaviours -------------------------------------------------------------------
