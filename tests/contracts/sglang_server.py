@@ -22,6 +22,10 @@ behaviours colocate relies on (sglang 0.5.23, design §4):
   index as SGLang's patched `rebuild_cuda_tensor` does.
 - `sampling_params` keys are checked against SGLang's `SamplingParams` fields: SGLang builds
   `SamplingParams(**sampling_params)`, which refuses any other.
+- With `join_groups=True`, /init_weights_update_group really joins the trainer's group (as one TP
+  rank) and /update_weights_from_distributed really receives the broadcast, laid out as SGLang's
+  `FlattenedTensorBucket.empty` lays it out (refusing an unaligned offset, as it does).
+  Otherwise both only record what they were sent.
 
 By default it has no model: /generate answers with made-up tokens. Given a `TransformersEngine`
 (`model=`, or `--model-path` when run as a process), it is a server that really serves: the
@@ -38,11 +42,13 @@ from __future__ import annotations
 import argparse
 import base64
 import binascii
+import hashlib
 import io
 import json
 import pickle
 import sys
 import threading
+import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -141,6 +147,8 @@ class StandInState:
     fail_next_update: str | None = None
     paused: str | None = None
     model: Any = None  # a TransformersEngine that serves, or None (made-up tokens)
+    join_groups: bool = False
+    groups: dict[str, Any] = field(default_factory=dict)  # weight-update groups joined
 
 
 class SGLangStandIn:
@@ -153,11 +161,12 @@ class SGLangStandIn:
         weights: Mapping[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
         model: Any = None,
         port: int = 0,
+        join_groups: bool = False,
     ):
         schema = json.loads(SCHEMA_PATH.read_text())
         self.sglang_version: str = schema["sglang_version"]
         self.routes: dict[str, dict[str, Any]] = {c["route"]: c for c in schema["classes"].values()}
-        self.state = StandInState(tp_size=tp_size, weights=weights, model=model)
+        self.state = StandInState(tp_size=tp_size, weights=weights, model=model, join_groups=join_groups)
         self.lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", port), _handler(self))
         self._server.daemon_threads = True
@@ -283,17 +292,64 @@ def _update_from_tensor(server: SGLangStandIn, state: StandInState, body: dict[s
 
 
 def _init_group(server: SGLangStandIn, state: StandInState, body: dict[str, Any]) -> tuple[int, Any]:
+    if state.join_groups:
+        from orchestrator.adapters.sglang import weight_update_group
+
+        state.groups[body["group_name"]] = weight_update_group(
+            backend=body.get("backend", "nccl"),
+            master_address=body["master_address"],
+            master_port=body["master_port"],
+            world_size=body["world_size"],
+            rank=body["rank_offset"],  # the stand-in is one TP rank
+            group_name=body["group_name"],
+            timeout_s=60,
+        )
     return 200, {"success": True, "message": "Succeeded to initialize custom process group."}
+
+
+def _empty_bucket(names: list[str], dtypes: list[str], shapes: list[list[int]]) -> dict[str, Any]:
+    """`FlattenedTensorBucket.empty`: offsets in order, each a multiple of its dtype's size."""
+    metadata, offset = [], 0
+    for name, dtype_name, shape in zip(names, dtypes, shapes, strict=True):
+        dtype = getattr(torch, dtype_name)
+        if offset % dtype.itemsize:
+            raise _Refused(f"Unaligned received tensor {name}: byte offset {offset}, dtype {dtype}")
+        size = torch.Size(shape).numel() * dtype.itemsize
+        metadata.append(
+            types.SimpleNamespace(
+                name=name, shape=torch.Size(shape), dtype=dtype, start_idx=offset, end_idx=offset + size, numel=size
+            )
+        )
+        offset += size
+    return {"flattened_tensor": torch.empty(offset, dtype=torch.uint8), "metadata": metadata}
 
 
 def _update_from_distributed(server: SGLangStandIn, state: StandInState, body: dict[str, Any]) -> tuple[int, Any]:
     names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
+    if state.fail_next_update is not None:
+        message, state.fail_next_update = state.fail_next_update, None
+        return 400, {"success": False, "message": message}
     if not len(names) == len(dtypes) == len(shapes):
         return 400, {"success": False, "message": "names, dtypes and shapes differ in length"}
     bad = [d for d in dtypes if not isinstance(getattr(torch, d, None), torch.dtype)]
     if bad:
         return 400, {"success": False, "message": f"unknown dtype(s) {bad}"}
     state.distributed.append(body)
+    if state.join_groups:
+        group = state.groups.get(body["group_name"])
+        if group is None:
+            raise _Refused(
+                f"Group {body['group_name']} not in {list(state.groups)}: call init_weights_update_group first"
+            )
+        if body.get("load_format") != "flattened_bucket":
+            raise _Refused("the stand-in receives load_format='flattened_bucket' broadcasts only")
+        bucket = _empty_bucket(names, dtypes, shapes)
+        torch.distributed.broadcast(bucket["flattened_tensor"], src=0, group=group)
+        named = reconstruct(bucket)
+        state.loaded.update(named)
+        state.buckets.append([(n, tuple(t.shape), t.dtype) for n, t in named])
+        if state.model is not None:
+            state.model.update_weights(named, int(body["weight_version"]))
     if body.get("weight_version") is not None:
         state.weight_version = body["weight_version"]
     return 200, {"success": True, "message": "Succeeded to update parameter online."}
@@ -343,6 +399,18 @@ def _generate_with(model: Any, input_ids: list[list[int]], per_row: list[Any], s
     return results
 
 
+def _checksums(server: SGLangStandIn, state: StandInState, body: Any) -> tuple[int, Any]:
+    """/weights_checker `checksum` over what was loaded, hashed as SGLang hashes CPU tensors
+    (`tensor_hash`: the first 8 bytes of a SHA256 of the bytes, as 16 hex digits)."""
+    checksums = {name: tensor_checksum(t) for name, t in state.loaded.items()}
+    return 200, {"success": True, "message": "", "ranks": [{"checksums": checksums}]}
+
+
+def tensor_checksum(tensor: torch.Tensor) -> str:
+    data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+    return hashlib.sha256(memoryview(data)).digest()[:8].hex()
+
+
 def _pause(server: SGLangStandIn, state: StandInState, body: dict[str, Any]) -> tuple[int, Any]:
     state.paused = body.get("mode", "abort")
     return 200, {"message": "Generation paused successfully.", "status": "ok"}
@@ -362,6 +430,7 @@ _ROUTES = {
     ("POST", "/update_weights_from_distributed"): _update_from_distributed,
     ("POST", "/generate"): _generate,
     ("POST", "/pause_generation"): _pause,
+    ("POST", "/weights_checker"): _checksums,
     ("POST", "/continue_generation"): _continue,
     ("GET", "/health"): lambda server, state, body: (200, None),
     ("GET", "/model_info"): lambda server, state, body: (200, {"weight_version": state.weight_version}),
@@ -417,6 +486,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--model-path", help="a folder with a Llama config.json (`colocate engine-config`) to serve")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--join-groups", action="store_true", help="really join weight-update groups")
     args = parser.parse_args(argv)
     model = None
     if args.model_path:
@@ -429,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
         config = LlamaConfig.from_pretrained(args.model_path, attn_implementation=ATTN_IMPLEMENTATION)
         grpo = GRPOConfig()  # the largest batch `colocate run` sends
         model = TransformersEngine(config, max_batch=grpo.prompts_per_step * grpo.group_size, device=args.device)
-    with SGLangStandIn(model=model, port=args.port) as server:
+    with SGLangStandIn(model=model, port=args.port, join_groups=args.join_groups) as server:
         print(server.url, flush=True)
         server._thread.join()
     return 0
