@@ -15,6 +15,8 @@ Routes, as sglang 0.5.23's `sglang/srt/entrypoints/http_server.py` defines them:
 - `weight_version`: GET /model_info, key `weight_version`. 0.5.23 has no /get_weight_version
   route (earlier 0.5.x had one); /model_info is where 0.5.23 reports what `weight_version=` set.
   The server's own initial value ("default", or null) reads as None.
+- `server_info`: GET /server_info, the resolved server arguments: `tp_size` (one payload per TP
+  rank) and `enable_memory_saver` (without it a server cannot release memory).
 - `is_idle`: GET /v1/loads?include=core: per DP rank `num_running_reqs` and `num_waiting_reqs`.
   It is a snapshot the schedulers publish each step, so it can lag one step; /flush_cache's 400
   remains the authoritative busy signal.
@@ -329,6 +331,10 @@ class SGLangEngine:
     def continue_generation(self) -> None:
         self._call("POST", "/continue_generation", {})
 
+    def server_info(self) -> dict[str, Any]:
+        """The server's resolved arguments (`tp_size`, `enable_memory_saver`, ...) and version."""
+        return dict(self._call("GET", "/server_info") or {})
+
     def health(self) -> bool:
         """True when /health answers 200; False on any other answer or no answer."""
         try:
@@ -595,20 +601,28 @@ class SGLangGroup:
             return list(pool.map(call, self.engines))
 
     def connect(self, timeout_s: float = 0.0) -> None:
-        """Check every server answers, waiting up to `timeout_s` for one that is starting.
+        """Check every server answers and can serve colocated; take each one's TP size.
 
-        An unreachable server is an `EngineError` naming its URL: refused connections fail within a
-        second, and an unroutable host after the connect timeout and its retries."""
+        Waits up to `timeout_s` for a server that is starting. An unreachable server is an
+        `EngineError` naming its URL: a refused connection fails within a second, an unroutable
+        host after the connect timeout and its retries. A server started without
+        `--enable-memory-saver` is refused: it could not give its memory to the trainer.
+        """
 
         def check(engine: SGLangEngine) -> None:
             if timeout_s > 0:
                 engine.wait_until_ready(timeout_s)
             try:
-                engine.weight_version()
+                info = engine.server_info()
             except EngineError as exc:
                 if "HTTP 404" not in exc.reason:
                     raise
                 raise EngineError(engine.name, f"{exc.reason}: is this an SGLang 0.5 server?") from exc
+            if not info.get("enable_memory_saver"):
+                raise EngineError(
+                    engine.name, "started without --enable-memory-saver: it cannot release memory for the trainer"
+                )
+            engine.tp_size = int(info.get("tp_size") or 1)
 
         self._each(check)
         self.weight_version()

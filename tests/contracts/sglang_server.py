@@ -148,6 +148,7 @@ class StandInState:
     paused: str | None = None
     model: Any = None  # a TransformersEngine that serves, or None (made-up tokens)
     join_groups: bool = False
+    memory_saver: bool = True  # what /server_info reports as enable_memory_saver
     groups: dict[str, Any] = field(default_factory=dict)  # weight-update groups joined
 
 
@@ -434,6 +435,10 @@ _ROUTES = {
     ("POST", "/continue_generation"): _continue,
     ("GET", "/health"): lambda server, state, body: (200, None),
     ("GET", "/model_info"): lambda server, state, body: (200, {"weight_version": state.weight_version}),
+    ("GET", "/server_info"): lambda server, state, body: (
+        200,
+        {"tp_size": state.tp_size, "enable_memory_saver": state.memory_saver, "version": server.sglang_version},
+    ),
     (
         "GET",
         "/v1/loads",

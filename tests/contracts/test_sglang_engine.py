@@ -268,6 +268,18 @@ def test_group_fans_memory_weights_and_flushes_out_to_every_server(pair: tuple[S
     assert sent_bytes == 2 * sum(t.numel() * t.element_size() for _, t in tensors())
 
 
+def test_connect_takes_each_servers_tp_size_and_refuses_one_without_memory_saver() -> None:
+    with SGLangStandIn(tp_size=2) as a, SGLangStandIn() as b:
+        group = SGLangGroup([a.url, b.url])
+        group.connect()
+        assert [e.tp_size for e in group.engines] == [2, 1]
+        group.update_weights(tensors(), version=1)  # two payloads to a, one to b: both accept
+        b.state.memory_saver = False
+        with pytest.raises(EngineError, match="--enable-memory-saver") as info:
+            group.connect()
+        assert info.value.engine == b.url
+
+
 def test_group_refuses_servers_that_disagree_on_the_version(pair: tuple[SGLangStandIn, ...]) -> None:
     SGLangEngine(pair[0].url).update_weights(tensors(), version=3)
     group = SGLangGroup([s.url for s in pair])
