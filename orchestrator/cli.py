@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 
 from orchestrator import diagram
-from orchestrator.config import Device, EngineKind
+from orchestrator.config import Device, EngineKind, WeightSync
 from orchestrator.errors import ConfigError, TraceError
 from states import Mode
 
@@ -93,6 +93,10 @@ def run_command(
         list[str] | None,
         typer.Option(metavar="URL", help="An SGLang server (repeat for several), e.g. http://127.0.0.1:30000."),
     ] = None,
+    weight_sync: Annotated[
+        WeightSync,
+        typer.Option(help="SGLang: tensor (CUDA IPC, servers on the trainer's GPUs) or broadcast (servers off them)."),
+    ] = WeightSync.TENSOR,
     report: Annotated[Path | None, typer.Option(help="Write the run report here, as JSON.")] = None,
     trace_dir: Annotated[Path | None, typer.Option(help="Write OTLP-JSON traces under this folder.")] = None,
     log: Annotated[Path | None, typer.Option(help="Write one JSON log line per transition here.")] = None,
@@ -118,6 +122,7 @@ def run_command(
             device=device,
             engine=engine,
             engine_urls=tuple(engine_url or ()),
+            weight_sync=weight_sync,
         )
     except ConfigError as exc:
         _fail(str(exc), code=2)

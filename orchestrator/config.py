@@ -46,6 +46,13 @@ class EngineKind(StrEnum):
     SGLANG = "sglang"  # running SGLang servers, one --engine-url each
 
 
+class WeightSync(StrEnum):
+    """How `colocate run` moves weights into SGLang servers."""
+
+    TENSOR = "tensor"  # /update_weights_from_tensor: CUDA IPC, servers on the trainer's GPUs
+    BROADCAST = "broadcast"  # /update_weights_from_distributed: a NCCL group, servers off them
+
+
 class Device(StrEnum):
     """Where the trainer ranks of `colocate run` train."""
 

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import torch
 
-from orchestrator.config import Device, EngineKind, LifecycleConfig, url_problems
+from orchestrator.config import Device, EngineKind, LifecycleConfig, WeightSync, url_problems
 from orchestrator.errors import ConfigError, LifecycleError
 from orchestrator.grpo import GRPOConfig, SyntheticTask, group_advantages
 from orchestrator.lifecycle import Lifecycle
@@ -76,6 +76,7 @@ class RunConfig:
     device: Device = Device.CPU
     engine: EngineKind = EngineKind.TRANSFORMERS
     engine_urls: tuple[str, ...] = ()
+    weight_sync: WeightSync = WeightSync.TENSOR
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
 
     def __post_init__(self) -> None:
@@ -84,6 +85,8 @@ class RunConfig:
             problems += url_problems(self.engine_urls)
         if self.engine is EngineKind.TRANSFORMERS and self.engine_urls:
             problems.append("--engine-url is for --engine sglang; the transformers engine runs in this job")
+        if self.engine is EngineKind.TRANSFORMERS and self.weight_sync is WeightSync.BROADCAST:
+            problems.append("--weight-sync broadcast is for --engine sglang")
         if self.device is Device.CUDA and self.ranks > 1:
             problems.append(
                 f"--device cuda runs one rank (got --ranks {self.ranks}): several GPU ranks are not built yet"
@@ -131,6 +134,7 @@ class ColocatedJob:
         self._generator = torch.Generator().manual_seed(config.seed)
         self._shutdown: Callable[[], None] = lambda: None
         self._close_engine: Callable[[], None] = lambda: None
+        self._broadcast = config.weight_sync is WeightSync.BROADCAST
         ranks, self.engine = self._start()
         self.group = RankGroup(ranks)
         self.report = RunReport(mode=config.mode.value, ranks=config.ranks)
@@ -139,7 +143,7 @@ class ColocatedJob:
             trainer=self.group,
             regions=self.group,
             engine=self.engine,
-            transport=WorkerTransport(ranks, self.engine, config.bucket_bytes),
+            transport=WorkerTransport(ranks, None if self._broadcast else self.engine, config.bucket_bytes),
             listeners=[ReportListener(self.report), *listeners],
         )
         layout = self.lifecycle.snapshot().layout
@@ -176,9 +180,14 @@ class ColocatedJob:
             threads = torch.get_num_threads()
             worker = RankWorker(0, 1, port, grpo.model, grpo.clip_eps, threads=threads, device=cfg.device)
             ranks = Ranks([worker], remote=False)
-            return ranks, sglang or EngineClient(EngineWorker(grpo.model, **self._engine_args()), remote=False)
-        ranks, placed = self._start_ray(port, engine_bundle=sglang is None)
-        return ranks, sglang or self._engine_actor(placed(cfg.ranks))
+            engine = sglang or EngineClient(EngineWorker(grpo.model, **self._engine_args()), remote=False)
+        else:
+            ranks, placed = self._start_ray(port, engine_bundle=sglang is None)
+            engine = sglang or self._engine_actor(placed(cfg.ranks))
+        if self._broadcast and sglang is not None:  # rank 0 hosts the servers' weight-update group
+            tp_sizes = [e.tp_size for e in sglang.engines]
+            ranks.call("join_weight_group", list(cfg.engine_urls), tp_sizes, _free_port(), only=0)
+        return ranks, engine
 
     def _start_ray(self, port: int, *, engine_bundle: bool) -> tuple[Ranks, Callable[[int], dict[str, Any]]]:
         """Ranks as Ray actors in one placement group (one bundle each, and one for the transformers

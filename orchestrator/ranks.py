@@ -199,6 +199,18 @@ class RankWorker(Traced):
         """Rank 0 sends every (converted) weight to the engine: with TP = 1 it holds them all."""
         return push_in_buckets(self.converted(), engine, version, bucket_bytes=bucket_bytes)
 
+    def join_weight_group(self, urls: list[str], tp_sizes: list[int], port: int) -> None:
+        """Host SGLang's weight-update group for servers off this rank's GPU (rank 0 of it)."""
+        from orchestrator.adapters.sglang import SGLangEngine, WeightBroadcaster
+
+        engines = [SGLangEngine(url, tp_size=tp) for url, tp in zip(urls, tp_sizes, strict=True)]
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        self.broadcaster = WeightBroadcaster(engines, master_port=port, backend=backend)
+
+    def broadcast_weights(self, version: int, bucket_bytes: int) -> TransferReport:
+        """Rank 0 broadcasts every (converted) weight over the group `join_weight_group` made."""
+        return push_in_buckets(self.converted(), self.broadcaster, version, bucket_bytes=bucket_bytes)
+
     def converted_digests(self) -> dict[str, str]:
         from orchestrator.adapters.digest import sha256_digests
 
@@ -300,12 +312,15 @@ class RankGroup:
 
 
 class WorkerTransport:
-    """WeightTransport: rank 0 pushes its converted weights straight into the engine."""
+    """WeightTransport: rank 0 pushes its converted weights straight into `engine`, or, where
+    `engine` is None, broadcasts them over the group it joined (`RankWorker.join_weight_group`)."""
 
     def __init__(self, ranks: Ranks, engine: Any, bucket_bytes: int) -> None:
         self.ranks, self.engine, self.bucket_bytes = ranks, engine, bucket_bytes
 
     def push(self, version: int) -> TransferReport:
+        if self.engine is None:
+            return self.ranks.call("broadcast_weights", version, self.bucket_bytes, only=0)[0]
         return self.ranks.call("push_weights", self.engine, version, self.bucket_bytes, only=0)[0]
 
 

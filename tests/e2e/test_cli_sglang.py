@@ -83,3 +83,25 @@ def test_a_run_against_two_servers_learns_through_sglangs_wire_format(servers: l
         assert requests.get(f"{url}/model_info", timeout=5).json()["weight_version"] == str(versions[-1])
     rewards = [s["reward_mean"] for s in steps]
     assert sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2 + 0.03, rewards  # the policy learns: the weights arrive
+
+
+@pytest.mark.slow
+def test_a_run_by_broadcast_to_servers_off_the_trainers_device(tmp_path: Path) -> None:
+    """--weight-sync broadcast: rank 0 hosts SGLang's weight-update group (gloo here, NCCL on GPUs)."""
+    with sglang_stand_ins(tmp_path / "model", count=2, join_groups=True) as urls:
+        report_path = tmp_path / "report.json"
+        args = [arg for url in urls for arg in ("--engine-url", url)]
+        args += ["--weight-sync", "broadcast", "--steps", "6", "--ranks", "1", "--report", str(report_path)]
+        done = run("run", "--engine", "sglang", *args)
+        assert done.returncode == 0, done.stdout + done.stderr
+        for url in urls:
+            assert requests.get(f"{url}/model_info", timeout=5).json()["weight_version"] == "6"
+    steps = json.loads(report_path.read_text())["steps"]
+    assert all(s["phases"] == CYCLE for s in steps)
+    rewards = [s["reward_mean"] for s in steps]
+    assert sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2 + 0.03, rewards
+
+
+def test_broadcast_is_for_sglang() -> None:
+    done = run("run", "--weight-sync", "broadcast")
+    assert done.returncode == 2 and "--weight-sync broadcast is for --engine sglang" in done.stderr
