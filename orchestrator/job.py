@@ -87,6 +87,8 @@ class RunConfig:
             problems.append("--engine-url is for --engine sglang; the transformers engine runs in this job")
         if self.engine is EngineKind.TRANSFORMERS and self.weight_sync is WeightSync.BROADCAST:
             problems.append("--weight-sync broadcast is for --engine sglang")
+        if self.device is Device.CUDA and not torch.cuda.is_available():
+            problems.append("--device cuda: no CUDA device is visible to this process")
         if self.device is Device.CUDA and self.ranks > 1:
             problems.append(
                 f"--device cuda runs one rank (got --ranks {self.ranks}): several GPU ranks are not built yet"

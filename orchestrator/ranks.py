@@ -130,7 +130,7 @@ class RankWorker(Traced):
 
         cuda = device == "cuda"
         if cuda != torch.cuda.is_available():
-            raise RuntimeError(f"rank {rank}: device {device!r}, but CUDA available is {torch.cuda.is_available()}")
+            raise RuntimeError(f"rank {rank}: device {device}, but torch.cuda.is_available() is {not cuda}")
         self.rank, self.world_size, self.model, self.clip_eps = rank, world_size, model, clip_eps
         init_process_group(rank, world_size, port, "nccl" if cuda else "gloo", seed=model.seed)
         self.chunks, self.optimizer = build_gpt(model)

@@ -1,0 +1,47 @@
+"""`colocate run`'s configuration: every problem named at once, before anything starts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from orchestrator.config import Device, EngineKind, WeightSync
+from orchestrator.errors import ConfigError
+from orchestrator.job import RunConfig
+
+
+def problems(**fields: object) -> list[str]:
+    with pytest.raises(ConfigError) as caught:
+        RunConfig(**fields)  # type: ignore[arg-type]
+    return [str(v) for v in caught.value.violations]
+
+
+def test_every_engine_problem_is_named_at_once() -> None:
+    found = problems(engine=EngineKind.SGLANG, engine_urls=("localhost:1", "http://a:1", "http://a:1/"))
+    assert found == [
+        "--engine-url 'localhost:1': not an http:// or https:// URL",
+        "--engine-url http://a:1 given twice",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("fields", "problem"),
+    [
+        ({"engine": EngineKind.SGLANG}, "needs at least one --engine-url"),
+        ({"engine_urls": ("http://a:1",)}, "--engine-url is for --engine sglang"),
+        ({"weight_sync": WeightSync.BROADCAST}, "--weight-sync broadcast is for --engine sglang"),
+        ({"device": Device.CUDA, "ranks": 2}, "--device cuda runs one rank (got --ranks 2)"),
+    ],
+)
+def test_refused_combinations(fields: dict[str, object], problem: str) -> None:
+    assert problem in "\n".join(problems(**fields))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is visible")
+def test_cuda_without_a_device_is_refused() -> None:
+    assert "no CUDA device is visible" in "\n".join(problems(device=Device.CUDA, ranks=1))
+
+
+def test_the_defaults_and_an_sglang_config_are_accepted() -> None:
+    RunConfig()
+    RunConfig(engine=EngineKind.SGLANG, engine_urls=("http://127.0.0.1:30000",), weight_sync=WeightSync.BROADCAST)
