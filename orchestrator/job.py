@@ -10,7 +10,8 @@ verifiable task, which it could not if the weights did not arrive.
 
 On a GPU (`device="cuda"`) the rank trains over NCCL with torch_memory_saver regions. The engine
 is then either the same Llama on that GPU or running SGLang servers (`engine="sglang"`, one URL
-each), which receive the weights by CUDA IPC from the rank's own memory.
+each), which receive the weights by CUDA IPC from the rank's own memory, or, off the trainer's
+GPUs (`weight_sync="broadcast"`), over a process group rank 0 hosts.
 """
 
 from __future__ import annotations

@@ -26,6 +26,8 @@ behaviours colocate relies on (sglang 0.5.23, design §4):
   rank) and /update_weights_from_distributed really receives the broadcast, laid out as SGLang's
   `FlattenedTensorBucket.empty` lays it out (refusing an unaligned offset, as it does).
   Otherwise both only record what they were sent.
+- /server_info reports `tp_size` and `enable_memory_saver`; /weights_checker's `checksum` hashes
+  what was loaded as SGLang hashes CPU tensors.
 
 By default it has no model: /generate answers with made-up tokens. Given a `TransformersEngine`
 (`model=`, or `--model-path` when run as a process), it is a server that really serves: the
