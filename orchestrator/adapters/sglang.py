@@ -25,8 +25,9 @@ Routes, as sglang 0.5.23's `sglang/srt/entrypoints/http_server.py` defines them:
   trainer over a group made by `init_weights_update_group` (engines off the trainer's GPUs).
 - `generate`: POST /generate with `input_ids`, `sampling_params`, `return_logprob`.
 
-Every call is a client span `sglang <METHOD> <path>` carrying `server.address`, and its request
-carries the W3C `traceparent` header (SGLang started with `--enable-trace` continues the trace).
+Every POST is a client span `sglang POST <path>` carrying `server.address` (GETs are queries the
+lifecycle makes around every transition, and have none), and every request carries the W3C
+`traceparent` header (SGLang started with `--enable-trace` continues the trace).
 
 `SGLangGroup` is what `colocate run --engine sglang` drives: every server of the job (one per
 `--engine-url`) behind one `RolloutEngine`, and the job's rollout over all of them.
@@ -244,20 +245,25 @@ class SGLangEngine:
     # ---- HTTP ------------------------------------------------------------------------------
 
     def _send(self, method: str, path: str, body: Mapping[str, Any] | None = None) -> requests.Response:
+        """One request. A POST (an action) is a client span; a GET (a query the lifecycle makes
+        around every transition) is not, as it would bury the work."""
+        if method == "GET":
+            return self._request(method, path, body)
         attributes = {"server.address": self.name, "http.request.method": method}
         with trace.get_tracer("colocate").start_as_current_span(
             f"sglang {method} {path.split('?', 1)[0]}", kind=trace.SpanKind.CLIENT, attributes=attributes
         ) as span:
-            headers: dict[str, str] = {}
-            propagate.inject(headers)
-            try:
-                response = self._session.request(
-                    method, self.name + path, json=body, headers=headers, timeout=self._timeout
-                )
-            except requests.RequestException as exc:
-                raise EngineError(self.name, f"{method} {path}: {self._unreachable(exc)}") from exc
+            response = self._request(method, path, body)
             span.set_attribute("http.response.status_code", response.status_code)
             return response
+
+    def _request(self, method: str, path: str, body: Mapping[str, Any] | None) -> requests.Response:
+        headers: dict[str, str] = {}
+        propagate.inject(headers)
+        try:
+            return self._session.request(method, self.name + path, json=body, headers=headers, timeout=self._timeout)
+        except requests.RequestException as exc:
+            raise EngineError(self.name, f"{method} {path}: {self._unreachable(exc)}") from exc
 
     def _unreachable(self, exc: requests.RequestException) -> str:
         """Why no answer came, in a few words (urllib3's own text repeats the URL and the retries)."""

@@ -146,6 +146,7 @@ class StandInState:
     buckets: list[list[tuple[str, tuple[int, ...], torch.dtype]]] = field(default_factory=list)
     distributed: list[dict[str, Any]] = field(default_factory=list)
     requests: list[tuple[str, Any]] = field(default_factory=list)
+    traceparents: list[str | None] = field(default_factory=list)  # one per request
     fail_next_update: str | None = None
     paused: str | None = None
     model: Any = None  # a TransformersEngine that serves, or None (made-up tokens)
@@ -214,10 +215,11 @@ class SGLangStandIn:
 
     # ---- routes ----------------------------------------------------------------------------
 
-    def handle(self, method: str, path: str, body: Any) -> tuple[int, Any]:
+    def handle(self, method: str, path: str, body: Any, traceparent: str | None = None) -> tuple[int, Any]:
         route = path.split("?", 1)[0]
         with self.lock:
             self.state.requests.append((path, body))
+            self.state.traceparents.append(traceparent)
             if route in self.routes:
                 self.validate(route, body)
             handler = _ROUTES.get((method, route))
@@ -464,7 +466,7 @@ def _handler(server: SGLangStandIn) -> type[BaseHTTPRequestHandler]:
             raw = self.rfile.read(length) if length else b""
             try:
                 body = json.loads(raw) if raw else {}
-                status, content = server.handle(method, self.path, body)
+                status, content = server.handle(method, self.path, body, self.headers.get("traceparent"))
             except _Refused as exc:
                 status, content = exc.status, {"object": "error", "message": str(exc), "code": exc.status}
             except (LookupError, ValueError, RuntimeError) as exc:  # the model refused (EngineError is one)

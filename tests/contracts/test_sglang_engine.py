@@ -13,6 +13,7 @@ import json
 import re
 import time
 from collections.abc import Iterator
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -336,3 +337,27 @@ def test_bad_server_lists_are_config_errors(urls: list[str], problem: str) -> No
     assert any(problem in p for p in url_problems(urls))
     with pytest.raises(ConfigError, match=re.escape(problem)):
         SGLangGroup(urls)
+
+
+def test_actions_are_client_spans_and_every_request_carries_the_trace(
+    engine: SGLangEngine, server: SGLangStandIn
+) -> None:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("test")
+    with (
+        patch("orchestrator.adapters.sglang.trace.get_tracer", return_value=tracer),
+        tracer.start_as_current_span("lifecycle.update_weights") as parent,
+    ):
+        engine.release(ALL)
+        engine.weight_version()
+    names = [s.name for s in exporter.get_finished_spans()]
+    assert names == ["sglang POST /release_memory_occupation", "lifecycle.update_weights"]  # the GET has none
+    trace_id = f"{parent.get_span_context().trace_id:032x}"
+    assert len(server.state.traceparents) == 2
+    assert all(tp is not None and tp.split("-")[1] == trace_id for tp in server.state.traceparents)
