@@ -35,6 +35,7 @@ from orchestrator.protocols import RolloutEngine
 from orchestrator.ranks import (
     RANK_TIMEOUT_S,
     Batch,
+    BroadcastTransport,
     EngineClient,
     EngineWorker,
     RankGroup,
@@ -146,7 +147,11 @@ class ColocatedJob:
             trainer=self.group,
             regions=self.group,
             engine=self.engine,
-            transport=WorkerTransport(ranks, None if self._broadcast else self.engine, config.bucket_bytes),
+            transport=(
+                BroadcastTransport(ranks, config.bucket_bytes)
+                if self._broadcast
+                else WorkerTransport(ranks, self.engine, config.bucket_bytes)
+            ),
             listeners=[ReportListener(self.report), *listeners],
         )
         layout = self.lifecycle.snapshot().layout

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from orchestrator.errors import LifecycleError, RankFailed
-from orchestrator.protocols import TransferReport
+from orchestrator.protocols import MemoryRegions, TransferReport
 from orchestrator.transport import Named, push_in_buckets
 from states import EngineMemory, Mode, TrainerLayout
 
@@ -138,7 +138,7 @@ class RankWorker(Traced):
         if cuda:
             from orchestrator.adapters.tms import TorchMemorySaverRegions
 
-            self.regions: Any = TorchMemorySaverRegions(self.trainer.region_tensors)
+            self.regions: MemoryRegions = TorchMemorySaverRegions(self.trainer.region_tensors)
         else:
             self.regions = StorageRegions(self.trainer.region_tensors)
 
@@ -312,16 +312,24 @@ class RankGroup:
 
 
 class WorkerTransport:
-    """WeightTransport: rank 0 pushes its converted weights straight into `engine`, or, where
-    `engine` is None, broadcasts them over the group it joined (`RankWorker.join_weight_group`)."""
+    """WeightTransport: rank 0 pushes its converted weights straight into the engine."""
 
     def __init__(self, ranks: Ranks, engine: Any, bucket_bytes: int) -> None:
         self.ranks, self.engine, self.bucket_bytes = ranks, engine, bucket_bytes
 
     def push(self, version: int) -> TransferReport:
-        if self.engine is None:
-            return self.ranks.call("broadcast_weights", version, self.bucket_bytes, only=0)[0]
         return self.ranks.call("push_weights", self.engine, version, self.bucket_bytes, only=0)[0]
+
+
+class BroadcastTransport:
+    """WeightTransport: rank 0 broadcasts its converted weights over the group it joined
+    (`RankWorker.join_weight_group`), to servers off its GPUs."""
+
+    def __init__(self, ranks: Ranks, bucket_bytes: int) -> None:
+        self.ranks, self.bucket_bytes = ranks, bucket_bytes
+
+    def push(self, version: int) -> TransferReport:
+        return self.ranks.call("broadcast_weights", version, self.bucket_bytes, only=0)[0]
 
 
 class EngineClient:

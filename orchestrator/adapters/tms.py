@@ -57,7 +57,6 @@ class TorchMemorySaverRegions:
         self._tms = _saver()
         self._tensors = tensors
         self._homed: set[int] = set()  # data_ptr of re-homed storages: stable across pause and resume
-        self.rehomed_bytes: dict[str, int] = {}
         self._rehome_new()
 
     def _rehome_new(self) -> None:
@@ -66,7 +65,6 @@ class TorchMemorySaverRegions:
             for storage in storages:
                 if storage.data_ptr() not in self._homed:
                     self._rehome(storage, tag)
-                    self.rehomed_bytes[tag] = self.rehomed_bytes.get(tag, 0) + storage.nbytes()
                     moved = True
         if moved:
             torch.cuda.empty_cache()  # the pre-re-homing blocks go back to the device
