@@ -19,10 +19,14 @@ class LifecycleConfig:
     `verify_cycles`: for the first N drop/restore cycles, digest every param at the drop and
     check the restore against it (2 by default: the second cycle also catches param-gather
     state damage that only shows one step later).
+
+    `recover_idle_timeout_s`: how long `recover` waits for the engine's requests in flight to
+    finish before it refuses (an engine is never released while busy).
     """
 
     mode: Mode = Mode.REMATERIALIZE
     verify_cycles: int = 2
+    recover_idle_timeout_s: float = 30.0
     rank: int = 0
     setup: TrainingSetup = field(default_factory=TrainingSetup)
 
@@ -33,6 +37,8 @@ class LifecycleConfig:
         problems: list[Verdict | str] = [*violations(self.mode, self.setup)]
         if self.verify_cycles < 0:
             problems.append(f"verify_cycles must be >= 0, got {self.verify_cycles}")
+        if not self.recover_idle_timeout_s >= 0:
+            problems.append(f"recover_idle_timeout_s must be >= 0, got {self.recover_idle_timeout_s}")
         if self.rank < 0:
             problems.append(f"rank must be >= 0, got {self.rank}")
         if problems:

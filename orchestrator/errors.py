@@ -39,6 +39,26 @@ class ActionFailed(LifecycleError):
         super().__init__(f"{event.value} failed in {state.value}: {type(cause).__name__}: {cause}")
 
 
+class FaultWithoutCause(LifecycleError):
+    """`fault` was fired with nothing to say why: a fault needs a cause (`Lifecycle.fault(cause)`)."""
+
+    def __init__(self) -> None:
+        super().__init__("a fault needs a cause: call fault(cause) with the exception or a sentence")
+
+
+class RecoveryRefused(LifecycleError):
+    """recover could not establish what TRAIN promises; the lifecycle stays FAULTED.
+
+    `problems` names each invariant that does not hold (a busy engine, params that differ from
+    the digests taken at the drop, ...).
+    """
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        self.problems = tuple(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"recover cannot bring the trainer back to TRAIN:\n{lines}")
+
+
 class ConfigError(LifecycleError):
     """The configuration cannot work. `violations` names every problem at once."""
 

@@ -122,7 +122,11 @@ class InMemoryTrainer:
 
 
 class InMemoryEngine:
-    """An engine that holds a state dict. `busy` and `fail_updates` are test knobs."""
+    """An engine that holds a state dict. `busy` is a test knob.
+
+    Like SGLang and the transformers engine, releasing `weights` loses their contents: it
+    serves nothing again until a push has refilled them.
+    """
 
     name = "in-memory"
 
@@ -138,6 +142,8 @@ class InMemoryEngine:
         self.calls.append(f"release:{','.join(sorted(tags))}")
         if self.busy:
             raise RuntimeError("release while requests are in flight")
+        if EngineMemory.WEIGHTS in tags:
+            self.weights = {}
         self.resident -= tags
 
     def resume(self, tags: frozenset[EngineMemory]) -> None:
@@ -152,6 +158,17 @@ class InMemoryEngine:
 
     def is_idle(self) -> bool:
         return not self.busy
+
+    def generate(self) -> int | None:
+        """Serve a rollout; returns the version served. Refuses what a real engine would."""
+        if self.busy:
+            raise RuntimeError("generate while another rollout is in flight")
+        missing = set(EngineMemory) - self.resident
+        if missing:
+            raise RuntimeError(f"generate with {', '.join(sorted(missing))} released")
+        if not self.weights or self.version is None:
+            raise RuntimeError("generate with no weights loaded since they were released")
+        return self.version
 
 
 class InMemoryTransport:

@@ -32,6 +32,7 @@ class TransitionRecord:
     ended_ns: int = 0
     attributes: dict[str, AttributeValue] = field(default_factory=dict)
     verdicts: tuple[Verdict, ...] = ()
+    cause: BaseException | None = None  # why a fault happened, or why an action raised
 
     @property
     def seconds(self) -> float:

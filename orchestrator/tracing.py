@@ -147,40 +147,63 @@ def configure_tracing(
 
 
 class TracingListener(Listener):
-    """Spans `colocate.step` and `lifecycle.<event>` with fixed `colocate.*` attributes."""
+    """Spans `colocate.step` and `lifecycle.<event>` with fixed `colocate.*` attributes.
+
+    Each span belongs to the record (or step) it traces, so a hook that arrives without its
+    opening one (a fault raised while an event was being admitted) still gets a span of its own,
+    and no other span is ended early.
+    """
 
     def __init__(self, provider: trace.TracerProvider | None = None) -> None:
         self._provider = provider or trace.get_tracer_provider()
         self._tracer = self._provider.get_tracer(SCOPE)
-        self._open: list[tuple[Span, object]] = []  # (span, context token), innermost last
+        self._steps: dict[int, tuple[Span, object]] = {}  # step → (span, context token)
+        self._spans: dict[int, tuple[Span, object]] = {}  # id(record) → (span, context token)
 
-    def _enter(self, span: Span) -> None:
-        self._open.append((span, context.attach(trace.set_span_in_context(span))))
+    def _open(self, span: Span) -> tuple[Span, object]:
+        return span, context.attach(trace.set_span_in_context(span))
 
-    def _exit(self) -> Span:
-        span, token = self._open.pop()
+    @staticmethod
+    def _close(opened: tuple[Span, object]) -> Span:
+        span, token = opened
         context.detach(token)  # type: ignore[arg-type]
         return span
 
+    def _span_of(self, record: TransitionRecord) -> Span:
+        """The span `on_begin` opened for `record`, or a new one if it never began."""
+        opened = self._spans.pop(id(record), None)
+        if opened is None:
+            return self._tracer.start_span(f"lifecycle.{record.event.value}", attributes=_attributes(record))
+        return self._close(opened)
+
     def on_step_start(self, step: int, rank: int) -> None:
-        self._enter(self._tracer.start_span("colocate.step", attributes={"colocate.step": step, "colocate.rank": rank}))
+        span = self._tracer.start_span("colocate.step", attributes={"colocate.step": step, "colocate.rank": rank})
+        self._steps[step] = self._open(span)
 
     def on_step_end(self, step: int, rank: int, error: BaseException | None) -> None:
-        span = self._exit()
+        opened = self._steps.pop(step, None)
+        if opened is None:
+            return
+        span = self._close(opened)
         if error is not None:
             span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
         span.end()
 
     def on_begin(self, record: TransitionRecord) -> None:
-        self._enter(self._tracer.start_span(f"lifecycle.{record.event.value}", attributes=_attributes(record)))
+        span = self._tracer.start_span(f"lifecycle.{record.event.value}", attributes=_attributes(record))
+        self._spans[id(record)] = self._open(span)
 
     def on_transition(self, record: TransitionRecord) -> None:
-        span = self._exit()
+        span = self._span_of(record)
         span.set_attributes(record.attributes)  # the fixed keys were set when the span started
+        if record.cause is not None:  # the fault transition: its span carries the cause
+            span.record_exception(record.cause)
+            span.set_status(Status(StatusCode.ERROR, f"{type(record.cause).__name__}: {record.cause}"))
         span.end()
 
     def on_rejected(self, record: TransitionRecord, error: LifecycleError) -> None:
-        span = self._tracer.start_span(f"lifecycle.{record.event.value}", attributes=_attributes(record))
+        # A refused event never reached a destination: its span names none.
+        span = self._tracer.start_span(f"lifecycle.{record.event.value}", attributes=_attributes(record, reached=False))
         span.set_attributes(record.attributes)
         for verdict in error.verdicts if isinstance(error, GuardRejected) else ():
             span.add_event("guard.rejected", {"colocate.guard": verdict.guard, "colocate.reason": verdict.reason})
@@ -189,9 +212,10 @@ class TracingListener(Listener):
         span.end()
 
     def on_fault(self, record: TransitionRecord, error: LifecycleError) -> None:
-        span = self._exit()
+        span = self._span_of(record)
         span.set_attributes(record.attributes)
-        span.record_exception(error.__cause__ or error)
+        # The cause, with its own type and traceback (`raise ... from` has not linked it yet).
+        span.record_exception(record.cause if record.cause is not None else error)
         span.set_status(Status(StatusCode.ERROR, str(error)))
         span.end()
         flush = getattr(self._provider, "force_flush", None)  # the SDK's; the API's no-op has none
@@ -199,8 +223,8 @@ class TracingListener(Listener):
             flush()  # a faulted run may not live to its next batch
 
 
-def _attributes(record: TransitionRecord) -> dict[str, str | bool | int | float]:
-    return {
+def _attributes(record: TransitionRecord, *, reached: bool = True) -> dict[str, str | bool | int | float]:
+    attributes: dict[str, str | bool | int | float] = {
         "colocate.event": record.event.value,
         "colocate.source": record.src.value,
         "colocate.destination": record.dst.value,
@@ -208,3 +232,6 @@ def _attributes(record: TransitionRecord) -> dict[str, str | bool | int | float]
         "colocate.rank": record.rank,
         "colocate.mode": record.mode.value,
     }
+    if not reached:
+        del attributes["colocate.destination"]
+    return attributes

@@ -31,10 +31,11 @@ TABLE: tuple[Transition, ...] = (
                                                                        "restore_coverage"),                         "pause_trainer_state"),
     Transition(P.GRADS_PAUSED,   E.UPDATE_WEIGHTS,  P.WEIGHTS_SYNCED, ("weights_changed", "sync_source_resident",
                                                                        "engine_kv_released", "version_increasing"), "push_weights"),
-    Transition(P.GRADS_PAUSED,   E.SKIP_UPDATE,     P.WEIGHTS_SYNCED, ("weights_unchanged", "engine_synced"),       None),
+    Transition(P.GRADS_PAUSED,   E.SKIP_UPDATE,     P.WEIGHTS_SYNCED, ("weights_unchanged", "engine_synced",
+                                                                       "sync_source_resident", "engine_kv_released"), "refill_engine_weights"),
     Transition(P.WEIGHTS_SYNCED, E.DROP_PARAMS,     P.PARAMS_DROPPED, ("restore_coverage", "cache_flushed"),        "drop_param_buffer"),
     Transition(P.PARAMS_DROPPED, E.ROLLOUT,         P.ROLLOUT,        ("params_dropped", "engine_synced",
-                                                                       "cache_flushed"),                            "serve_rollout"),
+                                                                       "engine_weights_resident", "cache_flushed"), "serve_rollout"),
     Transition(P.ROLLOUT,        E.RESTORE,         P.TRAIN,          ("engine_idle",),                             "restore_trainer"),
     # Any phase may fault; only recover leaves FAULTED.
     *(Transition(phase, E.FAULT, P.FAULTED) for phase in Phase if phase is not P.FAULTED),

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import pytest
 
 from orchestrator import ActionFailed, GuardRejected, IllegalTransition
+from orchestrator.errors import FaultWithoutCause
 from states import TABLE, Event, Phase
 from tests.unit.conftest import Rig, make_rig
 
@@ -50,6 +51,12 @@ def test_every_pair_is_legal_or_refused_as_the_table_says(phase: Phase, event: E
         assert (info.value.state, info.value.event) == (phase, event)
         assert lc.phase is phase
         assert (rig.regions.calls, rig.engine.calls) == calls_before, "a refused event must not touch adapters"
+    elif event is Event.FAULT:
+        with pytest.raises(FaultWithoutCause):
+            lc.fire(event)  # a fault needs a cause
+        assert lc.phase is phase
+        lc.fault("rank 1 died")
+        assert lc.phase is row.dest
     elif (phase, event) in GUARDED_THERE:
         with pytest.raises(GuardRejected):
             lc.fire(event)
