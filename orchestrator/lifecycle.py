@@ -200,6 +200,8 @@ class Lifecycle:
             self._fail(record, exc)
         if not moved:
             self._reject(record, GuardRejected(src, event, refusals(record.verdicts)))
+        if event is Event.RECOVER:
+            self.fault_cause = None  # kept until the invariants of TRAIN hold again
         record.ended_ns = time.perf_counter_ns()
         self.listeners.on_transition(record)
         return firing.result
@@ -287,4 +289,3 @@ class Lifecycle:
         adapter's error) with the lifecycle still FAULTED and the first cause kept.
         """
         self.fire(Event.RECOVER)
-        self.fault_cause = None

@@ -30,6 +30,9 @@ class TrainerLayout:
     def __post_init__(self) -> None:
         object.__setattr__(self, "sync_sources", _frozen(self.sync_sources))
 
+    def __deepcopy__(self, memo: dict[int, object]) -> TrainerLayout:
+        return self  # immutable all the way down
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Snapshot:
