@@ -10,11 +10,23 @@ from states import Event, Phase
 
 
 class LifecycleError(Exception):
-    """Base of colocate's errors."""
+    """Base of colocate's errors.
+
+    Each subclass builds its message from what it carries; `_fields` names those constructor
+    arguments, so a copy or a pickle (a Ray actor's error crossing processes) rebuilds it whole,
+    notes included.
+    """
+
+    _fields: tuple[str, ...] = ()
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), tuple(getattr(self, f) for f in self._fields), self.__dict__)
 
 
 class IllegalTransition(LifecycleError):
     """The table has no row for this event in this phase."""
+
+    _fields = ("state", "event", "legal")
 
     def __init__(self, state: Phase, event: Event, legal: Sequence[Event] = ()) -> None:
         self.state, self.event, self.legal = state, event, tuple(legal)
@@ -25,6 +37,8 @@ class IllegalTransition(LifecycleError):
 class GuardRejected(LifecycleError):
     """One or more guards refused the event. `verdicts` holds every refusal."""
 
+    _fields = ("state", "event", "verdicts")
+
     def __init__(self, state: Phase, event: Event, verdicts: Sequence[Verdict]) -> None:
         self.state, self.event, self.verdicts = state, event, tuple(verdicts)
         reasons = "\n".join(f"  - {v}" for v in self.verdicts)
@@ -33,6 +47,8 @@ class GuardRejected(LifecycleError):
 
 class ActionFailed(LifecycleError):
     """The action of an admitted event raised; the lifecycle is FAULTED and `cause` kept."""
+
+    _fields = ("state", "event", "cause")
 
     def __init__(self, state: Phase, event: Event, cause: BaseException) -> None:
         self.state, self.event, self.cause = state, event, cause
@@ -53,6 +69,8 @@ class RecoveryRefused(LifecycleError):
     the digests taken at the drop, ...).
     """
 
+    _fields = ("problems",)
+
     def __init__(self, problems: Sequence[str]) -> None:
         self.problems = tuple(problems)
         lines = "\n".join(f"  - {p}" for p in self.problems)
@@ -61,6 +79,8 @@ class RecoveryRefused(LifecycleError):
 
 class ConfigError(LifecycleError):
     """The configuration cannot work. `violations` names every problem at once."""
+
+    _fields = ("violations",)
 
     def __init__(self, violations: Sequence[Verdict | str]) -> None:
         self.violations = tuple(violations)
@@ -71,6 +91,8 @@ class ConfigError(LifecycleError):
 class RegionRefused(LifecycleError):
     """A memory-region call the ledger refused before the adapter was asked."""
 
+    _fields = ("tag", "reason")
+
     def __init__(self, tag: str, reason: str) -> None:
         self.tag, self.reason = tag, reason
         super().__init__(f"region {tag!r}: {reason}")
@@ -78,6 +100,8 @@ class RegionRefused(LifecycleError):
 
 class EngineError(LifecycleError):
     """A rollout engine reported a failed call or a state colocate did not ask for."""
+
+    _fields = ("engine", "reason")
 
     def __init__(self, engine: str, reason: str) -> None:
         self.engine, self.reason = engine, reason
@@ -87,6 +111,8 @@ class EngineError(LifecycleError):
 class RankFailed(LifecycleError):
     """A trainer rank or the engine actor died, hung past its timeout, or raised."""
 
+    _fields = ("who", "method", "cause")
+
     def __init__(self, who: str, method: str, cause: BaseException) -> None:
         self.who, self.method, self.cause = who, method, cause
         super().__init__(f"{who} failed in {method}: {type(cause).__name__}: {cause}")
@@ -94,6 +120,8 @@ class RankFailed(LifecycleError):
 
 class RestoreMismatch(LifecycleError):
     """Params restored after a drop are not bit-identical to those dropped."""
+
+    _fields = ("cycle", "verdict")
 
     def __init__(self, cycle: int, verdict: Verdict) -> None:
         self.cycle, self.verdict = cycle, verdict

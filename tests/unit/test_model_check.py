@@ -1,7 +1,7 @@
 """An exhaustive model check of the controller: every event sequence to depth 8, breadth first.
 
 Moves: every event (train and rollout with their work, fault with a cause), the engine turning
-busy or idle, and every event again with an exception injected at each adapter call it makes, in
+busy or idle, the next rebuild flipping a bit, and every event again with an exception injected at each adapter call it makes, in
 turn. Roots: both modes; the first cycle verified. Every move's outcome is checked against the
 invariants of tests/support/invariants.py; a state already seen (by what the controller knows and
 what the fakes hold) is not expanded again. From every FAULTED state, once the engine is idle, a
@@ -26,7 +26,9 @@ from tests.support.world import Injected, World, build, expected_params, same
 
 DEPTH = 8
 EVENTS = [e.value for e in Event if e is not Event.FAULT]
-PLAIN: list[tuple[str, int | None]] = [(e, None) for e in EVENTS] + [("fault", None), ("busy", None), ("idle", None)]
+# Besides events: the engine turning busy or idle, and the next rebuild flipping a bit.
+WORLD = ["fault", "busy", "idle", "corrupt"]
+PLAIN: list[tuple[str, int | None]] = [(e, None) for e in EVENTS] + [(w, None) for w in WORLD]
 
 Move = tuple[str, int | None]
 
@@ -41,6 +43,8 @@ def apply(world: World, move: Move) -> str:
             world.engine.busy = True
         elif name == "idle":
             world.engine.busy = False
+        elif name == "corrupt":
+            world.trainer.corrupt_next_rebuild = "layer1.weight"
         elif name == "fault":
             lc.fault(Injected("a rank died"))
         else:
@@ -72,13 +76,15 @@ def key(world: World) -> tuple[Any, ...]:
         same(engine.weights, expected),
         same(trainer.params, expected),
         trainer._extra_backup is not None,
+        trainer.corrupt_next_rebuild,
     )
 
 
 def progress(world: World) -> list[str]:
-    """With the engine idle and nothing injected, recover and then a whole cycle succeed."""
+    """Once the world behaves (engine idle, nothing injected, no bit flipped), recover and then a
+    whole cycle succeed."""
     world = copy.deepcopy(world)
-    world.engine.busy = False
+    world.engine.busy, world.trainer.corrupt_next_rebuild = False, None
     steps = [("recover", None)] if world.lifecycle.phase is Phase.FAULTED else []
     steps += [("pause_grads", None), ("update_weights", None), ("drop_params", None), ("rollout", None)]
     steps += [("restore", None), ("train", None)]
