@@ -32,7 +32,7 @@ def restore_coverage(snap: Snapshot) -> str | None:
     uncovered = snap.layout.uncovered
     if uncovered:
         return (
-            f"{len(uncovered)} param(s) are in no DDP param buffer and not extras, so a drop would lose them: "
+            f"{len(uncovered)} tensor(s) are neither rebuilt from the fp32 mains nor extras, so a drop would lose them: "
             f"{names(uncovered)}"
         )
     return None

@@ -77,6 +77,17 @@ class RecoveryRefused(LifecycleError):
         super().__init__(f"recover cannot bring the trainer back to TRAIN:\n{lines}")
 
 
+class StashMismatch(LifecycleError):
+    """An extra's backup no longer has the dtype or shape of the live tensor: copying into it
+    would round or fail, and every later restore would bring back the wrong values."""
+
+    _fields = ("name", "stashed", "live")
+
+    def __init__(self, name: str, stashed: str, live: str) -> None:
+        self.name, self.stashed, self.live = name, stashed, live
+        super().__init__(f"extra {name}: its backup is {stashed}, the live tensor {live}")
+
+
 class ConfigError(LifecycleError):
     """The configuration cannot work. `violations` names every problem at once."""
 

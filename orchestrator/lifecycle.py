@@ -46,7 +46,12 @@ class _Firing:
 def require_restore_coverage(layout: TrainerLayout) -> None:
     """Every param must come back after a drop: rebuilt from a DDP buffer, or an extra."""
     if layout.uncovered:
-        raise ConfigError([f"{name}: in no DDP param buffer and not an extra" for name in layout.uncovered])
+        raise ConfigError(
+            [
+                f"{name}: not rebuilt from the fp32 mains and not an extra (a drop would lose it)"
+                for name in layout.uncovered
+            ]
+        )
 
 
 class _Machine:

@@ -16,7 +16,8 @@ Backup mode, the baseline, pins a host copy of every param buffer instead.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterator, Mapping, Sequence
+import re
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from enum import StrEnum
 from typing import Any
 
@@ -24,6 +25,7 @@ import torch
 from opentelemetry import trace
 
 from orchestrator.adapters.digest import DIGESTS, DigestMethod
+from orchestrator.errors import StashMismatch
 from orchestrator.transport import nbytes
 from states import Mode, Source, TrainerLayout, TrainingSetup
 
@@ -59,6 +61,30 @@ def _strip(name: str) -> str:
     while name.startswith("module."):
         name = name[len("module.") :]
     return name
+
+
+_LOCAL_EXPERT = re.compile(r"(\.local_experts\.)(\d+)(?=\.)")
+
+
+def _global_experts(chunk: Any) -> Callable[[str], str]:
+    """`...local_experts.<local>...` → `...local_experts.<global>...`: under expert parallelism
+    every rank numbers its own experts from 0, so only the global index names one expert."""
+    config = getattr(chunk, "config", None)
+    experts = getattr(config, "num_moe_experts", None) or 0
+    if not experts:
+        return lambda name: name
+    from megatron.core import parallel_state
+
+    size = parallel_state.get_expert_model_parallel_world_size()
+    offset = parallel_state.get_expert_model_parallel_rank() * (experts // size)
+    return lambda name: _LOCAL_EXPERT.sub(lambda m: f"{m[1]}{int(m[2]) + offset}", name)
+
+
+def _router_dtype(buffer: torch.Tensor) -> None:
+    """Megatron's router turns `expert_bias` into fp32 at its first forward (after Float16Module
+    cast it to bf16). Do it now, so that its backup has that dtype from the first stash on."""
+    if buffer.dtype != torch.float32:
+        buffer.data = buffer.data.to(torch.float32)
 
 
 def _host_like(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
@@ -102,20 +128,25 @@ class MegatronTrainer:
         self._extras: dict[str, torch.Tensor] = {}
         self._sources: dict[str, Source] = {}
         for prefix, chunk in self._prefixed():
+            globally = _global_experts(chunk)
             for raw, param in chunk.named_parameters():
-                name = prefix + _strip(raw)
+                name = prefix + globally(_strip(raw))
                 self._params[name] = param
                 kind = self._extra_kind(param, extras)
                 if kind is not None:
                     self._extras[name] = param
-                self._sources[name] = (
-                    Source.EXTRAS if kind else Source.PARAM_BUFFER if id(param) in in_buffers else Source.ELSEWHERE
-                )
-            if Extra.EXPERT_BIAS in extras:
-                for raw, buffer in chunk.named_buffers():
-                    if raw.endswith("expert_bias"):
-                        self._extras[prefix + _strip(raw)] = buffer
-                        self._sources[prefix + _strip(raw)] = Source.EXTRAS
+                # An fp32 param is in a DDP buffer, but its "main" is a view of that buffer: a
+                # drop loses it unless it is an extra. Left out, it is uncovered, by name.
+                rebuilt = id(param) in in_buffers and param.dtype != torch.float32
+                self._sources[name] = Source.EXTRAS if kind else Source.PARAM_BUFFER if rebuilt else Source.ELSEWHERE
+            for raw, buffer in chunk.named_buffers():
+                if raw.endswith("expert_bias"):
+                    name = prefix + globally(_strip(raw))
+                    _router_dtype(buffer)
+                    covered = Extra.EXPERT_BIAS in extras
+                    if covered:
+                        self._extras[name] = buffer
+                    self._sources[name] = Source.EXTRAS if covered else Source.ELSEWHERE
         self._extra_backup: dict[str, torch.Tensor] = {}
         self._param_backup: list[torch.Tensor] = []
 
@@ -134,7 +165,7 @@ class MegatronTrainer:
     # ---- the Trainer Protocol -------------------------------------------------------------
 
     def layout(self) -> TrainerLayout:
-        rebuilt = [n for n, s in self._sources.items() if s is Source.PARAM_BUFFER]
+        rebuilt = [n for n, s in self._sources.items() if s is Source.PARAM_BUFFER and n in self._params]
         return TrainerLayout(
             sync_sources=self._sources,
             uncovered=tuple(n for n, s in self._sources.items() if s is Source.ELSEWHERE),
@@ -148,6 +179,10 @@ class MegatronTrainer:
             backup = self._extra_backup.get(name)
             if backup is None:
                 backup = self._extra_backup[name] = _host_like(tensor, self._pin)
+            elif (backup.dtype, backup.shape) != (tensor.dtype, tensor.shape):
+                raise StashMismatch(
+                    name, f"{backup.dtype} {list(backup.shape)}", f"{tensor.dtype} {list(tensor.shape)}"
+                )
             backup.copy_(tensor.detach())
             copied += nbytes(tensor)
         if mode is Mode.BACKUP:

@@ -33,7 +33,7 @@ from orchestrator.adapters.megatron_build import (
     train_step,
 )
 from orchestrator.adapters.storage import StorageRegions
-from orchestrator.errors import ConfigError
+from orchestrator.errors import ConfigError, StashMismatch
 from orchestrator.lifecycle import require_restore_coverage
 from orchestrator.regions import RegionLedger
 from states import Mode, Region
@@ -153,7 +153,49 @@ def memory_scenario(rank: int, world_size: int, out: Path) -> dict[str, Any]:
     return {"held": held, "after_pause": after_pause, "steps": steps}
 
 
-SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {"cycles": cycles_scenario, "memory": memory_scenario}
+def _refusal(trainer: MegatronTrainer) -> str | None:
+    try:
+        require_restore_coverage(trainer.layout())
+    except ConfigError as error:
+        return str(error)
+    return None
+
+
+def coverage_scenario(rank: int, world_size: int, out: Path) -> dict[str, Any]:
+    """Megatron's own build (router buffers left as Float16Module casts them), a cold start (the
+    first stash before any forward), five cycles; coverage with each kind of extra left out;
+    the names each rank hands to the sync."""
+    cfg = AWKWARD
+    chunks, optimizer = build_gpt(cfg, fix_router_count_dtype=False)
+    result: dict[str, Any] = {
+        "without_fp32": _refusal(MegatronTrainer(chunks, optimizer, extras={Extra.EXPERT_BIAS, Extra.FROZEN})),
+        "without_expert_bias": _refusal(MegatronTrainer(chunks, optimizer, extras={Extra.FP32, Extra.FROZEN})),
+    }
+    trainer = MegatronTrainer(chunks, optimizer, digest=DIGEST)
+    result["sync_names"] = sorted(trainer.layout().sync_sources)
+    ledger = RegionLedger(regions_for(trainer))
+    generator = torch.Generator().manual_seed(100 + rank)
+    cycles = []
+    for _ in range(5):
+        cycle = restore_cycle(trainer, ledger, Mode.REMATERIALIZE)
+        cycles.append({"bit_identical": cycle["bit_identical"], "reason": cycle["reason"]})
+        train_step(chunks, optimizer, tokens(cfg, generator))
+    result["cycles"] = cycles
+    bias = trainer._extras[EXPERT_BIAS]
+    result["expert_bias"] = {"live": str(bias.dtype), "backup": str(trainer._extra_backup[EXPERT_BIAS].dtype)}
+    bias.data = bias.data.to(torch.bfloat16)  # something recast it behind the trainer's back
+    try:
+        trainer.stash(Mode.REMATERIALIZE)
+    except StashMismatch as error:
+        result["recast"] = str(error)
+    return result
+
+
+SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
+    "cycles": cycles_scenario,
+    "memory": memory_scenario,
+    "coverage": coverage_scenario,
+}
 
 
 def _rank_main(rank: int, world_size: int, port: int, scenario: str, out: str, ep: int) -> None:

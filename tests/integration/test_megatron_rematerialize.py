@@ -91,4 +91,4 @@ def test_layout_covers_every_param_and_the_real_config_allows_rematerialize(rank
 def test_a_frozen_param_left_out_of_the_extras_fails_at_init_naming_it(ranks: list[dict]) -> None:
     message = ranks[0]["without_frozen"]
     assert "1 configuration problem(s)" in message
-    assert "decoder.layers.0.input_layernorm.weight: in no DDP param buffer and not an extra" in message
+    assert "decoder.layers.0.input_layernorm.weight: not rebuilt from the fp32 mains and not an extra" in message

@@ -168,7 +168,7 @@ def test_wiring_errors_are_config_errors() -> None:
 
 
 def test_uncovered_param_fails_at_init_naming_it() -> None:
-    with pytest.raises(ConfigError, match=r"decoder\.frozen_scale: in no DDP param buffer"):
+    with pytest.raises(ConfigError, match=r"decoder\.frozen_scale: not rebuilt from the fp32 mains"):
         make_rig(trainer=InMemoryTrainer(uncovered=("decoder.frozen_scale",)))
 
 
