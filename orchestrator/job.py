@@ -142,8 +142,15 @@ class ColocatedJob:
         ranks, self.engine = self._start()
         self.group = RankGroup(ranks)
         self.report = RunReport(mode=config.mode.value, ranks=config.ranks)
+        try:  # the config guards judge the Megatron flags the ranks really built with
+            lifecycle_config = LifecycleConfig(
+                mode=config.mode, verify_cycles=config.verify_cycles, setup=self.group.setup()
+            )
+        except LifecycleError:
+            self.close()
+            raise
         self.lifecycle = Lifecycle(
-            config=LifecycleConfig(mode=config.mode, verify_cycles=config.verify_cycles),
+            config=lifecycle_config,
             trainer=self.group,
             regions=self.group,
             engine=self.engine,

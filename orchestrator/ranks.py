@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from orchestrator.errors import LifecycleError, RankFailed
+from orchestrator.errors import ConfigError, LifecycleError, RankFailed
 from orchestrator.protocols import MemoryRegions, TransferReport
 from orchestrator.transport import Named, push_in_buckets
-from states import EngineMemory, Mode, TrainerLayout
+from states import EngineMemory, Mode, TrainerLayout, TrainingSetup
 
 RANK_TIMEOUT_S = 120.0
 
@@ -147,6 +147,12 @@ class RankWorker(Traced):
 
     def span_attributes(self) -> dict[str, int]:
         return {"colocate.rank": self.rank}
+
+    def setup(self) -> TrainingSetup:
+        """What this rank's real Megatron configs say (DDP config, optimizer config)."""
+        from orchestrator.adapters.megatron import megatron_setup
+
+        return megatron_setup(self.chunks, self.optimizer)
 
     # Trainer and MemoryRegions, for this rank.
     def layout(self) -> TrainerLayout:
@@ -278,6 +284,13 @@ class RankGroup:
 
     def layout(self) -> TrainerLayout:
         return self.ranks.call("layout", only=0)[0]
+
+    def setup(self) -> TrainingSetup:
+        """The ranks' Megatron configs as a `TrainingSetup`; ranks that disagree are a ConfigError."""
+        setups = self.ranks.call("setup")
+        if any(s != setups[0] for s in setups):
+            raise ConfigError([f"rank {r} is configured differently: {s}" for r, s in enumerate(setups)])
+        return setups[0]
 
     def stash(self, mode: Mode) -> int:
         return sum(self.ranks.call("stash", mode))
