@@ -214,12 +214,14 @@ class Lifecycle:
     def _admit(self, row: Transition, event: EventData) -> bool:
         if not row.guards:
             return True  # nothing to judge: a fault must get through even with the engine dead
+        firing: _Firing
         (firing,) = event.args  # what fire() handed to trigger(...)
         firing.record.verdicts = evaluate((GUARDS[name] for name in row.guards), self.snapshot())
         return all(v.ok for v in firing.record.verdicts)
 
     def _act(self, row: Transition, event: EventData) -> None:
-        (firing,) = event.args  # what fire() handed to trigger(...)
+        firing: _Firing
+        (firing,) = event.args
         self.listeners.on_begin(firing.record)
         if row.action is not None:
             firing.result = self._actions[row.action](firing.record, firing.work)
