@@ -175,6 +175,7 @@ class Lifecycle:
             trained_since_sync=self._t.trained_since_sync,
             extras_stashed=self._t.extras_stashed,
             layout=self._layout,
+            memory=self.config.memory() if self.config.memory is not None else None,
         )
 
     # ---- firing events -----------------------------------------------------------------------
