@@ -31,8 +31,8 @@ from states import Mode
 LIMIT = 0.05
 
 
-def planned(preset: str, dp: int) -> Plan:
-    return plan(from_tiny_gpt(TINY_GPTS[preset], preset), Parallelism(dp=dp))
+def planned(preset: str, dp: int, ep: int = 1) -> Plan:
+    return plan(from_tiny_gpt(TINY_GPTS[preset], preset), Parallelism(dp=dp, ep=ep))
 
 
 # ---- measuring (imports torch and megatron-core) ----------------------------------------
@@ -51,13 +51,13 @@ def _used() -> int:
     return int(total - free - cached)
 
 
-def _rank(rank: int, world: int, port: int, preset: str, out: str) -> None:
+def _rank(rank: int, world: int, port: int, preset: str, out: str, ep: int) -> None:
     import torch
 
     from orchestrator.adapters.megatron_build import build_gpt, init_process_group, train_step
 
     cuda = torch.cuda.is_available()
-    init_process_group(rank, world, port, "nccl" if cuda else "gloo")
+    init_process_group(rank, world, port, "nccl" if cuda else "gloo", expert_model_parallel_size=ep)
     # NCCL's communicator and cuBLAS's workspace are the process's, not the model's: warm both.
     warm = torch.ones(1024, 1024, device="cuda" if cuda else "cpu")
     torch.distributed.all_reduce(warm)
@@ -181,7 +181,7 @@ def _refuse_on_gpu(trainer: Any, ledger: Any) -> dict[str, Any]:
     from states import Phase, Region, Snapshot, TrainerLayout
 
     world = torch.distributed.get_world_size()
-    probe = MemoryProbe.for_plan(planned(os.environ["PLAN_PRESET"], world), host_free=2**62)
+    probe = MemoryProbe.for_plan(planned(os.environ["PLAN_PRESET"], world, int(os.environ["PLAN_EP"])), host_free=2**62)
     trainer.stash(Mode.REMATERIALIZE)
     for tag in (Region.GRAD_BUFFER, Region.DEFAULT, Region.PARAM_BUFFER):
         ledger.pause(tag)
@@ -218,20 +218,21 @@ def _refuse_on_gpu(trainer: Any, ledger: Any) -> dict[str, Any]:
     }
 
 
-def measure(preset: str, dps: list[int]) -> dict[str, Any]:
+def measure(preset: str, dps: list[int], ep: int = 1) -> dict[str, Any]:
+    """Build `preset` at each data-parallel size (experts split `ep` ways), one process a rank."""
     import torch.multiprocessing as mp
 
-    os.environ["PLAN_PRESET"] = preset
+    os.environ["PLAN_PRESET"], os.environ["PLAN_EP"] = preset, str(ep)
     runs: dict[str, Any] = {}
     for dp in dps:
         with tempfile.TemporaryDirectory() as out:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
-            mp.start_processes(_rank, args=(dp, port, preset, out), nprocs=dp, start_method="spawn")
+            mp.start_processes(_rank, args=(dp, port, preset, out, ep), nprocs=dp, start_method="spawn")
             runs[str(dp)] = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(dp)]
             print(f"measured {preset} at DP={dp}", file=sys.stderr)
-    return {"preset": preset, "runs": runs}
+    return {"preset": preset, "ep": ep, "runs": runs}
 
 
 # ---- showing -------------------------------------------------------------------------------
@@ -261,7 +262,8 @@ def rows(p: Plan, got: dict[str, Any]) -> list[tuple[str, int, int]]:
     if device:  # what stays outside the regions in every phase, so the plan counts none of it
         residue = device["params_dropped"] - phases["params_dropped"][0]
         for name, used in device.items():
-            out.append((f"trainer device at {name}, less that residue", phases[name][0], used - residue))
+            if name != "params_dropped":  # there the residue is measured: nothing left to compare
+                out.append((f"trainer device at {name}, less the residue", phases[name][0], used - residue))
     return out
 
 
@@ -271,9 +273,10 @@ def show(measured: dict[str, Any]) -> bool:
 
     console, ok = Console(width=130), True
     for dp, ranks in measured["runs"].items():
-        p = planned(measured["preset"], int(dp))
+        p = planned(measured["preset"], int(dp), measured.get("ep", 1))
         for got in ranks:
-            table = Table(title=f"{measured['preset']} at DP={dp}, rank {got['rank']}: plan vs measured (bytes)")
+            title = f"{measured['preset']} at DP={dp}, EP={measured.get('ep', 1)}, rank {got['rank']}"
+            table = Table(title=f"{title}: plan vs measured (bytes)")
             for col in ("row", "plan", "measured", "measured / plan", "within 5%"):
                 table.add_column(col, justify="left" if col == "row" else "right")
             for name, want, have in rows(p, got):
@@ -282,12 +285,20 @@ def show(measured: dict[str, Any]) -> bool:
                 ok &= good
                 table.add_row(name, f"{want:,}", f"{have:,}", f"{ratio:.4f}", "yes" if good else "[red]no[/]")
             console.print(table)
+            device, residue = got.get("device") or {}, got.get("residue")
+            if device and residue:
+                outside = residue["allocated"] - p.ranks[0].trainer_state
+                console.print(
+                    f"residue: {device['params_dropped']:,} bytes stay in use with every region paused; "
+                    f"torch's allocator holds {outside:,} of them outside the regions, the rest is the "
+                    "driver's (CUDA context and lazily loaded kernels, NCCL communicators), not tensors"
+                )
             refusal = got.get("refusal")
             if refusal and "error" in refusal:
                 console.print(f"GPU refusal not run: {refusal['error']}")
             elif refusal:
                 console.print(
-                    f"GPU refusal: admitted={refusal['refused_ok']} ({refusal['reason']}); free before "
+                    f"GPU refusal: admitted={refusal['refused_ok']}, memory_fits: {refusal['reason']}; free before "
                     f"{refusal['free_before']:,}, after {refusal['free_after']:,}; admitted once freed: "
                     f"{refusal['admitted_ok']}"
                 )
@@ -299,13 +310,14 @@ def main() -> None:
     parser.add_argument("--preset", choices=sorted(TINY_GPTS), default="gpu-1b")
     parser.add_argument("--measure", action="store_true", help="build and measure here (GPU: torch_memory_saver)")
     parser.add_argument("--dp", type=int, nargs="+", default=[1], help="data-parallel sizes to measure")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (divides every DP size)")
     parser.add_argument("--out", type=Path, help="write the measurements here as JSON")
     parser.add_argument("--measured", type=Path, help="show these measurements instead of measuring")
     args = parser.parse_args()
     if args.measured is not None:
         measured = json.loads(args.measured.read_text())
     elif args.measure:
-        measured = measure(args.preset, args.dp)
+        measured = measure(args.preset, args.dp, args.ep)
         if args.out is not None:
             args.out.write_text(json.dumps(measured, indent=1))
     else:
