@@ -186,9 +186,7 @@ def buffer_numel(tensors: list[Tensor], dp: int, distributed: bool) -> int:
 
 def rank_bytes(m: ModelSpec, par: Parallelism, opt: OptimizerSpec, stage: int) -> RankBytes:
     layers = par.stages(m)[stage]
-    tensors = stage_tensors(
-        m, layers, first=stage == 0, last=stage == par.pp - 1, tp=par.tp, ep=par.ep, etp=par.etp, pp=par.pp
-    )
+    tensors = stage_tensors(m, layers, first=stage == 0, last=stage == par.pp - 1, tp=par.tp, ep=par.ep, etp=par.etp)
     param_buffer = grad_buffer = mains = adam = 0
     grad_width = 4 if opt.grad_dtype is GradDtype.FP32 else 2
     for expert, dp in ((False, par.dp), (True, par.expert_dp)):

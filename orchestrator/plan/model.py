@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -78,7 +78,6 @@ class ModelSpec:
     # tensors that the fp32 mains cannot rebuild, beyond expert_bias
     fp32_param_numel: int = 0  # fp32-dtype params added beside the architecture's
     frozen: tuple[str, ...] = ()  # names of params with requires_grad=False
-    extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         if not self.moe_layers:
@@ -105,7 +104,7 @@ class ModelSpec:
 
     def total_params(self) -> int:
         """Unique parameters of the model (no TP/PP copies), extras and MTP included."""
-        whole = stage_tensors(self, range(self.num_layers), first=True, last=True, tp=1, ep=1, etp=1, pp=1)
+        whole = stage_tensors(self, range(self.num_layers), first=True, last=True, tp=1, ep=1, etp=1)
         return sum(t.numel for t in whole if t.kind is not Kind.EXPERT_BIAS)
 
     def active_params(self) -> int:
@@ -176,9 +175,7 @@ def _mlp(m: ModelSpec, p: str, moe: bool, tp: int, ep: int, etp: int) -> Iterato
         yield from _gated_mlp(f"{p}mlp.shared_experts.", h, m.shared_expert_ffn // tp)
 
 
-def stage_tensors(
-    m: ModelSpec, layers: range, *, first: bool, last: bool, tp: int, ep: int, etp: int, pp: int
-) -> list[Tensor]:
+def stage_tensors(m: ModelSpec, layers: range, *, first: bool, last: bool, tp: int, ep: int, etp: int) -> list[Tensor]:
     """Every tensor one rank of a stage holding decoder `layers` has (all its TP/EP shards alike)."""
     h, vocab = m.hidden_size, padded_vocab(m.vocab_size, tp) // tp
     out: list[Tensor] = []

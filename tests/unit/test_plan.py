@@ -165,7 +165,7 @@ def test_presets_match_their_config_dicts(tmp_path: Path) -> None:
 
 def test_extras_are_marked_by_kind() -> None:
     m = load_model("cpu")
-    tensors = stage_tensors(m, range(m.num_layers), first=True, last=True, tp=1, ep=1, etp=1, pp=1)
+    tensors = stage_tensors(m, range(m.num_layers), first=True, last=True, tp=1, ep=1, etp=1)
     kinds = {t.name: t.kind for t in tensors if t.kind is not Kind.PARAM}
     assert kinds == {
         "decoder.layers.0.input_layernorm.weight": Kind.FROZEN,
