@@ -39,7 +39,7 @@ def plan_command(
     grad_dtype: Annotated[GradDtype, typer.Option(help="Grad buffer dtype.")] = GradDtype.FP32,
     adam: Annotated[bool, typer.Option(help="Adam's two fp32 moments (--no-adam: none).")] = True,
     engine_gpus: Annotated[int, typer.Option(help="GPUs one engine replica spans (0: TP x PP).")] = 0,
-    gpu_memory_gb: Annotated[float, typer.Option(help="Memory of one GPU, GB.")] = 143_771 * 2**20 / 1e9,
+    gpu_memory_gb: Annotated[float, typer.Option(help="Memory of one GPU, GB (an H200: 150.75).")] = 150.75,
     mem_fraction_static: Annotated[float, typer.Option(help="The engine's share for weights + KV.")] = 0.8,
     cuda_graph_gb: Annotated[float, typer.Option(help="The engine's CUDA graphs, GB (measure it).")] = 0.0,
     gpus_per_node: Annotated[int, typer.Option(help="GPUs per node, for the node totals.")] = 8,
