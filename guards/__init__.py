@@ -5,7 +5,7 @@
 
 from collections.abc import Callable
 
-from guards import cycle, engine, trainer
+from guards import cycle, engine, memory, trainer
 from guards.verdict import Verdict, evaluate, refusals
 from states import Snapshot
 
@@ -27,6 +27,7 @@ GUARDS: dict[str, SnapshotGuard] = {
         engine.engine_weights_resident,
         cycle.weights_changed,
         cycle.weights_unchanged,
+        memory.memory_fits,
     )
 }
 

@@ -12,6 +12,7 @@ from rich.console import Console
 from orchestrator import diagram
 from orchestrator.config import Device, EngineKind, WeightSync
 from orchestrator.errors import ConfigError, TraceError
+from orchestrator.plan.command import plan_command
 from states import Mode
 
 
@@ -208,6 +209,9 @@ def trace_timeline_command(
     except TraceError as exc:
         _fail(str(exc))
     err.print(f"{output}: step {chosen.number}, {chosen.root.duration_ms:.1f} ms")
+
+
+app.command("plan")(plan_command)
 
 
 def main() -> None:

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
 from guards.config import violations
 from guards.verdict import Verdict
 from orchestrator.errors import ConfigError
-from states import Mode, TrainingSetup
+from states import MemoryBudget, Mode, TrainingSetup
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -29,6 +29,9 @@ class LifecycleConfig:
     recover_idle_timeout_s: float = 30.0
     rank: int = 0
     setup: TrainingSetup = field(default_factory=TrainingSetup)
+    # The memory-budget guard's input, read for each snapshot (orchestrator.plan.MemoryProbe);
+    # None leaves memory unchecked.
+    memory: Callable[[], MemoryBudget] | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in Mode.__members__.values():

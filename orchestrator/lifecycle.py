@@ -162,6 +162,7 @@ class Lifecycle:
             trained_since_sync=known.trained_since_sync,
             extras_stashed=known.extras_stashed,
             layout=self._layout,
+            memory=self.config.memory() if self.config.memory is not None else None,
         )
 
     # ---- firing events -----------------------------------------------------------------------

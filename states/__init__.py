@@ -2,7 +2,7 @@
 
 from states.phases import EngineMemory, Event, Mode, Phase, Region, Source
 from states.setup import TrainingSetup
-from states.snapshot import Snapshot, TrainerLayout
+from states.snapshot import MemoryBudget, Snapshot, TrainerLayout
 from states.table import INITIAL, TABLE, Transition
 
 __all__ = [
@@ -10,6 +10,7 @@ __all__ = [
     "TABLE",
     "EngineMemory",
     "Event",
+    "MemoryBudget",
     "Mode",
     "Phase",
     "Region",

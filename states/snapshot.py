@@ -35,6 +35,24 @@ class TrainerLayout:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryBudget:
+    """What the memory planner predicts each region and engine tag takes on this rank's device,
+    and what is free there: `device_free` as read just before the event (the driver's count),
+    or, given `device_limit` instead, the limit less what the plan says is resident now.
+    """
+
+    device_free: int | None = None
+    device_limit: int | None = None
+    regions: Mapping[Region, int] = field(default_factory=dict)  # trainer bytes per region tag
+    engine: Mapping[EngineMemory, int] = field(default_factory=dict)  # engine bytes per tag
+    source: str = "budget"  # where device_free came from: "cuda:0", "budget", ...
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "regions", MappingProxyType(dict(self.regions)))
+        object.__setattr__(self, "engine", MappingProxyType(dict(self.engine)))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Snapshot:
     """Everything a guard may look at, taken just before an event is admitted."""
 
@@ -52,6 +70,7 @@ class Snapshot:
     trained_since_sync: bool  # an optimizer step ran since the last sync
     extras_stashed: bool  # the extras backup holds this step's values
     layout: TrainerLayout
+    memory: MemoryBudget | None = None  # None: no plan given, the memory guard admits
 
     @property
     def param_buffer_resident(self) -> bool:

@@ -45,7 +45,7 @@ def test_docs_are_current() -> None:
 
 def test_stale_docs_fail_the_check_and_update_fixes_them(tmp_path: Path) -> None:
     doc = tmp_path / "lifecycle.md"
-    doc.write_text((ROOT / "docs/lifecycle.md").read_text().replace("restore [engine_idle]", "restore"))
+    doc.write_text((ROOT / "docs/lifecycle.md").read_text().replace("restore [engine_idle", "restore [engine_busy"))
     stale = run("diagram", "--check", str(doc))
     assert stale.returncode == 1 and "is stale" in stale.stderr
     assert run("diagram", "--update", str(doc)).returncode == 0

@@ -6,11 +6,11 @@ from dataclasses import replace
 
 import pytest
 
-from guards import GUARDS, cycle, engine, trainer
+from guards import GUARDS, cycle, engine, memory, trainer
 from guards.bitexact import restore_bit_identical
 from guards.config import CHECKS, violations
 from guards.verdict import Verdict, evaluate, refusals
-from states import EngineMemory, Mode, Phase, Region, Snapshot, Source, TrainerLayout, TrainingSetup
+from states import EngineMemory, MemoryBudget, Mode, Phase, Region, Snapshot, Source, TrainerLayout, TrainingSetup
 
 LAYOUT = TrainerLayout(sync_sources={"w": Source.PARAM_BUFFER, "router.expert_bias": Source.EXTRAS})
 
@@ -65,6 +65,12 @@ CASES = [
     ),
     (cycle.weights_changed, snap(), snap(trained_since_sync=False), "critic-only"),
     (cycle.weights_unchanged, snap(trained_since_sync=False), snap(), "must be pushed"),
+    (  # tests/unit/test_plan_guard.py covers each row of the memory guard
+        memory.memory_fits,
+        snap(memory=MemoryBudget(device_free=10, engine={EngineMemory.WEIGHTS: 10})),
+        snap(memory=MemoryBudget(device_free=9, engine={EngineMemory.WEIGHTS: 10})),
+        "needs 10 bytes",
+    ),
 ]
 
 

@@ -1,0 +1,72 @@
+"""`colocate plan`: the bytes of every rank and phase, before anything is launched."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from orchestrator.errors import ConfigError
+from orchestrator.plan.memory import EngineSpec, GradDtype, OptimizerSpec, Parallelism, plan
+from orchestrator.plan.presets import PRESETS, load_model
+from orchestrator.plan.show import show, to_json
+from states import Mode
+
+
+def _split(text: str | None) -> tuple[int, ...]:
+    if not text:
+        return ()
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ConfigError([f"--pp-layers {text!r}: give comma-separated layer counts, e.g. 19,20,20,19"]) from None
+
+
+def plan_command(
+    model: Annotated[
+        str, typer.Argument(help=f"An HF config.json (or its folder), or a preset: {', '.join(sorted(PRESETS))}.")
+    ],
+    tp: Annotated[int, typer.Option(help="Tensor parallel size.")] = 1,
+    pp: Annotated[int, typer.Option(help="Pipeline parallel size.")] = 1,
+    dp: Annotated[int, typer.Option(help="Data parallel size.")] = 1,
+    ep: Annotated[int, typer.Option(help="Expert parallel size.")] = 1,
+    etp: Annotated[int, typer.Option(help="Expert tensor parallel size.")] = 1,
+    pp_layers: Annotated[str | None, typer.Option(help="Decoder layers per stage, e.g. 19,20,20,19.")] = None,
+    mode: Annotated[str, typer.Option(help="rematerialize or backup.")] = Mode.REMATERIALIZE.value,
+    distributed_optimizer: Annotated[bool, typer.Option(help="Megatron's DistributedOptimizer.")] = True,
+    grad_dtype: Annotated[GradDtype, typer.Option(help="Grad buffer dtype.")] = GradDtype.FP32,
+    adam: Annotated[bool, typer.Option(help="Adam's two fp32 moments (--no-adam: none).")] = True,
+    engine_gpus: Annotated[int, typer.Option(help="GPUs one engine replica spans (0: TP x PP).")] = 0,
+    gpu_memory_gb: Annotated[float, typer.Option(help="Memory of one GPU, GB (an H200: 150.75).")] = 150.75,
+    mem_fraction_static: Annotated[float, typer.Option(help="The engine's share for weights + KV.")] = 0.8,
+    cuda_graph_gb: Annotated[float, typer.Option(help="The engine's CUDA graphs, GB (measure it).")] = 0.0,
+    gpus_per_node: Annotated[int, typer.Option(help="GPUs per node, for the node totals.")] = 8,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
+) -> None:
+    """Plan each rank's memory per lifecycle phase: params, grads, mains, Adam, backups, engine."""
+    err = Console(stderr=True, soft_wrap=True)
+    try:
+        if mode not in (Mode.REMATERIALIZE.value, Mode.BACKUP.value):
+            raise ConfigError([f"--mode must be rematerialize or backup, got {mode!r}"])
+        the_plan = plan(
+            load_model(model),
+            Parallelism(tp=tp, pp=pp, dp=dp, ep=ep, etp=etp, pp_layers=_split(pp_layers)),
+            optimizer=OptimizerSpec(distributed=distributed_optimizer, grad_dtype=grad_dtype, adam=adam),
+            engine=EngineSpec(
+                gpus=engine_gpus,
+                device_bytes=int(gpu_memory_gb * 1e9),
+                mem_fraction_static=mem_fraction_static,
+                cuda_graph_bytes=int(cuda_graph_gb * 1e9),
+            ),
+            mode=Mode(mode),
+            gpus_per_node=gpus_per_node,
+        )
+    except ConfigError as exc:
+        err.print(f"[bold red]error:[/] {exc}")
+        raise typer.Exit(2) from None
+    if as_json:
+        typer.echo(json.dumps(to_json(the_plan), indent=1))
+    else:
+        show(the_plan, Console())

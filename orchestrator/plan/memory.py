@@ -1,0 +1,254 @@
+"""Bytes per rank and per lifecycle phase, from a model's tensors and how they are sharded.
+
+Megatron-core's DDP puts each rank's trainable params in flat buffers, one per (dense or
+expert, dtype): each param starts on a multiple of 64 elements and the buffer ends on a
+multiple of lcm(DP, 128) under the distributed optimizer. The grad buffer mirrors it (fp32
+with `grad_reduce_in_fp32`). The DistributedOptimizer gives each rank 1/DP of the fp32 mains
+and Adam moments (1/expert-DP for experts). The planner counts those the same way.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from orchestrator.errors import ConfigError
+from orchestrator.plan.model import Kind, ModelSpec, Tensor, stage_tensors
+from states import Mode
+
+GB = 1e9
+
+
+class GradDtype(StrEnum):
+    FP32 = "fp32"
+    BF16 = "bf16"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Parallelism:
+    """TP x PP x DP ranks; experts split EP x expert-TP within each stage's TP x DP ranks."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    ep: int = 1
+    etp: int = 1
+    pp_layers: tuple[int, ...] = ()  # decoder layers per stage; () splits evenly
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def expert_dp(self) -> int:
+        return self.tp * self.dp // (self.ep * self.etp)
+
+    def problems(self, m: ModelSpec) -> list[str]:
+        out = [f"{k} must be >= 1, got {v}" for k, v in vars(self).items() if isinstance(v, int) and v < 1]
+        if out:
+            return out
+        checks = [
+            (m.num_attention_heads, self.tp, "attention heads", "TP"),
+            (m.num_query_groups if not m.mla else self.tp, self.tp, "query groups (KV heads)", "TP"),
+            (m.ffn_hidden_size, self.tp, "the dense FFN size", "TP"),
+            (m.shared_expert_ffn or self.tp, self.tp, "the shared-expert FFN size", "TP"),
+        ]
+        if any(m.moe_layers):
+            checks += [
+                (m.num_experts, self.ep, "routed experts", "EP"),
+                (m.moe_ffn_hidden_size, self.etp, "the expert FFN size", "expert TP"),
+                (self.tp * self.dp, self.ep * self.etp, "TP x DP ranks of a stage", "EP x expert TP"),
+            ]
+        out = [f"{what} ({n}) do not divide by {by} ({d})" for n, d, what, by in checks if n % d]
+        if self.pp_layers:
+            if len(self.pp_layers) != self.pp or sum(self.pp_layers) != m.num_layers:
+                out.append(
+                    f"--pp-layers {','.join(map(str, self.pp_layers))} must give {self.pp} stages "
+                    f"summing to the model's {m.num_layers} layers"
+                )
+        elif m.num_layers % self.pp:
+            even = m.num_layers // self.pp
+            split = [even + (i < m.num_layers % self.pp) for i in range(self.pp)]
+            out.append(
+                f"{m.num_layers} layers do not divide by PP ({self.pp}): give a split, "
+                f"e.g. --pp-layers {','.join(map(str, split))}"
+            )
+        return out
+
+    def stages(self, m: ModelSpec) -> list[range]:
+        sizes = self.pp_layers or (m.num_layers // self.pp,) * self.pp
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        return [range(s, s + n) for s, n in zip(starts, sizes, strict=True)]
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerSpec:
+    distributed: bool = True  # Megatron's DistributedOptimizer: mains and moments sharded over DP
+    grad_dtype: GradDtype = GradDtype.FP32  # grad_reduce_in_fp32
+    adam: bool = True  # Adam's two fp32 moments; False: plain SGD, no state
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineSpec:
+    """The rollout engine on the same GPUs: one replica spans `gpus` GPUs (0: one trainer replica's)."""
+
+    gpus: int = 0
+    device_bytes: int = 143_771 * 2**20  # an H200
+    mem_fraction_static: float = 0.8  # SGLang's: weights + KV pool, sized on an empty GPU
+    cuda_graph_bytes: int = 0  # what this engine's CUDA graphs take; measure it, 0 leaves it out
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankBytes:
+    """One rank's trainer memory (any rank of its stage: TP and EP shards are equal)."""
+
+    stage: int
+    layers: int
+    params: int  # numel this rank holds, extras included
+    param_buffer: int  # bytes of the DDP param buffers (bf16, and fp32 params' own buffer)
+    grad_buffer: int
+    mains: int  # fp32 main params of this rank's optimizer shard
+    adam: int  # Adam moments of this rank's shard
+    extras: int  # expert_bias buffers, fp32 params, frozen params: what rematerialize pins
+    frozen: int  # bytes of frozen params (resident, in no buffer)
+    backup: int  # what backup mode pins: the param buffers and the extras
+
+    @property
+    def optimizer_state(self) -> int:
+        return self.mains + self.adam
+
+    @property
+    def trainer_state(self) -> int:
+        return self.param_buffer + self.grad_buffer + self.mains + self.adam + self.frozen
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    model: ModelSpec
+    parallel: Parallelism
+    optimizer: OptimizerSpec
+    engine: EngineSpec
+    mode: Mode
+    gpus_per_node: int
+    ranks: list[RankBytes] = field(default_factory=list)  # one per stage
+    engine_weights: int = 0  # bytes per GPU
+    kv_cache: int = 0  # bytes per GPU
+
+    def host_pinned(self, r: RankBytes) -> int:
+        return r.backup if self.mode is Mode.BACKUP else r.extras
+
+    def phases(self, r: RankBytes, *, engine: bool = True) -> dict[str, tuple[int, int]]:
+        """(device, host) bytes of one rank in each phase, at its peak (activations excluded).
+
+        Host counts the pinned backup of the mode and, while `default` is paused, its CPU copy
+        of the fp32 mains and Adam moments (torch_memory_saver keeps one for that region).
+        `engine=False` leaves the engine's memory out: the trainer's alone.
+        """
+        pinned, opt = self.host_pinned(r), r.optimizer_state
+        weights, kv = (self.engine_weights, self.kv_cache + self.engine.cuda_graph_bytes) if engine else (0, 0)
+        return {
+            "train": (r.trainer_state, pinned),
+            "grads_paused": (r.param_buffer + r.frozen, pinned + opt),
+            "update_weights": (r.param_buffer + r.frozen + weights, pinned + opt),
+            "params_dropped": (r.frozen + weights, pinned + opt),
+            "rollout": (r.frozen + weights + kv, pinned + opt),
+            # The engine releases first, then the regions come back and the rebuild writes them.
+            "restore": (r.trainer_state, pinned + opt),
+        }
+
+    def node_totals(self) -> list[tuple[int, int, int]]:
+        """(node, device peak, host peak) per node; ranks in Megatron's order, PP outermost."""
+        per_stage = self.parallel.world // self.parallel.pp
+        nodes = math.ceil(self.parallel.world / self.gpus_per_node)
+        out = []
+        for node in range(nodes):
+            ranks = range(node * self.gpus_per_node, min((node + 1) * self.gpus_per_node, self.parallel.world))
+            phases = [self.phases(self.ranks[r // per_stage]) for r in ranks]
+            device = max(sum(p[name][0] for p in phases) for name in phases[0])
+            host = max(sum(p[name][1] for p in phases) for name in phases[0])
+            out.append((node, device, host))
+        return out
+
+
+def _pad(n: int, multiple: int) -> int:
+    return math.ceil(n / multiple) * multiple
+
+
+def buffer_numel(tensors: list[Tensor], dp: int, distributed: bool) -> int:
+    """Elements of one Megatron DDP buffer holding `tensors` (one bucket: no overlapped reduce)."""
+    if not tensors:
+        return 0
+    if not distributed:
+        return sum(t.numel for t in tensors)
+    return _pad(sum(_pad(t.numel, 64) for t in tensors), math.lcm(dp, 128))
+
+
+def rank_bytes(m: ModelSpec, par: Parallelism, opt: OptimizerSpec, stage: int) -> RankBytes:
+    layers = par.stages(m)[stage]
+    tensors = stage_tensors(m, layers, first=stage == 0, last=stage == par.pp - 1, tp=par.tp, ep=par.ep, etp=par.etp)
+    param_buffer = grad_buffer = mains = adam = 0
+    grad_width = 4 if opt.grad_dtype is GradDtype.FP32 else 2
+    for expert, dp in ((False, par.dp), (True, par.expert_dp)):
+        shard = dp if opt.distributed else 1
+        for kind, width in ((Kind.PARAM, 2), (Kind.FP32, 4)):
+            group = [t for t in tensors if t.expert is expert and t.kind is kind]
+            numel = buffer_numel(group, dp, opt.distributed)
+            param_buffer += width * numel
+            grad_buffer += (4 if kind is Kind.FP32 else grad_width) * numel
+            trainable = sum(t.numel for t in group)
+            if kind is Kind.PARAM:
+                mains += 4 * trainable // shard
+            if opt.adam:
+                adam += 8 * trainable // shard
+    extras = sum(t.numel * (2 if t.kind is Kind.FROZEN else 4) for t in tensors if t.kind is not Kind.PARAM)
+    frozen = sum(2 * t.numel for t in tensors if t.kind is Kind.FROZEN)
+    return RankBytes(
+        stage=stage,
+        layers=len(layers),
+        params=sum(t.numel for t in tensors if t.kind is not Kind.EXPERT_BIAS),
+        param_buffer=param_buffer,
+        grad_buffer=grad_buffer,
+        mains=mains,
+        adam=adam,
+        extras=extras,
+        frozen=frozen,
+        backup=param_buffer + extras,
+    )
+
+
+def plan(
+    model: ModelSpec,
+    parallel: Parallelism,
+    *,
+    optimizer: OptimizerSpec | None = None,
+    engine: EngineSpec | None = None,
+    mode: Mode = Mode.REMATERIALIZE,
+    gpus_per_node: int = 8,
+) -> Plan:
+    """Plan every stage's memory. Raises ConfigError naming each problem with the input."""
+    optimizer, engine = optimizer or OptimizerSpec(), engine or EngineSpec()
+    problems = parallel.problems(model)
+    if gpus_per_node < 1:
+        problems.append(f"gpus per node must be >= 1, got {gpus_per_node}")
+    if not 0 < engine.mem_fraction_static <= 1:
+        problems.append(f"mem_fraction_static must be in (0, 1], got {engine.mem_fraction_static}")
+    if mode is Mode.REMATERIALIZE and not optimizer.distributed:
+        problems.append("rematerialize needs the distributed optimizer (its fp32 mains rebuild the params)")
+    if problems:
+        raise ConfigError(problems)
+    ranks = [rank_bytes(model, parallel, optimizer, s) for s in range(parallel.pp)]
+    gpus = engine.gpus or parallel.world // parallel.dp
+    weights = 2 * model.total_params() // gpus
+    kv = max(0, int(engine.mem_fraction_static * engine.device_bytes) - weights)
+    return Plan(
+        model=model,
+        parallel=parallel,
+        optimizer=optimizer,
+        engine=engine,
+        mode=mode,
+        gpus_per_node=gpus_per_node,
+        ranks=ranks,
+        engine_weights=weights,
+        kv_cache=kv,
+    )

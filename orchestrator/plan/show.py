@@ -1,0 +1,97 @@
+"""A plan for people (Rich tables) and for machines (one JSON object)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from orchestrator.plan.memory import GB, Plan, RankBytes
+
+BUFFER_ROWS = (
+    ("params held", "params"),
+    ("bf16 param buffer", "param_buffer"),
+    ("grad buffer", "grad_buffer"),
+    ("fp32 mains", "mains"),
+    ("Adam moments", "adam"),
+    ("extras (pinned, rematerialize)", "extras"),
+    ("pinned backup (backup mode)", "backup"),
+)
+
+
+def _gb(n: int) -> str:
+    return f"{n / GB:,.2f}"
+
+
+def to_json(p: Plan) -> dict[str, Any]:
+    par, m = p.parallel, p.model
+    return {
+        "model": {"name": m.name, "total_params": m.total_params(), "active_params": m.active_params()},
+        "parallelism": {
+            "tp": par.tp,
+            "pp": par.pp,
+            "dp": par.dp,
+            "ep": par.ep,
+            "etp": par.etp,
+            "expert_dp": par.expert_dp,
+            "world": par.world,
+            "pp_layers": [len(s) for s in par.stages(m)],
+        },
+        "optimizer": {
+            "distributed": p.optimizer.distributed,
+            "grad_dtype": p.optimizer.grad_dtype.value,
+            "adam": p.optimizer.adam,
+        },
+        "mode": p.mode.value,
+        "engine": {"weights_per_gpu": p.engine_weights, "kv_cache_per_gpu": p.kv_cache},
+        "stages": [_stage_json(p, r) for r in p.ranks],
+        "nodes": [{"node": n, "device_peak": d, "host_peak": h} for n, d, h in p.node_totals()],
+        "gpus_per_node": p.gpus_per_node,
+    }
+
+
+def _stage_json(p: Plan, r: RankBytes) -> dict[str, Any]:
+    return {
+        "stage": r.stage,
+        "layers": r.layers,
+        **{key: getattr(r, key) for _, key in BUFFER_ROWS},
+        "phases": {name: {"device": d, "host": h} for name, (d, h) in p.phases(r).items()},
+    }
+
+
+def show(p: Plan, console: Console) -> None:
+    m, par = p.model, p.parallel
+    console.print(
+        f"[bold]{m.name}[/]: {m.total_params() / 1e9:,.2f} B params ({m.active_params() / 1e9:,.2f} B active); "
+        f"TP{par.tp} x PP{par.pp} x DP{par.dp}, EP{par.ep} x ETP{par.etp} (expert DP {par.expert_dp}); "
+        f"{par.world} GPUs; mode {p.mode.value}"
+    )
+    per_rank = Table(title="per rank of each stage (GB; params in billions)")
+    per_rank.add_column("")
+    for r in p.ranks:
+        per_rank.add_column(f"stage {r.stage} ({r.layers} layers)", justify="right")
+    for label, key in BUFFER_ROWS:
+        scale = 1e9 if key == "params" else GB
+        per_rank.add_row(label, *(f"{getattr(r, key) / scale:,.2f}" for r in p.ranks))
+    console.print(per_rank)
+    phases = Table(title="device / host (pinned) peak per rank and phase, GB (activations not counted)")
+    phases.add_column("phase")
+    for r in p.ranks:
+        phases.add_column(f"stage {r.stage} device", justify="right")
+        phases.add_column(f"stage {r.stage} host", justify="right")
+    by_stage = [p.phases(r) for r in p.ranks]
+    for name in by_stage[0]:
+        phases.add_row(name, *(_gb(x) for s in by_stage for x in s[name]))
+    console.print(phases)
+    console.print(
+        f"engine per GPU: weights {_gb(p.engine_weights)} GB, KV cache {_gb(p.kv_cache)} GB "
+        f"(mem_fraction_static {p.engine.mem_fraction_static} of {_gb(p.engine.device_bytes)} GB), "
+        f"CUDA graphs {_gb(p.engine.cuda_graph_bytes)} GB"
+    )
+    nodes = Table(title=f"per node of {p.gpus_per_node} GPUs, peak over phases (GB)")
+    for col in ("node", "device", "host (pinned)"):
+        nodes.add_column(col, justify="right")
+    for n, d, h in p.node_totals():
+        nodes.add_row(str(n), _gb(d), _gb(h))
+    console.print(nodes)
