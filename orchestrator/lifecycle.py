@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
@@ -30,7 +30,7 @@ from orchestrator.errors import (
     RestoreMismatch,
 )
 from orchestrator.listeners import FanOut, Listener, TransitionRecord
-from orchestrator.protocols import MemoryRegions, RolloutEngine, Trainer, WeightTransport
+from orchestrator.protocols import MemoryRegions, RolloutEngine, Trainer, WeightTransport, WeightUpdateSessions
 from orchestrator.regions import RegionLedger
 from states import INITIAL, TABLE, EngineMemory, Event, Mode, Phase, Region, Snapshot, TrainerLayout, Transition
 
@@ -319,8 +319,12 @@ class Lifecycle:
         self._require(Event.UPDATE_WEIGHTS, "engine_weights_resident")
         version = self._t.weight_version + 1
         self._t.cache_flushed = False
-        report = transport.push(version)
-        engine.flush_cache()
+        session: AbstractContextManager[None] = (
+            engine.weight_update_session() if isinstance(engine, WeightUpdateSessions) else nullcontext()
+        )
+        with session:  # closed after the last bucket and the flush, or on the failure between
+            report = transport.push(version)
+            engine.flush_cache()
         self._t.cache_flushed = True
         served = engine.weight_version()
         if served != version:
