@@ -129,16 +129,25 @@ class _Pickler(ForkingPickler):
       holding this process's authkey, and a server is no child of the trainer. Setting the strategy
       around each call instead would race: `SGLangGroup` pickles for several servers at once from
       threads, and one thread restored the strategy while another was still pickling.
+    - Tensors are reduced by torch's own `reduce_tensor`, whatever ForkingPickler's process-wide
+      table holds: sglang's `monkey_patch_torch_reductions` replaces it there with a version that
+      fails on CPU tensors, which matters where both live in one process (the contract tier).
     """
 
     def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor) and obj.is_cuda:
-            rebuild, args = reductions.reduce_tensor(obj)
+        if isinstance(obj, torch.Tensor):
+            rebuild, args = _torch_reduce_tensor(obj)
+            if not obj.is_cuda:
+                return rebuild, args
             uuid = str(torch.cuda.get_device_properties(args[_CUDA_DEVICE_ARG]).uuid)
             return rebuild, (*args[:_CUDA_DEVICE_ARG], uuid, *args[_CUDA_DEVICE_ARG + 1 :])
         if isinstance(obj, torch.UntypedStorage) and obj.device.type == "cpu":
             return _reduce_storage_by_name(obj)
         return NotImplemented
+
+
+# torch's tensor reduction, as torch defines it (sglang keeps the original under this name when it patches).
+_torch_reduce_tensor = getattr(reductions, "_reduce_tensor_original", reductions.reduce_tensor)
 
 
 def _reduce_storage_by_name(storage: torch.UntypedStorage) -> tuple[Any, tuple[Any, ...]]:
