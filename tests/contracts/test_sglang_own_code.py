@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -202,26 +203,59 @@ def test_pause_and_continue_parse_as_sglangs_requests(group: SGLangGroup, served
     assert served.tokenizer.paused is None
 
 
-# ---- the lifecycle's update window, end to end through SGLang's app -------------------------------
+# ---- the lifecycle's update window, through SGLang's app -----------------------------------------
 
 
-def test_the_lifecycle_holds_the_session_over_the_buckets_and_the_flush(
-    group: SGLangGroup, served: tier.Served
-) -> None:
-    from orchestrator.protocols import TransferReport, WeightUpdateSessions
+def lifecycle_on(group: SGLangGroup, *, fail_after_buckets: int | None = None) -> Any:
+    """A real Lifecycle whose engine is colocate's SGLang client. The trainer side is the in-memory
+    one (orchestrator/inmemory.py): what is judged here is the engine side, by SGLang."""
+    from orchestrator import Lifecycle, LifecycleConfig
+    from orchestrator.inmemory import InMemoryRegions, InMemoryTrainer
+    from orchestrator.protocols import TransferReport
+    from orchestrator.transport import push_in_buckets
+    from states import Mode, Region
 
-    assert isinstance(group, WeightUpdateSessions)
-    named = trainer_tensors(served)
+    trainer = InMemoryTrainer()
 
-    class Transport:
+    class Transport:  # one bucket per tensor, into SGLang; optionally the trainer fails between them
         def push(self, version: int) -> TransferReport:
-            sent = sum(group.update_weights([pair], version) for pair in named)
-            return TransferReport(tensors=len(named), bytes=sent, buckets=len(named))
+            named = list(trainer.sync_tensors())
+            if fail_after_buckets is not None:
+                for pair in named[:fail_after_buckets]:
+                    group.update_weights([pair], version)
+                raise RuntimeError("the trainer failed between buckets")
+            return push_in_buckets(named, group, version, bucket_bytes=1)
 
-    with group.weight_update_session():  # what Lifecycle._push_weights does around transport and flush
-        Transport().push(1)
-        group.flush_cache()
+    return Lifecycle(
+        config=LifecycleConfig(mode=Mode.REMATERIALIZE),
+        trainer=trainer,
+        regions=InMemoryRegions(on_pause={Region.PARAM_BUFFER.value: trainer.drop}),
+        engine=group,
+        transport=Transport(),
+    )
+
+
+def test_the_lifecycles_update_window_passes_sglangs_session_checks(group: SGLangGroup, served: tier.Served) -> None:
+    group.connect()
+    lc = lifecycle_on(group)
+    lc.pause_grads()
+    lc.update_weights()
+    assert group.weight_version() == 1 and served.runner.sessions == ["begin", "end"]
     route_list = routes(served)
     begin, end = route_list.index("/begin_weight_update"), route_list.index("/end_weight_update")
-    between = route_list[begin + 1 : end]
-    assert between == ["/update_weights_from_tensor"] * 3 + ["/flush_cache"]
+    buckets = len(served.runner.loaded)  # one tensor per bucket
+    assert route_list[begin + 1 : end] == ["/update_weights_from_tensor"] * buckets + ["/flush_cache"]
+    assert {"layer0.weight", "layer1.weight"} <= set(served.runner.loaded)
+
+
+def test_a_failure_in_the_update_window_closes_the_session_and_faults(group: SGLangGroup, served: tier.Served) -> None:
+    from orchestrator.errors import ActionFailed
+    from states import Phase
+
+    group.connect()
+    lc = lifecycle_on(group, fail_after_buckets=1)
+    lc.pause_grads()
+    with pytest.raises(ActionFailed, match="the trainer failed between buckets"):
+        lc.update_weights()
+    assert lc.phase == Phase.FAULTED
+    assert served.runner.sessions == ["begin", "end"]  # SGLang's session was closed all the same
