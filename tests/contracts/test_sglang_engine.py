@@ -374,8 +374,55 @@ def test_actions_are_client_spans_and_every_request_carries_the_trace(
     ):
         engine.release(ALL)
         engine.weight_version()
-    names = [s.name for s in exporter.get_finished_spans()]
-    assert names == ["sglang POST /release_memory_occupation", "lifecycle.update_weights"]  # the GET has none
+    spans = exporter.get_finished_spans()
+    assert [s.name for s in spans] == ["sglang POST /release_memory_occupation", "lifecycle.update_weights"]  # no GET
+    host, port = server.url.removeprefix("http://").split(":")
+    assert dict(spans[0].attributes or {}) == {  # OpenTelemetry's HTTP client conventions
+        "server.address": host,
+        "server.port": int(port),
+        "url.full": f"{server.url}/release_memory_occupation",
+        "http.request.method": "POST",
+        "http.response.status_code": 200,
+    }
     trace_id = f"{parent.get_span_context().trace_id:032x}"
     assert len(server.state.traceparents) == 2
     assert all(tp is not None and tp.split("-")[1] == trace_id for tp in server.state.traceparents)
+
+
+@pytest.mark.parametrize("version", ["0.5.22", "0.6.0", "0.4.9.post1", None])
+def test_connect_refuses_an_sglang_outside_the_supported_range_naming_it(version: str | None) -> None:
+    with SGLangStandIn() as server:
+        server.sglang_version = version  # type: ignore[assignment]
+        group = SGLangGroup([server.url])
+        with pytest.raises(EngineError, match=re.escape("colocate supports sglang >=0.5.23, <0.6")) as info:
+            group.connect()
+        assert info.value.engine == server.url
+        server.sglang_version = "0.5.23.post1"
+        group.connect()
+
+
+def test_the_group_session_closes_on_a_failure_and_opens_again(pair: tuple[SGLangStandIn, ...]) -> None:
+    group = SGLangGroup([s.url for s in pair])
+    with pytest.raises(RuntimeError, match="between buckets"), group.weight_update_session():
+        assert all(s.state.session_open for s in pair)
+        raise RuntimeError("the trainer failed between buckets")
+    assert [s.state.session_open for s in pair] == [False, False] and [s.state.sessions for s in pair] == [1, 1]
+    pair[1].state.session_open = True  # a server that refuses to open: the other one's is closed again
+    with pytest.raises(EngineError, match="already open"), group.weight_update_session():
+        pass
+    assert not pair[0].state.session_open and pair[0].state.sessions == 2
+
+
+def test_serialize_sends_storages_by_name_from_threads_whatever_the_process_strategy() -> None:
+    """Issue 12 item 8: serialization reads and sets no process-wide sharing strategy."""
+    import base64
+    from concurrent.futures import ThreadPoolExecutor
+
+    assert torch.multiprocessing.get_sharing_strategy() == "file_descriptor"  # torch's default on Linux
+    buckets = [flattened_bucket(tensors(seed=i)) for i in range(16)]
+    with ThreadPoolExecutor(8) as pool:
+        payloads = list(pool.map(serialize, buckets))
+    for payload in payloads:
+        raw = base64.b64decode(payload)
+        assert b"rebuild_storage_filename" in raw and b"rebuild_storage_fd" not in raw
+    assert torch.multiprocessing.get_sharing_strategy() == "file_descriptor"
