@@ -426,3 +426,10 @@ def test_serialize_sends_storages_by_name_from_threads_whatever_the_process_stra
         raw = base64.b64decode(payload)
         assert b"rebuild_storage_filename" in raw and b"rebuild_storage_fd" not in raw
     assert torch.multiprocessing.get_sharing_strategy() == "file_descriptor"
+
+
+def test_the_stand_in_refuses_min_new_tokens_as_sglang_does_under_skip_tokenizer_init(engine: SGLangEngine) -> None:
+    with engine.weight_update_session():
+        engine.update_weights(tensors(), version=1)
+    with pytest.raises(EngineError, match=r"min_new_tokens=4 is unavailable when skip_tokenizer_init=True"):
+        engine.generate([[1, 2]], {"max_new_tokens": 4, "min_new_tokens": 4, "ignore_eos": True})
