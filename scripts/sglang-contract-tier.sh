@@ -24,7 +24,8 @@ TORCHVISION_VERSION=0.28.0
 HTTP_LAYER=(
   numpy orjson psutil pybase64 requests packaging pillow starlette msgspec pydantic pyzmq tqdm
   ipython aiohttp uvicorn uvloop fastapi "transformers>=5.24,<6" dill apache-tvm-ffi triton gguf
-  soundfile
+  soundfile sentencepiece compressed-tensors openai partial-json-parser setproctitle einops
+  jsonschema xgrammar python-multipart
 )
 
 if [[ "${1:-}" == "--rebuild" ]]; then rm -rf "$VENV"; shift; fi
