@@ -433,3 +433,39 @@ def test_the_stand_in_refuses_min_new_tokens_as_sglang_does_under_skip_tokenizer
         engine.update_weights(tensors(), version=1)
     with pytest.raises(EngineError, match=r"min_new_tokens=4 is unavailable when skip_tokenizer_init=True"):
         engine.generate([[1, 2]], {"max_new_tokens": 4, "min_new_tokens": 4, "ignore_eos": True})
+
+
+def test_the_lifecycle_closes_the_session_when_the_update_fails_between_buckets_and_faults(
+    server: SGLangStandIn,
+) -> None:
+    """The promise: a failure between /begin_weight_update and /end_weight_update still closes the
+    session, and the lifecycle ends in FAULTED with the cause."""
+    from orchestrator import Lifecycle, LifecycleConfig
+    from orchestrator.errors import ActionFailed
+    from orchestrator.inmemory import InMemoryRegions, InMemoryTrainer
+    from orchestrator.protocols import TransferReport
+    from states import Mode, Phase, Region
+
+    group = SGLangGroup([server.url])
+    trainer = InMemoryTrainer()
+
+    class Transport:
+        def push(self, version: int) -> TransferReport:
+            assert server.state.session_open
+            server.state.fail_next_update = "Failed to load weights: shape mismatch"
+            group.update_weights(tensors(), version)
+            raise AssertionError("unreachable: SGLang refused the bucket")
+
+    lc = Lifecycle(
+        config=LifecycleConfig(mode=Mode.REMATERIALIZE),
+        trainer=trainer,
+        regions=InMemoryRegions(on_pause={Region.PARAM_BUFFER.value: trainer.drop}),
+        engine=group,
+        transport=Transport(),
+    )
+    lc.pause_grads()
+    with pytest.raises(ActionFailed, match="shape mismatch"):
+        lc.update_weights()
+    assert lc.phase == Phase.FAULTED
+    assert not server.state.session_open and server.state.sessions == 1
+    assert [p for p, _ in server.state.requests].count("/end_weight_update") == 1
