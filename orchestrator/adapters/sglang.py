@@ -16,17 +16,24 @@ Routes, as sglang 0.5.23's `sglang/srt/entrypoints/http_server.py` defines them:
   route (earlier 0.5.x had one); /model_info is where 0.5.23 reports what `weight_version=` set.
   The server's own initial value ("default", or null) reads as None.
 - `server_info`: GET /server_info, the resolved server arguments: `tp_size` (one payload per TP
-  rank) and `enable_memory_saver` (without it a server cannot release memory).
+  rank), `enable_memory_saver` (without it a server cannot release memory) and `version` (the
+  sglang release; `connect()` refuses one outside `SUPPORTED_SGLANG`). 0.5.23 also serves the
+  deprecated /get_server_info, and no /version.
 - `is_idle`: GET /v1/loads?include=core: per DP rank `num_running_reqs` and `num_waiting_reqs`.
   It is a snapshot the schedulers publish each step, so it can lag one step; /flush_cache's 400
   remains the authoritative busy signal.
+- `begin_weight_update`/`end_weight_update`: POST /begin_weight_update, /end_weight_update {}.
+  0.5.23's scheduler (`SchedulerWeightUpdaterManager`) refuses any update outside this session;
+  the lifecycle holds one open over its update window (`SGLangGroup.weight_update_session`).
 - `update_weights`: one flattened bucket per POST /update_weights_from_tensor (see `_payload`).
 - `update_weights_from_distributed`: metadata only; the tensors travel by NCCL broadcast from the
   trainer over a group made by `init_weights_update_group` (engines off the trainer's GPUs).
-- `generate`: POST /generate with `input_ids`, `sampling_params`, `return_logprob`.
+- `generate`: POST /generate with `input_ids`, `sampling_params`, `return_logprob`. Never
+  `min_new_tokens`: `SamplingParams.normalize` refuses it under `--skip-tokenizer-init`.
 
-Every POST is a client span `sglang POST <path>` carrying `server.address` (GETs are queries the
-lifecycle makes around every transition, and have none), and every request carries the W3C
+Every POST is a client span `sglang POST <path>` with OpenTelemetry's HTTP client attributes,
+`server.address` (the host), `server.port`, `url.full`, `http.response.status_code` (GETs are
+queries the lifecycle makes around every transition, and have none), and every request carries the W3C
 `traceparent` header (SGLang started with `--enable-trace` continues the trace).
 
 `SGLangGroup` is what `colocate run --engine sglang` drives: every server of the job (one per
@@ -36,9 +43,10 @@ Serialization is SGLang's `MultiprocessingSerializer` wire format, reimplemented
 importing sglang: `ForkingPickler` (torch's tensor reductions: CUDA IPC handles on GPU, shared
 memory files on CPU), then standard base64, one copy per TP rank (each rank unpickles only its
 own, which keeps CUDA IPC refcounts right). CPU storages go by shared-memory file *name*
-(torch's `file_system` strategy) for the call: torch's default passes a file descriptor through
-multiprocessing's resource sharer, which answers only processes holding the sender's authkey,
-and a server is no child of the trainer. As SGLang's patched reductions do,
+(what torch's `file_system` strategy sends), chosen by the pickler, never by the process-wide
+strategy: torch's default passes a file descriptor through multiprocessing's resource sharer,
+which answers only processes holding the sender's authkey, and a server is no child of the
+trainer (see `_Pickler`). As SGLang's patched reductions do,
 a CUDA tensor's device index is replaced by the device UUID, so trainer and engine need not agree
 on device numbering; SGLang's receiver patches `rebuild_cuda_tensor` to accept it.
 """
