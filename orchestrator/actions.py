@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +17,7 @@ from guards.bitexact import restore_bit_identical
 from orchestrator.config import LifecycleConfig
 from orchestrator.errors import EngineError, RecoveryRefused, RestoreMismatch
 from orchestrator.listeners import TransitionRecord
-from orchestrator.protocols import RolloutEngine, Trainer, WeightTransport
+from orchestrator.protocols import RolloutEngine, Trainer, WeightTransport, WeightUpdateSessions
 from orchestrator.regions import RegionLedger
 from states import EngineMemory, Region
 
@@ -170,8 +171,12 @@ class Actions:
             raise EngineError("none", "a weight sync needs an engine and a weight transport")
         self._engine_resume(WEIGHTS)
         self.known.cache_flushed = False
-        report = transport.push(version)
-        engine.flush_cache()
+        session: AbstractContextManager[None] = (
+            engine.weight_update_session() if isinstance(engine, WeightUpdateSessions) else nullcontext()
+        )
+        with session:  # closed after the last bucket and the flush, or on a failure between
+            report = transport.push(version)
+            engine.flush_cache()
         self.known.cache_flushed = True
         served = engine.weight_version()
         if served != version:

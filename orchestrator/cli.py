@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
@@ -149,7 +149,7 @@ def engine_config_command(
     if folder.exists() and not folder.is_dir():
         _fail(f"{folder}: exists and is not a folder")
     try:
-        hf_llama_config(GRPOConfig().model).save_pretrained(folder)
+        write_model_config(hf_llama_config(GRPOConfig().model), folder)
     except OSError as exc:
         _fail(f"cannot write {target}: {exc.strerror or exc}")
     err.print(f"{target}: written. Serve it with")
@@ -157,6 +157,24 @@ def engine_config_command(
         f"python -m sglang.launch_server --model-path {folder} --load-format dummy --skip-tokenizer-init "
         "--enable-memory-saver --port 30000"
     )
+
+
+def write_model_config(config: Any, folder: Path) -> None:
+    """`config.json` as SGLang and transformers pick and build a model class from it.
+
+    SGLang's model registry chooses the class by `architectures`, transformers' `AutoConfig` the
+    config class by `model_type`, and SGLang's `--dtype auto` reads `torch_dtype`: transformers 5
+    writes `dtype` alone, so the older key is written beside it.
+    """
+    import json
+
+    data = config.to_dict()
+    data["architectures"] = data.get("architectures") or ["LlamaForCausalLM"]
+    data["model_type"] = config.model_type
+    dtype = str(data.get("dtype") or "bfloat16").removeprefix("torch.")
+    data["dtype"] = data["torch_dtype"] = dtype
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 trace_app = typer.Typer(

@@ -14,6 +14,7 @@ Adapters report what they did and never swallow a failed call: the controller de
 from __future__ import annotations
 
 from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -107,6 +108,15 @@ class RolloutEngine(Protocol):
     def is_idle(self) -> bool:
         """True when no request is in flight."""
         ...
+
+
+@runtime_checkable
+class WeightUpdateSessions(Protocol):
+    """An engine that takes weights only inside a session (SGLang 0.5.23: /begin_weight_update …
+    /end_weight_update). The lifecycle holds one open from the update's start until its last
+    bucket and the flush; the session closes on failure too."""
+
+    def weight_update_session(self) -> AbstractContextManager[None]: ...
 
 
 @dataclass(frozen=True, slots=True)

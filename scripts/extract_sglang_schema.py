@@ -44,6 +44,8 @@ CLASSES: dict[str, str] = {
     "PauseGenerationReqInput": "/pause_generation",
     "ContinueGenerationReqInput": "/continue_generation",
     "GenerateReqInput": "/generate",
+    "BeginWeightUpdateReqInput": "/begin_weight_update",
+    "EndWeightUpdateReqInput": "/end_weight_update",
 }
 
 

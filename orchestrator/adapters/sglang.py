@@ -16,17 +16,24 @@ Routes, as sglang 0.5.23's `sglang/srt/entrypoints/http_server.py` defines them:
   route (earlier 0.5.x had one); /model_info is where 0.5.23 reports what `weight_version=` set.
   The server's own initial value ("default", or null) reads as None.
 - `server_info`: GET /server_info, the resolved server arguments: `tp_size` (one payload per TP
-  rank) and `enable_memory_saver` (without it a server cannot release memory).
+  rank), `enable_memory_saver` (without it a server cannot release memory) and `version` (the
+  sglang release; `connect()` refuses one outside `SUPPORTED_SGLANG`). 0.5.23 also serves the
+  deprecated /get_server_info, and no /version.
 - `is_idle`: GET /v1/loads?include=core: per DP rank `num_running_reqs` and `num_waiting_reqs`.
   It is a snapshot the schedulers publish each step, so it can lag one step; /flush_cache's 400
   remains the authoritative busy signal.
+- `begin_weight_update`/`end_weight_update`: POST /begin_weight_update, /end_weight_update {}.
+  0.5.23's scheduler (`SchedulerWeightUpdaterManager`) refuses any update outside this session;
+  the lifecycle holds one open over its update window (`SGLangGroup.weight_update_session`).
 - `update_weights`: one flattened bucket per POST /update_weights_from_tensor (see `_payload`).
 - `update_weights_from_distributed`: metadata only; the tensors travel by NCCL broadcast from the
   trainer over a group made by `init_weights_update_group` (engines off the trainer's GPUs).
-- `generate`: POST /generate with `input_ids`, `sampling_params`, `return_logprob`.
+- `generate`: POST /generate with `input_ids`, `sampling_params`, `return_logprob`. Never
+  `min_new_tokens`: `SamplingParams.normalize` refuses it under `--skip-tokenizer-init`.
 
-Every POST is a client span `sglang POST <path>` carrying `server.address` (GETs are queries the
-lifecycle makes around every transition, and have none), and every request carries the W3C
+Every POST is a client span `sglang POST <path>` with OpenTelemetry's HTTP client attributes,
+`server.address` (the host), `server.port`, `url.full`, `http.response.status_code` (GETs are
+queries the lifecycle makes around every transition, and have none), and every request carries the W3C
 `traceparent` header (SGLang started with `--enable-trace` continues the trace).
 
 `SGLangGroup` is what `colocate run --engine sglang` drives: every server of the job (one per
@@ -36,9 +43,10 @@ Serialization is SGLang's `MultiprocessingSerializer` wire format, reimplemented
 importing sglang: `ForkingPickler` (torch's tensor reductions: CUDA IPC handles on GPU, shared
 memory files on CPU), then standard base64, one copy per TP rank (each rank unpickles only its
 own, which keeps CUDA IPC refcounts right). CPU storages go by shared-memory file *name*
-(torch's `file_system` strategy) for the call: torch's default passes a file descriptor through
-multiprocessing's resource sharer, which answers only processes holding the sender's authkey,
-and a server is no child of the trainer. As SGLang's patched reductions do,
+(what torch's `file_system` strategy sends), chosen by the pickler, never by the process-wide
+strategy: torch's default passes a file descriptor through multiprocessing's resource sharer,
+which answers only processes holding the sender's authkey, and a server is no child of the
+trainer (see `_Pickler`). As SGLang's patched reductions do,
 a CUDA tensor's device index is replaced by the device UUID, so trainer and engine need not agree
 on device numbering; SGLang's receiver patches `rebuild_cuda_tensor` to accept it.
 """
@@ -50,14 +58,17 @@ import io
 import itertools
 import os
 import re
+import threading
 import time
 import types
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
+from urllib.parse import urlsplit
 
 import requests
 import torch
@@ -71,18 +82,38 @@ from orchestrator.errors import ConfigError, EngineError
 from states import EngineMemory
 
 __all__ = [
+    "SUPPORTED_SGLANG",
     "Generation",
     "SGLangEngine",
     "SGLangGroup",
     "WeightBroadcaster",
     "flattened_bucket",
     "serialize",
+    "version_problem",
     "weight_update_group",
 ]
 
 Named = tuple[str, torch.Tensor]
 _CUDA_DEVICE_ARG = 6  # index of `device` in torch's reduce_tensor args for CUDA tensors (SGLang's patch_torch)
 _NO_VERSION = (None, "", "default")  # what SGLang reports before any versioned update
+
+# The SGLang releases colocate speaks to: the weight-update session (/begin_weight_update,
+# /end_weight_update) that 0.5.23's scheduler requires, /model_info's weight_version, no
+# /get_weight_version. Lower bound inclusive, upper bound exclusive.
+SUPPORTED_SGLANG = ((0, 5, 23), (0, 6, 0))
+SUPPORTED_SGLANG_TEXT = ">=0.5.23, <0.6"
+
+
+def version_problem(reported: object) -> str | None:
+    """Why a server reporting `reported` as its version cannot be driven, or None."""
+    match = re.match(r"(\d+)\.(\d+)\.(\d+)", str(reported or ""))
+    if match is None:
+        return f"reports no SGLang version ({reported!r}); colocate supports sglang {SUPPORTED_SGLANG_TEXT}"
+    found = tuple(int(part) for part in match.groups())
+    low, high = SUPPORTED_SGLANG
+    if not low <= found < high:
+        return f"runs sglang {reported}; colocate supports sglang {SUPPORTED_SGLANG_TEXT}"
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,18 +127,47 @@ class Generation:
 
 
 class _Pickler(ForkingPickler):
-    """ForkingPickler whose CUDA tensors carry the device UUID, as sglang's patch_torch does."""
+    """ForkingPickler with SGLang's wire choices, decided per pickler, never per process.
+
+    - A CUDA tensor carries its device UUID where torch puts the device index, as sglang's
+      `patch_torch` does.
+    - A CPU storage goes by shared-memory file *name* (what torch's `file_system` strategy sends),
+      whatever `torch.multiprocessing`'s process-wide strategy is: the default (`file_descriptor`)
+      passes a descriptor through multiprocessing's resource sharer, which answers only processes
+      holding this process's authkey, and a server is no child of the trainer. Setting the strategy
+      around each call instead would race: `SGLangGroup` pickles for several servers at once from
+      threads, and one thread restored the strategy while another was still pickling.
+    - Tensors are reduced by torch's own `reduce_tensor`, whatever ForkingPickler's process-wide
+      table holds: sglang's `monkey_patch_torch_reductions` replaces it there with a version that
+      fails on CPU tensors, which matters where both live in one process (the contract tier).
+    """
 
     def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor) and obj.is_cuda:
-            rebuild, args = reductions.reduce_tensor(obj)
+        if isinstance(obj, torch.Tensor):
+            rebuild, args = _torch_reduce_tensor(obj)
+            if not obj.is_cuda:
+                return rebuild, args
             uuid = str(torch.cuda.get_device_properties(args[_CUDA_DEVICE_ARG]).uuid)
             return rebuild, (*args[:_CUDA_DEVICE_ARG], uuid, *args[_CUDA_DEVICE_ARG + 1 :])
-        if isinstance(obj, torch.Tensor):
-            _start_shm_manager_quietly()
+        if isinstance(obj, torch.UntypedStorage) and obj.device.type == "cpu":
+            return _reduce_storage_by_name(obj)
         return NotImplemented
 
 
+# torch's tensor reduction, as torch defines it (sglang keeps the original under this name when it patches).
+_torch_reduce_tensor = getattr(reductions, "_reduce_tensor_original", reductions.reduce_tensor)
+
+
+def _reduce_storage_by_name(storage: torch.UntypedStorage) -> tuple[Any, tuple[Any, ...]]:
+    """torch's `reduce_storage` under the `file_system` strategy, for this storage only."""
+    _start_shm_manager_quietly()
+    metadata = storage._share_filename_cpu_()
+    storage._shared_incref()  # the receiver's rebuild decrefs, as with torch's own reduction
+    reductions.shared_cache[metadata[1]] = reductions.StorageWeakRef(storage)
+    return reductions.rebuild_storage_filename, (type(storage), *metadata)
+
+
+_shm_manager_lock = threading.Lock()
 _shm_manager_started = False
 
 
@@ -117,31 +177,28 @@ def _start_shm_manager_quietly() -> None:
     The first CPU storage shared by file name starts that daemon, which inherits stderr and lives
     as long as any process maps a shared file: a server's, possibly longer than this process. It
     would hold the caller's stderr pipe open (`colocate run 2>&1 | tee log` would never end).
+    Redirecting fd 2 is process-wide, so it happens once, under a lock held for that one start.
     """
     global _shm_manager_started
-    if _shm_manager_started:
-        return
-    saved = os.dup(2)
-    with open(os.devnull, "wb") as null:
-        os.dup2(null.fileno(), 2)
-    try:
-        ForkingPickler.dumps(torch.empty(1))  # strategy file_system: see serialize()
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-    _shm_manager_started = True
+    with _shm_manager_lock:
+        if _shm_manager_started:
+            return
+        saved = os.dup(2)
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 2)
+        try:
+            torch.empty(1).untyped_storage()._share_filename_cpu_()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        _shm_manager_started = True
 
 
 def serialize(obj: object) -> str:
-    """SGLang's `MultiprocessingSerializer.serialize(obj, output_str=True)`; CPU storages by file
-    name (module docstring)."""
+    """SGLang's `MultiprocessingSerializer.serialize(obj, output_str=True)`: `_Pickler`, then
+    standard base64. Reads and changes no process-global setting, so threads may call it at once."""
     buf = io.BytesIO()
-    strategy = torch.multiprocessing.get_sharing_strategy()
-    torch.multiprocessing.set_sharing_strategy("file_system")
-    try:
-        _Pickler(buf).dump(obj)
-    finally:
-        torch.multiprocessing.set_sharing_strategy(strategy)
+    _Pickler(buf).dump(obj)
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
@@ -238,6 +295,11 @@ class SGLangEngine:
         self.flush_max_wait_s, self.flush_poll_s = flush_max_wait_s, flush_poll_s
         self._timeout = (connect_timeout_s, read_timeout_s)
         self._session = _session(retries)
+        parts = urlsplit(self.name)  # OTel HTTP client conventions: the host alone, the port apart
+        self._server_attributes: dict[str, str | int] = {
+            "server.address": parts.hostname or "",
+            "server.port": parts.port or (443 if parts.scheme == "https" else 80),
+        }
 
     def close(self) -> None:
         self._session.close()
@@ -249,7 +311,7 @@ class SGLangEngine:
         around every transition) is not, as it would bury the work."""
         if method == "GET":
             return self._request(method, path, body)
-        attributes = {"server.address": self.name, "http.request.method": method}
+        attributes = {**self._server_attributes, "url.full": self.name + path, "http.request.method": method}
         with trace.get_tracer("colocate").start_as_current_span(
             f"sglang {method} {path.split('?', 1)[0]}", kind=trace.SpanKind.CLIENT, attributes=attributes
         ) as span:
@@ -357,6 +419,26 @@ class SGLangEngine:
             time.sleep(poll_s)
 
     # ---- weights ---------------------------------------------------------------------------
+
+    def begin_weight_update(self) -> None:
+        """Open SGLang's weight-update session; 0.5.23's scheduler refuses every
+        /update_weights_from_tensor and /update_weights_from_distributed outside one."""
+        self._call("POST", "/begin_weight_update", {})
+
+    def end_weight_update(self) -> None:
+        """Close the session (SGLang finalizes the loaded weights here)."""
+        self._call("POST", "/end_weight_update", {})
+
+    @contextmanager
+    def weight_update_session(self) -> Iterator[None]:
+        """The session around the body; closed whether the body returned or raised."""
+        self.begin_weight_update()
+        try:
+            yield
+        except BaseException as exc:
+            _close_quietly([self], exc)
+            raise
+        self.end_weight_update()
 
     def update_weights(self, named: Sequence[Named], version: int) -> int:
         """Send one bucket of HF-named tensors, tagged `version`; returns the bytes sent.
@@ -612,7 +694,8 @@ class SGLangGroup:
         Waits up to `timeout_s` for a server that is starting. An unreachable server is an
         `EngineError` naming its URL: a refused connection fails within a second, an unroutable
         host after the connect timeout and its retries. A server started without
-        `--enable-memory-saver` is refused: it could not give its memory to the trainer.
+        `--enable-memory-saver` is refused: it could not give its memory to the trainer. So is an
+        SGLang outside `SUPPORTED_SGLANG` (its `version`, from /server_info): the error names the range.
         """
 
         def check(engine: SGLangEngine) -> None:
@@ -624,6 +707,9 @@ class SGLangGroup:
                 if "HTTP 404" not in exc.reason:
                     raise
                 raise EngineError(engine.name, f"{exc.reason}: is this an SGLang 0.5 server?") from exc
+            problem = version_problem(info.get("version"))
+            if problem:
+                raise EngineError(engine.name, problem)
             if not info.get("enable_memory_saver"):
                 raise EngineError(
                     engine.name, "started without --enable-memory-saver: it cannot release memory for the trainer"
@@ -657,6 +743,31 @@ class SGLangGroup:
     def is_idle(self) -> bool:
         return all(self._each(SGLangEngine.is_idle))
 
+    @contextmanager
+    def weight_update_session(self) -> Iterator[None]:
+        """Every server's weight-update session around the body: opened first, closed after it,
+        whether the body returned or raised (the body's error is then the one raised).
+
+        A server that refuses to open it closes the sessions the others opened, then raises.
+        """
+        opened: list[SGLangEngine] = []
+
+        def begin(engine: SGLangEngine) -> None:
+            engine.begin_weight_update()
+            opened.append(engine)
+
+        try:
+            self._each(begin)
+        except BaseException as exc:
+            _close_quietly(opened, exc)
+            raise
+        try:
+            yield
+        except BaseException as exc:
+            _close_quietly(opened, exc)
+            raise
+        self._each(SGLangEngine.end_weight_update)
+
     # ---- the job's engine ------------------------------------------------------------------
 
     def update_weights(self, named: Sequence[Named], version: int) -> int:
@@ -668,7 +779,9 @@ class SGLangGroup:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Exactly `max_new_tokens` sampled tokens per prompt row, and their log-probabilities.
 
-        `ignore_eos` keeps every completion at full length, as the trainer's batch needs. Each row
+        `ignore_eos` keeps every completion at full length, as the trainer's batch needs; no
+        `min_new_tokens`, which SGLang refuses under `--skip-tokenizer-init` (it needs the tokenizer's
+        eos_token_id) and which `ignore_eos` makes redundant. Each row
         gets its own `sampling_seed` (seed + row): SGLang honours it only under
         `--enable-deterministic-inference`, and a seed shared by a group's identical prompts would
         make their samples identical there.
@@ -677,7 +790,6 @@ class SGLangGroup:
         params = [
             {
                 "max_new_tokens": max_new_tokens,
-                "min_new_tokens": max_new_tokens,
                 "ignore_eos": True,
                 "temperature": temperature,
                 "sampling_seed": seed + row,
@@ -702,6 +814,16 @@ class SGLangGroup:
 
     def flush_traces(self) -> None:
         """The servers export their own spans, if started with `--enable-trace`."""
+
+
+def _close_quietly(engines: Sequence[SGLangEngine], error: BaseException) -> None:
+    """End each server's session while `error` is on its way out: it stays the one raised, and
+    a server that also refused to close is a note on it."""
+    for engine in engines:
+        try:
+            engine.end_weight_update()
+        except EngineError as exc:
+            error.add_note(f"and the weight-update session stayed open: {exc}")
 
 
 def _shares(rows: int, servers: int) -> list[slice]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from contextlib import ExitStack
 
 from orchestrator.adapters.sglang import SGLangEngine, WeightBroadcaster
 from orchestrator.transport import push_in_buckets
@@ -30,7 +31,10 @@ def main(argv: list[str] | None = None) -> int:
         engines, master_port=args.port, backend="gloo", group_name=args.group, timeout_s=args.timeout
     )
     for version in range(1, args.versions + 1):
-        report = push_in_buckets(tensors(seed=version), broadcaster, version, bucket_bytes=600)
+        with ExitStack() as sessions:  # every server's weight-update session around the version's buckets
+            for engine in engines:
+                sessions.enter_context(engine.weight_update_session())
+            report = push_in_buckets(tensors(seed=version), broadcaster, version, bucket_bytes=600)
         print(json.dumps({"version": version, "buckets": report.buckets, "bytes": report.bytes}), flush=True)
     broadcaster.close()
     return 0

@@ -11,6 +11,11 @@ behaviours colocate relies on (sglang 0.5.23, design §4):
 - release while requests are in flight fails (SGLang's scheduler asserts idle); resuming a tag
   that is not released fails (SGLang's `offload_tags.remove`).
 - `weight_version` sent with an update is what /model_info reports afterwards ("default" before).
+- Weight updates only inside a session, as 0.5.23's `SchedulerWeightUpdaterManager` requires:
+  /update_weights_from_tensor and /update_weights_from_distributed between /begin_weight_update
+  and /end_weight_update; opening an open session or closing a closed one fails.
+- `min_new_tokens` is refused, as SGLang's `SamplingParams.normalize(None)` refuses it on a server
+  started with `--skip-tokenizer-init` (which the stand-in plays): it needs the eos_token_id.
 - /generate is refused before any weights arrived, and while weights or KV cache are released
   (SGLang would serve garbage: the stand-in flags it).
 - /update_weights_from_tensor payloads are really deserialized: base64, then an unpickler limited
@@ -153,6 +158,9 @@ class StandInState:
     join_groups: bool = False
     memory_saver: bool = True  # what /server_info reports as enable_memory_saver
     groups: dict[str, Any] = field(default_factory=dict)  # weight-update groups joined
+    skip_tokenizer_init: bool = True  # started as the README starts SGLang
+    session_open: bool = False  # between /begin_weight_update and /end_weight_update
+    sessions: int = 0  # sessions closed
 
 
 class SGLangStandIn:
@@ -212,6 +220,11 @@ class SGLangStandIn:
             unknown = sorted(set(params) - SAMPLING_FIELDS)
             if unknown:
                 raise _Refused(f"SamplingParams.__init__() got unexpected keyword argument(s) {unknown}")
+            if self.state.skip_tokenizer_init and params.get("min_new_tokens"):
+                raise _Refused(
+                    f"min_new_tokens={params['min_new_tokens']} is unavailable when skip_tokenizer_init=True "
+                    "(requires tokenizer for eos_token_id)"
+                )
 
     # ---- routes ----------------------------------------------------------------------------
 
@@ -267,7 +280,33 @@ def _flush(server: SGLangStandIn, state: StandInState, body: Any) -> tuple[int, 
     return 200, "Cache flushed.\n"
 
 
+def _session_required(state: StandInState, call: str) -> tuple[int, Any] | None:
+    if state.session_open:
+        return None
+    return 400, {"success": False, "message": f"{call} must run between begin_weight_update() and end_weight_update()"}
+
+
+def _begin(server: SGLangStandIn, state: StandInState, body: dict[str, Any]) -> tuple[int, Any]:
+    if state.session_open:
+        return 400, {
+            "success": False,
+            "message": "a weight-update session is already open; call end_weight_update() first",
+        }
+    state.session_open = True
+    return 200, {"success": True, "message": "Success"}
+
+
+def _end(server: SGLangStandIn, state: StandInState, body: dict[str, Any]) -> tuple[int, Any]:
+    if not state.session_open:
+        return 400, {"success": False, "message": "no weight-update session is open; call begin_weight_update() first"}
+    state.session_open, state.sessions = False, state.sessions + 1
+    return 200, {"success": True, "message": "Success"}
+
+
 def _update_from_tensor(server: SGLangStandIn, state: StandInState, body: dict[str, Any]) -> tuple[int, Any]:
+    refused = _session_required(state, "update_weights_from_tensor")
+    if refused:
+        return refused
     if state.fail_next_update is not None:
         message, state.fail_next_update = state.fail_next_update, None
         return 400, {"success": False, "message": message}
@@ -331,6 +370,9 @@ def _empty_bucket(names: list[str], dtypes: list[str], shapes: list[list[int]]) 
 
 def _update_from_distributed(server: SGLangStandIn, state: StandInState, body: dict[str, Any]) -> tuple[int, Any]:
     names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
+    refused = _session_required(state, "update_weights_from_distributed")
+    if refused:
+        return refused
     if state.fail_next_update is not None:
         message, state.fail_next_update = state.fail_next_update, None
         return 400, {"success": False, "message": message}
@@ -431,6 +473,8 @@ _ROUTES = {
     ("POST", "/resume_memory_occupation"): _resume,
     ("POST", "/flush_cache"): _flush,
     ("POST", "/update_weights_from_tensor"): _update_from_tensor,
+    ("POST", "/begin_weight_update"): _begin,
+    ("POST", "/end_weight_update"): _end,
     ("POST", "/init_weights_update_group"): _init_group,
     ("POST", "/update_weights_from_distributed"): _update_from_distributed,
     ("POST", "/generate"): _generate,

@@ -86,9 +86,13 @@ def test_engine_is_a_rollout_engine_named_by_its_url(engine: SGLangEngine, serve
 def test_every_request_matches_its_sglang_class(engine: SGLangEngine, server: SGLangStandIn) -> None:
     engine.release(ALL)
     engine.resume(frozenset({EngineMemory.WEIGHTS}))
-    engine.update_weights(tensors(), version=1)
+    with engine.weight_update_session():
+        engine.update_weights(tensors(), version=1)
     engine.init_weights_update_group("127.0.0.1", 29500, rank_offset=1, world_size=2)
-    engine.update_weights_from_distributed(["lm_head.weight"], [torch.bfloat16], [(32, 8)], "weight_update_group", 2)
+    with engine.weight_update_session():
+        engine.update_weights_from_distributed(
+            ["lm_head.weight"], [torch.bfloat16], [(32, 8)], "weight_update_group", 2
+        )
     engine.resume(frozenset({EngineMemory.KV_CACHE, EngineMemory.CUDA_GRAPH}))
     engine.pause_generation("retract")
     engine.continue_generation()
@@ -119,7 +123,8 @@ def test_the_stand_in_refuses_what_sglangs_schema_does_not_define(
 
 def test_bucket_arrives_with_names_shapes_dtypes_and_values(engine: SGLangEngine, server: SGLangStandIn) -> None:
     named = tensors(seed=3)
-    sent_bytes = engine.update_weights(named, version=7)
+    with engine.weight_update_session():
+        sent_bytes = engine.update_weights(named, version=7)
     assert sent_bytes == sum(t.numel() * t.element_size() for _, t in named)
     assert sorted(server.state.buckets[0]) == sorted((n, tuple(t.shape), t.dtype) for n, t in named)
     assert len(server.state.buckets) == 1
@@ -131,7 +136,8 @@ def test_bucket_arrives_with_names_shapes_dtypes_and_values(engine: SGLangEngine
 def test_one_payload_per_tp_rank() -> None:
     with SGLangStandIn(tp_size=2, weights=WEIGHTS) as server:
         engine = SGLangEngine(server.url, tp_size=2)
-        engine.update_weights(tensors()[:2], version=1)
+        with engine.weight_update_session():
+            engine.update_weights(tensors()[:2], version=1)
         assert len(sent(server, "/update_weights_from_tensor")[0]["serialized_named_tensors"]) == 2
         engine.close()
 
@@ -200,13 +206,13 @@ def test_unreachable_url_fails_fast_naming_it() -> None:
 
 def test_success_false_raises_engine_error_with_the_message(engine: SGLangEngine, server: SGLangStandIn) -> None:
     server.state.fail_next_update = "Failed to load weights: shape mismatch"
-    with pytest.raises(EngineError, match="shape mismatch") as info:
+    with pytest.raises(EngineError, match="shape mismatch") as info, engine.weight_update_session():
         engine.update_weights(tensors(), version=1)
     assert info.value.engine == server.url
 
 
 def test_unknown_weight_name_is_reported(engine: SGLangEngine) -> None:
-    with pytest.raises(EngineError, match=r"unknown weight name model\.bogus"):
+    with pytest.raises(EngineError, match=r"unknown weight name model\.bogus"), engine.weight_update_session():
         engine.update_weights([("model.bogus", torch.zeros(2))], version=1)
 
 
@@ -224,7 +230,8 @@ def test_lifecycle_sequence(engine: SGLangEngine, server: SGLangStandIn) -> None
         engine.resume(frozenset({EngineMemory.WEIGHTS}))  # trainer params still resident: weights only
         with pytest.raises(EngineError, match=r"released|no weights"):
             engine.generate([[1]], {"max_new_tokens": 1})
-        report = push_in_buckets(tensors(seed=version), engine, version, bucket_bytes=600)
+        with engine.weight_update_session():
+            report = push_in_buckets(tensors(seed=version), engine, version, bucket_bytes=600)
         assert report.buckets == 3 and report.tensors == len(WEIGHTS)
         engine.resume(frozenset({EngineMemory.KV_CACHE, EngineMemory.CUDA_GRAPH}))  # trainer params dropped
         engine.flush_cache()
@@ -239,7 +246,10 @@ def test_lifecycle_sequence(engine: SGLangEngine, server: SGLangStandIn) -> None
 def test_payload_globals_outside_sglangs_allowlist_are_refused(engine: SGLangEngine) -> None:
     payload = serialize({"flattened_tensor": torch.zeros(4, dtype=torch.uint8), "metadata": [Generation([], [])]})
     body = {"serialized_named_tensors": [payload], "load_format": "flattened_bucket"}
-    with pytest.raises(EngineError, match=r"Blocked unsafe global \(orchestrator\.adapters\.sglang\.Generation\)"):
+    with (
+        pytest.raises(EngineError, match=r"Blocked unsafe global \(orchestrator\.adapters\.sglang\.Generation\)"),
+        engine.weight_update_session(),
+    ):
         engine._call("POST", "/update_weights_from_tensor", body)
 
 
@@ -258,7 +268,8 @@ def test_group_fans_memory_weights_and_flushes_out_to_every_server(pair: tuple[S
     group.connect()
     group.release(ALL)
     group.resume(frozenset({EngineMemory.WEIGHTS}))
-    sent_bytes = group.update_weights(tensors(), version=1)
+    with group.weight_update_session():
+        sent_bytes = group.update_weights(tensors(), version=1)
     group.resume(frozenset({EngineMemory.KV_CACHE, EngineMemory.CUDA_GRAPH}))
     pair[1].hold(requests=1, polls=2)  # one server still busy: the group's flush waits for it
     group.flush_cache()
@@ -274,7 +285,8 @@ def test_connect_takes_each_servers_tp_size_and_refuses_one_without_memory_saver
         group = SGLangGroup([a.url, b.url])
         group.connect()
         assert [e.tp_size for e in group.engines] == [2, 1]
-        group.update_weights(tensors(), version=1)  # two payloads to a, one to b: both accept
+        with group.weight_update_session():
+            group.update_weights(tensors(), version=1)  # two payloads to a, one to b: both accept
         b.state.memory_saver = False
         with pytest.raises(EngineError, match="--enable-memory-saver") as info:
             group.connect()
@@ -282,7 +294,9 @@ def test_connect_takes_each_servers_tp_size_and_refuses_one_without_memory_saver
 
 
 def test_group_refuses_servers_that_disagree_on_the_version(pair: tuple[SGLangStandIn, ...]) -> None:
-    SGLangEngine(pair[0].url).update_weights(tensors(), version=3)
+    first = SGLangEngine(pair[0].url)
+    with first.weight_update_session():
+        first.update_weights(tensors(), version=3)
     group = SGLangGroup([s.url for s in pair])
     with pytest.raises(EngineError, match="different weight versions") as info:
         group.connect()
@@ -291,7 +305,8 @@ def test_group_refuses_servers_that_disagree_on_the_version(pair: tuple[SGLangSt
 
 def test_group_generate_splits_rows_in_order_with_a_seed_per_row(pair: tuple[SGLangStandIn, ...]) -> None:
     group = SGLangGroup([s.url for s in pair])
-    group.update_weights(tensors(), version=1)
+    with group.weight_update_session():
+        group.update_weights(tensors(), version=1)
     prompts = torch.arange(15).reshape(5, 3)
     completions, logprobs = group.generate(prompts, max_new_tokens=4, temperature=1.0, seed=100)
     assert completions.shape == logprobs.shape == (5, 4)
@@ -301,13 +316,15 @@ def test_group_generate_splits_rows_in_order_with_a_seed_per_row(pair: tuple[SGL
     assert shares[0]["input_ids"] + shares[1]["input_ids"] == prompts.tolist()
     params = shares[0]["sampling_params"] + shares[1]["sampling_params"]
     assert [p["sampling_seed"] for p in params] == [100, 101, 102, 103, 104]
-    assert all(p["max_new_tokens"] == p["min_new_tokens"] == 4 and p["ignore_eos"] for p in params)
+    # ignore_eos alone gives full length: SGLang refuses min_new_tokens under --skip-tokenizer-init
+    assert all(p["max_new_tokens"] == 4 and p["ignore_eos"] and "min_new_tokens" not in p for p in params)
 
 
 def test_a_short_completion_is_an_engine_error(pair: tuple[SGLangStandIn, ...]) -> None:
     """SGLang ends a row early at a stop string or a length limit; the trainer's batch cannot take it."""
     group = SGLangGroup([pair[0].url])
-    group.update_weights(tensors(), version=1)
+    with group.weight_update_session():
+        group.update_weights(tensors(), version=1)
     original = group.engines[0].generate
     group.engines[0].generate = (
         lambda ids, params: [  # type: ignore[method-assign]
@@ -319,7 +336,8 @@ def test_a_short_completion_is_an_engine_error(pair: tuple[SGLangStandIn, ...]) 
 
 
 def test_sampling_params_are_checked_against_sglangs_fields(engine: SGLangEngine) -> None:
-    engine.update_weights(tensors(), version=1)
+    with engine.weight_update_session():
+        engine.update_weights(tensors(), version=1)
     with pytest.raises(EngineError, match=r"unexpected keyword argument\(s\) \['max_tokens'\]"):
         engine.generate([[1, 2]], {"max_tokens": 2})  # the OpenAI name, not SGLang's
 
@@ -356,8 +374,98 @@ def test_actions_are_client_spans_and_every_request_carries_the_trace(
     ):
         engine.release(ALL)
         engine.weight_version()
-    names = [s.name for s in exporter.get_finished_spans()]
-    assert names == ["sglang POST /release_memory_occupation", "lifecycle.update_weights"]  # the GET has none
+    spans = exporter.get_finished_spans()
+    assert [s.name for s in spans] == ["sglang POST /release_memory_occupation", "lifecycle.update_weights"]  # no GET
+    host, port = server.url.removeprefix("http://").split(":")
+    assert dict(spans[0].attributes or {}) == {  # OpenTelemetry's HTTP client conventions
+        "server.address": host,
+        "server.port": int(port),
+        "url.full": f"{server.url}/release_memory_occupation",
+        "http.request.method": "POST",
+        "http.response.status_code": 200,
+    }
     trace_id = f"{parent.get_span_context().trace_id:032x}"
     assert len(server.state.traceparents) == 2
     assert all(tp is not None and tp.split("-")[1] == trace_id for tp in server.state.traceparents)
+
+
+@pytest.mark.parametrize("version", ["0.5.22", "0.6.0", "0.4.9.post1", None])
+def test_connect_refuses_an_sglang_outside_the_supported_range_naming_it(version: str | None) -> None:
+    with SGLangStandIn() as server:
+        server.sglang_version = version  # type: ignore[assignment]
+        group = SGLangGroup([server.url])
+        with pytest.raises(EngineError, match=re.escape("colocate supports sglang >=0.5.23, <0.6")) as info:
+            group.connect()
+        assert info.value.engine == server.url
+        server.sglang_version = "0.5.23.post1"
+        group.connect()
+
+
+def test_the_group_session_closes_on_a_failure_and_opens_again(pair: tuple[SGLangStandIn, ...]) -> None:
+    group = SGLangGroup([s.url for s in pair])
+    with pytest.raises(RuntimeError, match="between buckets"), group.weight_update_session():
+        assert all(s.state.session_open for s in pair)
+        raise RuntimeError("the trainer failed between buckets")
+    assert [s.state.session_open for s in pair] == [False, False] and [s.state.sessions for s in pair] == [1, 1]
+    pair[1].state.session_open = True  # a server that refuses to open: the other one's is closed again
+    with pytest.raises(EngineError, match="already open"), group.weight_update_session():
+        pass
+    assert not pair[0].state.session_open and pair[0].state.sessions == 2
+
+
+def test_serialize_sends_storages_by_name_from_threads_whatever_the_process_strategy() -> None:
+    """Issue 12 item 8: serialization reads and sets no process-wide sharing strategy."""
+    import base64
+    from concurrent.futures import ThreadPoolExecutor
+
+    assert torch.multiprocessing.get_sharing_strategy() == "file_descriptor"  # torch's default on Linux
+    buckets = [flattened_bucket(tensors(seed=i)) for i in range(16)]
+    with ThreadPoolExecutor(8) as pool:
+        payloads = list(pool.map(serialize, buckets))
+    for payload in payloads:
+        raw = base64.b64decode(payload)
+        assert b"rebuild_storage_filename" in raw and b"rebuild_storage_fd" not in raw
+    assert torch.multiprocessing.get_sharing_strategy() == "file_descriptor"
+
+
+def test_the_stand_in_refuses_min_new_tokens_as_sglang_does_under_skip_tokenizer_init(engine: SGLangEngine) -> None:
+    with engine.weight_update_session():
+        engine.update_weights(tensors(), version=1)
+    with pytest.raises(EngineError, match=r"min_new_tokens=4 is unavailable when skip_tokenizer_init=True"):
+        engine.generate([[1, 2]], {"max_new_tokens": 4, "min_new_tokens": 4, "ignore_eos": True})
+
+
+def test_the_lifecycle_closes_the_session_when_the_update_fails_between_buckets_and_faults(
+    server: SGLangStandIn,
+) -> None:
+    """The promise: a failure between /begin_weight_update and /end_weight_update still closes the
+    session, and the lifecycle ends in FAULTED with the cause."""
+    from orchestrator import Lifecycle, LifecycleConfig
+    from orchestrator.errors import ActionFailed
+    from orchestrator.inmemory import InMemoryRegions, InMemoryTrainer
+    from orchestrator.protocols import TransferReport
+    from states import Mode, Phase, Region
+
+    group = SGLangGroup([server.url])
+    trainer = InMemoryTrainer()
+
+    class Transport:
+        def push(self, version: int) -> TransferReport:
+            assert server.state.session_open
+            server.state.fail_next_update = "Failed to load weights: shape mismatch"
+            group.update_weights(tensors(), version)
+            raise AssertionError("unreachable: SGLang refused the bucket")
+
+    lc = Lifecycle(
+        config=LifecycleConfig(mode=Mode.REMATERIALIZE),
+        trainer=trainer,
+        regions=InMemoryRegions(on_pause={Region.PARAM_BUFFER.value: trainer.drop}),
+        engine=group,
+        transport=Transport(),
+    )
+    lc.pause_grads()
+    with pytest.raises(ActionFailed, match="shape mismatch"):
+        lc.update_weights()
+    assert lc.phase == Phase.FAULTED
+    assert not server.state.session_open and server.state.sessions == 1
+    assert [p for p, _ in server.state.requests].count("/end_weight_update") == 1

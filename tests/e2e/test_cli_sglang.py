@@ -59,6 +59,9 @@ def test_engine_config_writes_the_trained_models_llama_config_and_never_overwrit
     expected = hf_llama_config(GRPOConfig().model).to_dict()
     keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_key_value_heads", "head_dim", "rope_parameters")
     assert {k: written[k] for k in keys} == {k: expected[k] for k in keys}
+    raw = json.loads((tmp_path / "model" / "config.json").read_text())  # what SGLang picks the model class by
+    assert raw["architectures"] == ["LlamaForCausalLM"] and raw["model_type"] == "llama"
+    assert raw["torch_dtype"] == "bfloat16"
     before = (tmp_path / "model" / "config.json").read_text()
     done = run("engine-config", str(tmp_path / "model"))
     assert done.returncode == 1 and "exists; pass --force" in done.stderr
