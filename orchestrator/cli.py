@@ -104,13 +104,9 @@ def run_command(
 ) -> None:
     """Run the colocated GRPO demo: Megatron-core ranks and a rollout engine, one full cycle per step."""
     from orchestrator.job import RunConfig
-    from orchestrator.run import run
+    from orchestrator.run import output_problems, run
 
-    for path, what in ((report, "--report"), (log, "--log")):
-        if path is not None and not path.parent.is_dir():
-            _fail(f"{what} {path}: folder {path.parent} does not exist")
-    if trace_dir is not None and trace_dir.exists() and not trace_dir.is_dir():
-        _fail(f"--trace-dir {trace_dir}: exists and is not a folder")
+    problems: list[str] = output_problems(report=report, log=log, trace_dir=trace_dir)
     try:
         config = RunConfig(
             steps=steps,
@@ -125,7 +121,9 @@ def run_command(
             weight_sync=weight_sync,
         )
     except ConfigError as exc:
-        _fail(str(exc), code=2)
+        problems += [str(v) for v in exc.violations]
+    if problems:  # every problem at once, before any rank starts
+        _fail(str(ConfigError(problems)), code=2)
     code = run(config, report_path=report, trace_dir=trace_dir, log_path=log, console=Console(), err=err)
     raise typer.Exit(code)
 
