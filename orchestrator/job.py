@@ -262,7 +262,9 @@ class ColocatedJob:
             )
         )
         self._actors.append(actor)
-        return EngineClient(actor, remote=True, timeout=self.config.rank_timeout_s)
+        client = EngineClient(actor, remote=True, timeout=self.config.rank_timeout_s)
+        client.start()
+        return client
 
     def run_step(self) -> StepOutcome:
         """One colocated step: sync the trained weights, roll out, restore, train on the rollout."""

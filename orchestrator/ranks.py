@@ -27,6 +27,9 @@ from orchestrator.transport import Named, push_in_buckets
 from states import EngineMemory, Mode, TrainerLayout
 
 RANK_TIMEOUT_S = 120.0
+# Building a rank (imports, the model, the process group) on a loaded host takes far longer than
+# a call should: start-up waits at least this long, whatever --rank-timeout says.
+START_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +143,9 @@ class RankWorker(Traced):
             self.regions: MemoryRegions = TorchMemorySaverRegions(self.trainer.region_tensors)
         else:
             self.regions = StorageRegions(self.trainer.region_tensors)
+
+    def __repr__(self) -> str:  # Ray names the actor by it in its logs and `ray list actors`
+        return f"RankWorker(rank={self.rank})"
 
     def ready(self) -> int:
         """This process's id, once the rank is built."""
@@ -265,8 +271,12 @@ class Ranks:
         return len(self.workers)
 
     def start(self) -> None:
-        """Wait for every rank to be built, and note its process."""
-        self.pids = dict(enumerate(self.call("ready")))
+        """Wait for every rank to be built (within `START_TIMEOUT_S` at least), and note its process."""
+        timeout, self.timeout = self.timeout, max(self.timeout, START_TIMEOUT_S)
+        try:
+            self.pids = dict(enumerate(self.call("ready")))
+        finally:
+            self.timeout = timeout
 
     def call(self, method: str, *args: Any, only: int | None = None) -> list[Any]:
         from orchestrator.tracing import carrier
@@ -300,7 +310,11 @@ class Ranks:
         import ray
 
         probes = {rank: control(self.workers[rank], "probe") for rank in refs}
-        ray.wait(list(probes.values()), num_returns=len(probes), timeout=PROBE_S)
+        unanswered, deadline = list(probes.values()), time.monotonic() + PROBE_S
+        while unanswered and time.monotonic() < deadline:
+            _, unanswered = ray.wait(unanswered, num_returns=len(unanswered), timeout=0.1)
+            if all(self._stopped(rank) for rank, ref in probes.items() if ref in unanswered):
+                break  # a stopped process will not answer: no need to wait it out
         died: list[tuple[int, BaseException | None]] = []
         hung: list[int] = []
         for rank in refs:
@@ -412,6 +426,16 @@ class EngineClient:
     def __init__(self, target: Any, *, remote: bool, timeout: float = RANK_TIMEOUT_S) -> None:
         self.target, self.remote, self.timeout = target, remote, timeout
         self.name = "transformers (ray actor)" if remote else "transformers"
+
+    def start(self) -> None:
+        """Wait for the engine's actor to be built (within `START_TIMEOUT_S` at least)."""
+        if self.remote:
+            import ray
+
+            try:
+                ray.get(control(self.target, "probe"), timeout=max(self.timeout, START_TIMEOUT_S))
+            except Exception as exc:
+                raise RankFailed("engine", "start", exc) from exc
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         from orchestrator.tracing import carrier
