@@ -153,6 +153,7 @@ class ColocatedJob:
         self._shutdown: Callable[[], None] = lambda: None
         self._close_engine: Callable[[], None] = lambda: None
         self._actors: list[Any] = []  # Ray actors this job started: ranks, then the engine
+        self._local_workers: list[RankWorker] = []  # ranks in this process (--ranks 1)
         self._broadcast = config.weight_sync is WeightSync.BROADCAST
         self._store = rendezvous_store()
         try:
@@ -213,6 +214,7 @@ class ColocatedJob:
             # One process: the driver's tracer provider serves the rank and the engine too.
             threads = torch.get_num_threads()
             worker = RankWorker(0, 1, port, grpo.model, grpo.clip_eps, threads=threads, device=cfg.device)
+            self._local_workers.append(worker)
             ranks = Ranks([worker], remote=False)
             engine = sglang or EngineClient(EngineWorker(grpo.model, **self._engine_args()), remote=False)
         else:
@@ -334,5 +336,8 @@ class ColocatedJob:
                         ray.kill(actor, no_restart=True)
         finally:
             self._actors = []
+            for worker in self._local_workers:
+                worker.close()
+            self._local_workers = []
             self._shutdown()
             self._close_engine()

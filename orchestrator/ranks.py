@@ -151,6 +151,13 @@ class RankWorker(Traced):
         """This process's id, once the rank is built."""
         return os.getpid()
 
+    def close(self) -> None:
+        """Leave the process group (in the driver's process, so a later job can make its own)."""
+        from orchestrator.adapters.megatron_build import destroy_process_group
+
+        if torch.distributed.is_initialized():
+            destroy_process_group()
+
     # Trainer and MemoryRegions, for this rank.
     def layout(self) -> TrainerLayout:
         return self.trainer.layout()
