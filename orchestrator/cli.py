@@ -100,7 +100,9 @@ def run_command(
     report: Annotated[Path | None, typer.Option(help="Write the run report here, as JSON.")] = None,
     trace_dir: Annotated[Path | None, typer.Option(help="Write OTLP-JSON traces under this folder.")] = None,
     log: Annotated[Path | None, typer.Option(help="Write one JSON log line per transition here.")] = None,
-    rank_timeout: Annotated[float, typer.Option(help="Seconds any rank or the engine may take to answer.")] = 120.0,
+    rank_timeout: Annotated[
+        float, typer.Option(help="Seconds any rank or the engine may take to answer a call (start-up: 300 at least).")
+    ] = 120.0,
 ) -> None:
     """Run the colocated GRPO demo: Megatron-core ranks and a rollout engine, one full cycle per step."""
     from orchestrator.job import RunConfig
