@@ -78,7 +78,10 @@ def start(tmp_path: Path) -> Iterator[object]:
             "--report", str(report), "--log", str(log), *args,
         )  # fmt: skip
         env = {**os.environ, "TMPDIR": str(temp)}
-        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True,  # a process group of its own, as a terminal gives a command
+        )  # fmt: skip
         run = Run(proc, temp, report, log)
         runs.append((run, []))
         return run
@@ -145,7 +148,7 @@ def test_ctrl_c_keeps_the_steps_done_in_a_report_marked_interrupted(start, tmp_p
     run = start("--trace-dir", str(traces))
     run.wait_for_step(3)
     ranks = [run.pid_of(f"RankWorker(rank={r})") for r in (0, 1)]
-    run.proc.send_signal(signal.SIGINT)
+    os.killpg(run.proc.pid, signal.SIGINT)  # Ctrl-C: the whole group, Ray's processes too
     _, stderr = run.finish()
     assert run.proc.returncode == 130, stderr
     assert re.search(r"interrupted after \d+ of 500 step\(s\); the report keeps them in", stderr), stderr
