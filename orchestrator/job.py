@@ -155,7 +155,8 @@ class ColocatedJob:
         self._actors: list[Any] = []  # Ray actors this job started: ranks, then the engine
         self._local_workers: list[RankWorker] = []  # ranks in this process (--ranks 1)
         self._broadcast = config.weight_sync is WeightSync.BROADCAST
-        self._store = rendezvous_store()
+        self._store: torch.distributed.TCPStore | None = rendezvous_store()
+        self._port = int(self._store.port)
         try:
             # One trace for the start-up, so the engine's first release has a parent.
             with trace.get_tracer("colocate").start_as_current_span("colocate.start"):
@@ -209,7 +210,7 @@ class ColocatedJob:
             sglang = SGLangGroup(cfg.engine_urls, read_timeout_s=cfg.rank_timeout_s)
             self._close_engine = sglang.close
             sglang.connect()
-        port = int(self._store.port)
+        port = self._port
         if cfg.ranks == 1:
             # One process: the driver's tracer provider serves the rank and the engine too.
             threads = torch.get_num_threads()
@@ -341,3 +342,4 @@ class ColocatedJob:
             self._local_workers = []
             self._shutdown()
             self._close_engine()
+            self._store = None  # the port goes back once no rank needs it

@@ -249,12 +249,14 @@ def control(worker: Any, method: str) -> Any:
 def _outcome(ref: Any) -> tuple[str, BaseException | None]:
     """Where a remote call stands now: ok, pending, died (its process) or raised."""
     import ray
-    from ray.exceptions import GetTimeoutError, RayActorError
+    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
     try:
         ray.get(ref, timeout=0)
     except GetTimeoutError as exc:
         return "pending", exc
+    except RayTaskError as exc:  # it ran and raised, if only because an actor it called died
+        return "raised", exc
     except RayActorError as exc:
         return "died", exc
     except Exception as exc:
