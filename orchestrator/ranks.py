@@ -337,10 +337,9 @@ class Ranks:
             return RankFailed(f"rank {rank} (died)", method, cause or RuntimeError("died"))
         if hung:
             rank = min(hung, key=lambda r: (not self._stopped(r), r))
-            how = "its process is stopped" if self._stopped(rank) else f"nor to a probe within {PROBE_S:g} s"
-            return RankFailed(
-                f"rank {rank} (no answer)", method, TimeoutError(f"no answer within {self.timeout:g} s; {how}")
-            )
+            how = "its process is stopped" if self._stopped(rank) else f"no answer to a probe within {PROBE_S:g} s"
+            when = f"no answer within {self.timeout:g} s" if first is None else f"rank {first[0]} failed first"
+            return RankFailed(f"rank {rank} (no answer)", method, TimeoutError(f"{when}; {how}"))
         if first is not None:
             return RankFailed(f"rank {first[0]}", method, first[1])
         busy = ", ".join(str(rank) for rank in refs)

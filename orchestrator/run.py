@@ -114,6 +114,25 @@ def merge_traces(parts: Path, into: Path) -> None:
         parts.rmdir()
 
 
+def _progress(console: Console) -> Progress:
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("reward {task.fields[reward]}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    )
+
+
+def _close(job: ColocatedJob, err: Console) -> None:
+    try:
+        job.close()
+    except Exception as exc:  # the report and the spans still matter more
+        err.print(f"[yellow]warning:[/] stopping the job's processes: {type(exc).__name__}: {exc}")
+
+
 def run(
     config: RunConfig,
     *,
@@ -140,15 +159,7 @@ def run(
     job: ColocatedJob | None = None
     error: str | None = None
     interrupted = False
-    with Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("reward {task.fields[reward]}"),
-        TimeElapsedColumn(),
-        console=console,
-        transient=False,
-    ) as progress:
+    with _progress(console) as progress:
         task = progress.add_task("starting ranks and engine", total=steps, reward="-")
         try:
             job = ColocatedJob(config, listeners, trace_dir=parts)
@@ -164,7 +175,7 @@ def run(
             err.print(f"[bold red]error:[/] {error}\n[red]the lifecycle is {phase}; the run stopped[/]")
         finally:
             if job is not None:
-                job.close()
+                _close(job, err)
     report = job.report if job is not None else RunReport(mode=mode.value, ranks=ranks)
     report.trace_file = str(trace_file) if trace_file else None
     report.error, report.interrupted = error, interrupted
