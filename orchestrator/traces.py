@@ -410,7 +410,7 @@ def summary_table(summary: Summary, columns_up_to: int = 3) -> Table:
         else:
             steps = [_sparkline(phase.durations_ms[-SPARK_STEPS:], phase.refused[-SPARK_STEPS:])]
         slowest = phase.slowest_rank
-        lead = "-" if slowest is None else f"{slowest[0]} +{slowest[1]:.1f}"
+        lead = "-" if slowest is None else f"{slowest[0]} +{_digits(slowest[1])}"
         moved = "\n".join(f"{kind} {_size(n)}" for kind, n in phase.bytes.items() if n) or "-"  # a kind a line
         table.add_row(phase.event, *steps, _ms(phase.p50_ms), _ms(phase.p95_ms), lead, moved)
     return table
@@ -426,7 +426,12 @@ def summary_line(summary: Summary) -> str:
 def _ms(value: float | None, refused: int = 0) -> str:
     if value is None:
         return "refused" if refused else "-"
-    return f"{value:.1f}" + (f" ({refused} refused)" if refused else "")
+    return _digits(value) + (f" ({refused} refused)" if refused else "")
+
+
+def _digits(ms: float) -> str:
+    """A tenth of a ms below a second, whole ms above it: at most 5 characters up to 100 s."""
+    return f"{ms:.1f}" if ms < 1000 else f"{ms:.0f}"
 
 
 def _sparkline(values: Sequence[float | None], refused: Sequence[int]) -> str:

@@ -220,8 +220,12 @@ def test_the_table_fits_80_columns_without_cutting_bytes() -> None:
     from rich.console import Console
 
     restore = traces.PhaseSummary(
-        "update_weights", (1234.5, 234.5, 34.5), (0, 0, 0), {0: 1.0, 1: 2.0}, {"retaken": 1_600_000, "rebuilt": 301_568}
-    )
+        "update_weights",
+        (11525.3, 234.5, 14947.9),
+        (0, 0, 0),
+        {0: 1.0, 1: 1234.5},
+        {"retaken": 1_600_000, "rebuilt": 301_568},
+    )  # a loaded machine's seconds-long steps
     spark = tuple(float(i) for i in range(30))
     many = traces.PhaseSummary("train", spark, (0,) * 30, {0: 1.0, 1: 2.0}, {"moved": 987_654_321})
     for summary, sizes in (
