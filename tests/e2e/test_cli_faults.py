@@ -64,8 +64,14 @@ class Run:
         raise AssertionError(f"no Ray worker log names {actor}")
 
     def finish(self, within: float = 120) -> tuple[float, str]:
-        """Wait for the run to exit; returns when it exited (monotonic) and its stderr."""
-        _, stderr = self.proc.communicate(timeout=within)
+        """Wait for the run to exit; returns when it exited (monotonic) and its stderr. A run still
+        going after `within` is aborted, and fails the test with its Python stacks."""
+        try:
+            _, stderr = self.proc.communicate(timeout=within)
+        except subprocess.TimeoutExpired:
+            self.proc.send_signal(signal.SIGABRT)  # faulthandler prints every thread's stack
+            _, stderr = self.proc.communicate(timeout=60)
+            raise AssertionError(f"still running {within} s later:\n{stderr[-20000:]}") from None
         return time.monotonic(), " ".join(stderr.split())
 
 
@@ -80,7 +86,7 @@ def start(tmp_path: Path) -> Iterator[object]:
             "run", "--steps", "500", "--ranks", "2", "--rank-timeout", str(RANK_TIMEOUT),
             "--report", str(report), "--log", str(log), *args,
         )  # fmt: skip
-        env = {**os.environ, "TMPDIR": str(temp)}
+        env = {**os.environ, "TMPDIR": str(temp), "PYTHONFAULTHANDLER": "1"}
         proc = subprocess.Popen(
             command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             start_new_session=True,  # a process group of its own, as a terminal gives a command
