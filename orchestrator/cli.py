@@ -101,17 +101,15 @@ def run_command(
     report: Annotated[Path | None, typer.Option(help="Write the run report here, as JSON.")] = None,
     trace_dir: Annotated[Path | None, typer.Option(help="Write OTLP-JSON traces under this folder.")] = None,
     log: Annotated[Path | None, typer.Option(help="Write one JSON log line per transition here.")] = None,
-    rank_timeout: Annotated[float, typer.Option(help="Seconds any rank or the engine may take to answer.")] = 120.0,
+    rank_timeout: Annotated[
+        float, typer.Option(help="Seconds any rank or the engine may take to answer a call (start-up: 300 at least).")
+    ] = 120.0,
 ) -> None:
     """Run the colocated GRPO demo: Megatron-core ranks and a rollout engine, one full cycle per step."""
     from orchestrator.job import RunConfig
-    from orchestrator.run import run
+    from orchestrator.run import output_problems, run
 
-    for path, what in ((report, "--report"), (log, "--log")):
-        if path is not None and not path.parent.is_dir():
-            _fail(f"{what} {path}: folder {path.parent} does not exist")
-    if trace_dir is not None and trace_dir.exists() and not trace_dir.is_dir():
-        _fail(f"--trace-dir {trace_dir}: exists and is not a folder")
+    problems: list[str] = output_problems(report=report, log=log, trace_dir=trace_dir)
     try:
         config = RunConfig(
             steps=steps,
@@ -126,7 +124,9 @@ def run_command(
             weight_sync=weight_sync,
         )
     except ConfigError as exc:
-        _fail(str(exc), code=2)
+        problems += [str(v) for v in exc.violations]
+    if problems:  # every problem at once, before any rank starts
+        _fail(str(ConfigError(problems)), code=2)
     code = run(config, report_path=report, trace_dir=trace_dir, log_path=log, console=Console(), err=err)
     raise typer.Exit(code)
 

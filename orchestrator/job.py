@@ -17,17 +17,19 @@ GPUs (`weight_sync="broadcast"`), over a process group rank 0 hosts.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import socket
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+from opentelemetry import trace
 
 from orchestrator.config import Device, EngineKind, LifecycleConfig, WeightSync, url_problems
-from orchestrator.errors import ConfigError, LifecycleError
+from orchestrator.errors import ConfigError
 from orchestrator.grpo import GRPOConfig, SyntheticTask, group_advantages
 from orchestrator.lifecycle import Lifecycle
 from orchestrator.listeners import Listener
@@ -42,10 +44,13 @@ from orchestrator.ranks import (
     Ranks,
     RankWorker,
     WorkerTransport,
+    control,
+    remote_class,
 )
 from orchestrator.report import ReportListener, RunReport
+from orchestrator.tracing import exporters_requested
 from orchestrator.transport import Named
-from states import Mode
+from states import Mode, Phase
 
 
 class JobEngine(RolloutEngine, Protocol):
@@ -62,8 +67,6 @@ class JobEngine(RolloutEngine, Protocol):
     def digests(self) -> dict[str, str] | None:
         """A digest per engine weight; None where the engine cannot report its weights."""
         ...
-
-    def flush_traces(self) -> None: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,8 +109,10 @@ class RunConfig:
         if self.ranks >= 1 and self.grpo.prompts_per_step * self.grpo.group_size % self.ranks:
             rows = self.grpo.prompts_per_step * self.grpo.group_size
             problems.append(f"the {rows} samples of a step do not split evenly over {self.ranks} ranks")
-        if self.rank_timeout_s <= 0:
-            problems.append(f"--rank-timeout must be positive, got {self.rank_timeout_s}")
+        if not (math.isfinite(self.rank_timeout_s) and self.rank_timeout_s > 0):
+            problems.append(f"--rank-timeout must be a positive number of seconds, got {self.rank_timeout_s}")
+        if self.seed < 0:
+            problems.append(f"--seed must be >= 0, got {self.seed}")
         if self.bucket_bytes < 1:
             problems.append(f"bucket size must be positive, got {self.bucket_bytes}")
         if problems:
@@ -128,6 +133,15 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def rendezvous_store() -> torch.distributed.TCPStore:
+    """The ranks' rendezvous store, bound by the driver to a port the system picks and held for
+    the job's life: the port is taken before any rank hears of it, so nothing can race for it."""
+    return torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
+FLUSH_S = 2.0  # how long the processes together may take to flush their spans when the job ends
+
+
 class ColocatedJob:
     """Builds the ranks, the engine and the lifecycle; `run_step()` runs one full cycle."""
 
@@ -138,17 +152,29 @@ class ColocatedJob:
         self._generator = torch.Generator().manual_seed(config.seed)
         self._shutdown: Callable[[], None] = lambda: None
         self._close_engine: Callable[[], None] = lambda: None
+        self._actors: list[Any] = []  # Ray actors this job started: ranks, then the engine
+        self._local_workers: list[RankWorker] = []  # ranks in this process (--ranks 1)
         self._broadcast = config.weight_sync is WeightSync.BROADCAST
+        self._store: torch.distributed.TCPStore | None = rendezvous_store()
+        self._port = int(self._store.port)
+        try:
+            # One trace for the start-up, so the engine's first release has a parent.
+            with trace.get_tracer("colocate").start_as_current_span("colocate.start"):
+                self._build(listeners)
+        except BaseException:
+            self.close()  # a job that never started leaves no Ray, actors or folders behind
+            raise
+        self._step = 0
+
+    def _build(self, listeners: Sequence[Listener]) -> None:
+        config = self.config
         ranks, self.engine = self._start()
         self.group = RankGroup(ranks)
         self.report = RunReport(mode=config.mode.value, ranks=config.ranks)
-        try:  # the config guards judge the Megatron flags the ranks really built with
-            lifecycle_config = LifecycleConfig(
-                mode=config.mode, verify_cycles=config.verify_cycles, setup=self.group.setup()
-            )
-        except LifecycleError:
-            self.close()
-            raise
+        # The config guards judge the Megatron flags the ranks really built with.
+        lifecycle_config = LifecycleConfig(
+            mode=config.mode, verify_cycles=config.verify_cycles, setup=self.group.setup()
+        )
         self.lifecycle = Lifecycle(
             config=lifecycle_config,
             trainer=self.group,
@@ -163,7 +189,6 @@ class ColocatedJob:
         )
         layout = self.lifecycle.snapshot().layout
         self.report.param_bytes_bf16_per_rank = layout.param_bytes
-        self._step = 0
 
     def _engine_args(self) -> dict[str, Any]:
         grpo = self.config.grpo
@@ -189,11 +214,12 @@ class ColocatedJob:
             sglang = SGLangGroup(cfg.engine_urls, read_timeout_s=cfg.rank_timeout_s)
             self._close_engine = sglang.close
             sglang.connect()
-        port = _free_port()
+        port = self._port
         if cfg.ranks == 1:
             # One process: the driver's tracer provider serves the rank and the engine too.
             threads = torch.get_num_threads()
             worker = RankWorker(0, 1, port, grpo.model, grpo.clip_eps, threads=threads, device=cfg.device)
+            self._local_workers.append(worker)
             ranks = Ranks([worker], remote=False)
             engine = sglang or EngineClient(EngineWorker(grpo.model, **self._engine_args()), remote=False)
         else:
@@ -222,47 +248,64 @@ class ColocatedJob:
             strategy = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=index)
             return {"num_cpus": 1, "scheduling_strategy": strategy, "max_restarts": 0}
 
-        worker_cls = ray.remote(RankWorker)
+        worker_cls = remote_class(RankWorker)
         workers = [
             worker_cls.options(**placed(r)).remote(
                 r, cfg.ranks, port, grpo.model, grpo.clip_eps, own_process=True, trace_file=self._trace_file(f"rank{r}")
             )
             for r in range(cfg.ranks)
         ]
+        self._actors += workers
         ranks = Ranks(workers, remote=True, timeout=cfg.rank_timeout_s)
-        ranks.call("ready")
+        ranks.start()
         return ranks, placed
 
     def _engine_actor(self, options: dict[str, Any]) -> EngineClient:
-        import ray
-
         actor = (
-            ray.remote(EngineWorker)
+            remote_class(EngineWorker)
             .options(**options)
             .remote(
                 self.config.grpo.model, **self._engine_args(), own_process=True, trace_file=self._trace_file("engine")
             )
         )
-        return EngineClient(actor, remote=True, timeout=self.config.rank_timeout_s)
+        self._actors.append(actor)
+        client = EngineClient(actor, remote=True, timeout=self.config.rank_timeout_s)
+        client.start()
+        return client
 
     def run_step(self) -> StepOutcome:
         """One colocated step: sync the trained weights, roll out, restore, train on the rollout."""
         lc = self.lifecycle
         self._step += 1
-        with lc.step(self._step):
+        with lc.step(self._step), self._fault_on_error():
             lc.pause_grads()
             lc.update_weights()
-            matches = self.engine_matches_trainer()
+            with trace.get_tracer("colocate").start_as_current_span("colocate.engine_matches_trainer") as span:
+                matches = self.engine_matches_trainer()
+                if matches is not None:
+                    span.set_attribute("colocate.engine_matches_trainer", matches)
             lc.drop_params()
             batch, reward = lc.rollout(self._rollout)
             lc.restore()
             loss = lc.train(lambda: self.group.train(batch))
+            pinned = self.group.host_pinned_bytes()
         current = self.report.steps[-1]
         current.reward_mean, current.loss, current.engine_matches_trainer = reward, loss, matches
         if matches is not None:
             self.report.engine_matches_trainer = self.report.engine_matches_trainer is not False and matches
-        self.report.host_pinned_bytes_per_rank = self.group.host_pinned_bytes()
+        self.report.host_pinned_bytes_per_rank = pinned
         return StepOutcome(self._step, reward, loss, matches)
+
+    @contextlib.contextmanager
+    def _fault_on_error(self) -> Iterator[None]:
+        """A failure anywhere in a step, between transitions too (the digest comparison, a query),
+        leaves the lifecycle FAULTED with its cause; an action's own failure already has."""
+        try:
+            yield
+        except Exception as exc:
+            if self.lifecycle.phase is not Phase.FAULTED:
+                self.lifecycle.fault(exc)
+            raise
 
     def engine_matches_trainer(self) -> bool | None:
         """The engine's weights, digest for digest, against rank 0's converted weights (None: the
@@ -284,10 +327,23 @@ class ColocatedJob:
         return Batch(prompts, completions, logprobs, advantages), float(rewards.mean())
 
     def close(self) -> None:
-        """Flush every process's spans (best effort: a dead rank has none to give), then stop."""
-        if self.config.ranks > 1:
-            for flush in (self.group.flush_traces, self.engine.flush_traces):
-                with contextlib.suppress(LifecycleError):
-                    flush()
-        self._shutdown()
-        self._close_engine()
+        """Flush the spans of every process that has some to give, within `FLUSH_S` in all (a
+        dead or stopped one has none), then end the actors, Ray and the rendezvous store."""
+        try:
+            if self._actors:
+                import ray
+
+                if self.trace_dir is not None or exporters_requested():
+                    refs = [control(actor, "flush_traces") for actor in self._actors]
+                    ray.wait(refs, num_returns=len(refs), timeout=FLUSH_S)
+                for actor in self._actors:  # SIGKILL: a stopped process obeys it too
+                    with contextlib.suppress(Exception):
+                        ray.kill(actor, no_restart=True)
+        finally:
+            self._actors = []
+            for worker in self._local_workers:
+                worker.close()
+            self._local_workers = []
+            self._shutdown()
+            self._close_engine()
+            self._store = None  # the port goes back once no rank needs it

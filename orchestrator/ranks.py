@@ -12,8 +12,10 @@ is an actor of its own.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,9 @@ from orchestrator.transport import Named, push_in_buckets
 from states import EngineMemory, Mode, TrainerLayout, TrainingSetup
 
 RANK_TIMEOUT_S = 120.0
+# Building a rank (imports, the model, the process group) on a loaded host takes far longer than
+# a call should: start-up waits at least this long, whatever --rank-timeout says.
+START_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,28 +46,24 @@ class Batch:
         return Batch(self.prompts[rows], self.completions[rows], self.old_logprobs[rows], self.advantages[rows])
 
 
-def _rss() -> int:
-    import psutil
-
-    return int(psutil.Process().memory_info().rss)
-
-
 class Traced:
     """A process-side object the driver calls: every call is one span, `<role>.<method>`.
 
     The caller's trace context arrives as W3C headers, so the span joins the step's trace
-    whichever process it runs in. Host memory before and after the call is recorded (RSS).
+    whichever process it runs in. Host memory before and after the call is recorded (RSS), and
+    a rank's spans (the nested ones too) carry its `colocate.rank`.
     """
 
     role = "worker"
+    rank: int | None = None
     _provider: Any = None
-    # Queries the lifecycle makes around every transition: spans for them would bury the work.
-    untraced = frozenset({"ready", "tags", "layout", "weight_version", "is_idle", "host_pinned_bytes"})
+    # Queries the lifecycle makes around every transition, and the driver's housekeeping: spans
+    # for them would bury the work (or, for flush_traces, be roots of traces of their own).
+    untraced = frozenset(
+        {"ready", "tags", "layout", "weight_version", "is_idle", "host_pinned_bytes", "probe", "flush_traces"}
+    )
 
-    def span_attributes(self) -> dict[str, int]:
-        return {}
-
-    def start_tracing(self, trace_file: str | None, rank: int = 0) -> None:
+    def start_tracing(self, trace_file: str | None, rank: int | None = 0) -> None:
         """In a process of its own: a tracer provider of this role and rank, from the `OTEL_*`
         variables and `trace_file`, set as the global one (nothing if neither asks for spans)."""
         from opentelemetry import trace
@@ -75,22 +76,20 @@ class Traced:
             trace.set_tracer_provider(self._provider)
 
     def invoke(self, headers: dict[str, str], method: str, *args: Any, **kwargs: Any) -> Any:
-        from opentelemetry import trace
-
-        from orchestrator.tracing import continued
+        from orchestrator.tracing import continued, process_span
 
         if method in self.untraced:
             return getattr(self, method)(*args, **kwargs)
-        attributes = {"colocate.memory_before": _rss(), **self.span_attributes()}
-        with (
-            continued(headers),
-            trace.get_tracer("colocate").start_as_current_span(f"{self.role}.{method}", attributes=attributes) as span,
-        ):
+        with continued(headers, rank=self.rank), process_span(f"{self.role}.{method}") as span:
             result = getattr(self, method)(*args, **kwargs)
-            span.set_attribute("colocate.memory_after", _rss())
             if isinstance(result, int) and not isinstance(result, bool):
                 span.set_attribute("colocate.bytes", result)
             return result
+
+    def probe(self) -> int:
+        """This process's id. Called on the control thread, so a process whose work is blocked
+        (in a collective waiting for a peer) still answers, and one that is stopped or dead does not."""
+        return os.getpid()
 
     def flush_traces(self) -> None:
         if self._provider is not None:
@@ -105,12 +104,13 @@ class RankWorker(Traced):
     """
 
     role = "rank"
+    rank: int
 
     def __init__(
         self,
         rank: int,
         world_size: int,
-        port: int,
+        port: int,  # of the driver's rendezvous store (`rendezvous_store`)
         model: Any,
         clip_eps: float,
         threads: int = 1,
@@ -132,7 +132,9 @@ class RankWorker(Traced):
         if cuda != torch.cuda.is_available():
             raise RuntimeError(f"rank {rank}: device {device}, but torch.cuda.is_available() is {not cuda}")
         self.rank, self.world_size, self.model, self.clip_eps = rank, world_size, model, clip_eps
-        init_process_group(rank, world_size, port, "nccl" if cuda else "gloo", seed=model.seed)
+        # The driver holds the rendezvous store, bound before any rank starts: no port to race for.
+        store = torch.distributed.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(minutes=5))
+        init_process_group(rank, world_size, port, "nccl" if cuda else "gloo", seed=model.seed, store=store)
         self.chunks, self.optimizer = build_gpt(model)
         self.trainer = MegatronTrainer(self.chunks, self.optimizer)
         if cuda:
@@ -142,11 +144,19 @@ class RankWorker(Traced):
         else:
             self.regions = StorageRegions(self.trainer.region_tensors)
 
-    def ready(self) -> int:
-        return self.rank
+    def __repr__(self) -> str:  # Ray names the actor by it in its logs and `ray list actors`
+        return f"RankWorker(rank={self.rank})"
 
-    def span_attributes(self) -> dict[str, int]:
-        return {"colocate.rank": self.rank}
+    def ready(self) -> int:
+        """This process's id, once the rank is built."""
+        return os.getpid()
+
+    def close(self) -> None:
+        """Leave the process group (in the driver's process, so a later job can make its own)."""
+        from orchestrator.adapters.megatron_build import destroy_process_group
+
+        if torch.distributed.is_initialized():
+            destroy_process_group()
 
     def setup(self) -> TrainingSetup:
         """What this rank's real Megatron configs say (DDP config, optimizer config)."""
@@ -226,14 +236,62 @@ class RankWorker(Traced):
 # ---- calling ranks ------------------------------------------------------------------------
 
 
+CONTROL = "control"  # each actor's second thread: probes and span flushes, never blocked by the work
+PROBE_S = 2.0  # how long a live process's control thread may take to answer, on a loaded machine
+
+
+def remote_class(cls: type) -> Any:
+    """`cls` as a Ray actor class whose `probe` and `flush_traces` run on a thread of their own."""
+    import ray
+
+    return ray.remote(concurrency_groups={CONTROL: 1})(cls)  # type: ignore[call-overload]
+
+
+def control(worker: Any, method: str) -> Any:
+    """Call `method` on an actor's control thread; returns the ref."""
+    return worker.invoke.options(concurrency_group=CONTROL).remote({}, method)
+
+
+def _outcome(ref: Any) -> tuple[str, BaseException | None]:
+    """Where a remote call stands now: ok, pending, died (its process) or raised."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+    try:
+        ray.get(ref, timeout=0)
+    except GetTimeoutError as exc:
+        return "pending", exc
+    except RayTaskError as exc:  # it ran and raised, if only because an actor it called died
+        return "raised", exc
+    except RayActorError as exc:
+        return "died", exc
+    except Exception as exc:
+        return "raised", exc
+    return "ok", None
+
+
 class Ranks:
-    """Calls a method on every rank and returns their results in rank order."""
+    """Calls a method on every rank and returns their results in rank order.
+
+    When a remote call fails, the rank named is the one at fault, not the first still busy: a
+    rank whose process died comes first, then one that is stopped or answers no probe (a hang),
+    then the first to raise. Ranks blocked in a collective, waiting for that one, still answer.
+    """
 
     def __init__(self, workers: Sequence[Any], *, remote: bool, timeout: float = RANK_TIMEOUT_S) -> None:
         self.workers, self.remote, self.timeout = list(workers), remote, timeout
+        self.pids: dict[int, int] = {}  # rank → process id, once `start` has seen them ready
 
     def __len__(self) -> int:
         return len(self.workers)
+
+    def start(self) -> None:
+        """Wait for every rank to be built (within `START_TIMEOUT_S` at least), and note its process."""
+        timeout, self.timeout = self.timeout, max(self.timeout, START_TIMEOUT_S)
+        try:
+            self.pids = dict(enumerate(self.call("ready")))
+        finally:
+            self.timeout = timeout
 
     def call(self, method: str, *args: Any, only: int | None = None) -> list[Any]:
         from orchestrator.tracing import carrier
@@ -242,14 +300,69 @@ class Ranks:
         headers = carrier()
         if not self.remote:
             return [self._local(rank, worker, headers, method, args) for rank, worker in targets]
+        refs = {rank: worker.invoke.remote(headers, method, *args) for rank, worker in targets}
+        return self._gather(method, refs)
+
+    def _gather(self, method: str, refs: dict[int, Any]) -> list[Any]:
         import ray
 
-        refs = [worker.invoke.remote(headers, method, *args) for _, worker in targets]
+        pending = {ref: rank for rank, ref in refs.items()}
+        results: dict[int, Any] = {}
+        deadline = time.monotonic() + self.timeout
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise self._blame(method, refs, None)
+            rank = pending.pop(ready[0])
+            try:
+                results[rank] = ray.get(ready[0])
+            except Exception as exc:  # RayActorError, or the rank's own exception
+                raise self._blame(method, refs, (rank, exc)) from exc
+        return [results[rank] for rank in refs]
+
+    def _blame(self, method: str, refs: dict[int, Any], first: tuple[int, BaseException] | None) -> RankFailed:
+        """The failure of `method`, naming the rank at fault (see the class docstring)."""
+        import ray
+
+        probes = {rank: control(self.workers[rank], "probe") for rank in refs}
+        unanswered, deadline = list(probes.values()), time.monotonic() + PROBE_S
+        while unanswered and time.monotonic() < deadline:
+            _, unanswered = ray.wait(unanswered, num_returns=len(unanswered), timeout=0.1)
+            if all(self._stopped(rank) for rank, ref in probes.items() if ref in unanswered):
+                break  # a stopped process will not answer: no need to wait it out
+        died: list[tuple[int, BaseException | None]] = []
+        hung: list[int] = []
+        for rank in refs:
+            (call, call_error), (probe, probe_error) = _outcome(refs[rank]), _outcome(probes[rank])
+            if "died" in (call, probe):
+                died.append((rank, call_error if call == "died" else probe_error))
+            elif probe != "ok" or self._stopped(rank):
+                hung.append(rank)
+        if died:
+            rank, cause = died[0]
+            return RankFailed(f"rank {rank} (died)", method, cause or RuntimeError("died"))
+        if hung:
+            rank = min(hung, key=lambda r: (not self._stopped(r), r))
+            how = "its process is stopped" if self._stopped(rank) else f"no answer to a probe within {PROBE_S:g} s"
+            when = f"no answer within {self.timeout:g} s" if first is None else f"rank {first[0]} failed first"
+            return RankFailed(f"rank {rank} (no answer)", method, TimeoutError(f"{when}; {how}"))
+        if first is not None:
+            return RankFailed(f"rank {first[0]}", method, first[1])
+        busy = ", ".join(str(rank) for rank in refs)
+        cause = TimeoutError(f"no answer within {self.timeout:g} s, though every rank is alive and answers probes")
+        return RankFailed(f"rank(s) {busy} (alive, still working)", method, cause)
+
+    def _stopped(self, rank: int) -> bool:
+        """Whether the rank's process is stopped (SIGSTOP, a debugger) or a zombie."""
+        import psutil
+
+        pid = self.pids.get(rank)
+        if pid is None:
+            return False
         try:
-            return list(ray.get(refs, timeout=self.timeout))
-        except Exception as exc:  # RayActorError, GetTimeoutError, a rank's own exception
-            rank = _failed_rank(refs, targets)
-            raise RankFailed(f"rank {rank}", method, exc) from exc
+            return psutil.Process(pid).status() in (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE)
+        except psutil.Error:
+            return False
 
     @staticmethod
     def _local(rank: int, worker: Any, headers: dict[str, str], method: str, args: tuple[Any, ...]) -> Any:
@@ -259,21 +372,6 @@ class Ranks:
             raise
         except Exception as exc:
             raise RankFailed(f"rank {rank}", method, exc) from exc
-
-
-def _failed_rank(refs: list[Any], targets: list[tuple[int, Any]]) -> str:
-    """The first rank whose call did not succeed (or 'unknown' if all look fine now)."""
-    import ray
-
-    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-    for ref, (rank, _) in zip(refs, targets, strict=True):
-        if ref not in ready:
-            return f"{rank} (no answer)"
-        try:
-            ray.get(ref, timeout=0)
-        except Exception:
-            return str(rank)
-    return "unknown"
 
 
 class RankGroup:
@@ -320,9 +418,6 @@ class RankGroup:
         losses = self.ranks.call("train", batch)
         return sum(losses) / len(losses)
 
-    def flush_traces(self) -> None:
-        self.ranks.call("flush_traces")
-
 
 class WorkerTransport:
     """WeightTransport: rank 0 pushes its converted weights straight into the engine."""
@@ -352,6 +447,16 @@ class EngineClient:
     def __init__(self, target: Any, *, remote: bool, timeout: float = RANK_TIMEOUT_S) -> None:
         self.target, self.remote, self.timeout = target, remote, timeout
         self.name = "transformers (ray actor)" if remote else "transformers"
+
+    def start(self) -> None:
+        """Wait for the engine's actor to be built (within `START_TIMEOUT_S` at least)."""
+        if self.remote:
+            import ray
+
+            try:
+                ray.get(control(self.target, "probe"), timeout=max(self.timeout, START_TIMEOUT_S))
+            except Exception as exc:
+                raise RankFailed("engine", "start", exc) from exc
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         from orchestrator.tracing import carrier
@@ -389,9 +494,6 @@ class EngineClient:
     def digests(self) -> dict[str, str]:
         return self._call("digests")
 
-    def flush_traces(self) -> None:
-        self._call("flush_traces")
-
 
 class EngineWorker(Traced):
     """The rollout engine where it runs: a TransformersEngine whose calls are spans `engine.<method>`.
@@ -405,7 +507,7 @@ class EngineWorker(Traced):
         self, model: Any, *, max_batch: int, max_len: int, own_process: bool = False, trace_file: str | None = None
     ) -> None:
         if own_process:
-            self.start_tracing(trace_file)
+            self.start_tracing(trace_file, rank=None)
         from orchestrator.adapters.hf_engine import TransformersEngine
 
         self.engine = TransformersEngine(model, max_batch=max_batch, max_len=max_len)
@@ -417,19 +519,33 @@ class EngineWorker(Traced):
 
 
 def start_ray(ranks: int) -> Callable[[], None]:
-    """A local Ray with one logical CPU per actor (ranks + engine); returns its shutdown."""
+    """A local Ray with one logical CPU per actor (ranks + engine); returns what stops it and
+    removes its session folder (Ray leaves `_temp_dir` behind)."""
     import logging
+    import shutil
     import tempfile
 
     import ray
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(
-        num_cpus=ranks + 1,
-        include_dashboard=False,
-        log_to_driver=False,
-        logging_level=logging.WARNING,
-        _temp_dir=tempfile.mkdtemp(prefix="colocate-ray-"),
-        runtime_env={"env_vars": {"TORCHDYNAMO_DISABLE": "1"}},
-    )
-    return ray.shutdown
+    temp_dir = tempfile.mkdtemp(prefix="colocate-ray-")  # short: Ray's socket paths must fit in 107 bytes
+    try:
+        ray.init(
+            num_cpus=ranks + 1,
+            include_dashboard=False,
+            log_to_driver=False,
+            logging_level=logging.WARNING,
+            _temp_dir=temp_dir,
+            runtime_env={"env_vars": {"TORCHDYNAMO_DISABLE": "1"}},
+        )
+    except BaseException:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        raise
+
+    def shutdown() -> None:
+        try:
+            ray.shutdown()
+        finally:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+
+    return shutdown

@@ -34,6 +34,7 @@ class RunReport:
     engine_matches_trainer: bool | None = None  # None: never compared (the engine cannot report its weights)
     trace_file: str | None = None
     error: str | None = None
+    interrupted: bool = False  # stopped by Ctrl-C (SIGINT): the steps before it are kept
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -66,13 +67,70 @@ def summary(report: RunReport, seconds: float) -> Table:
     return table
 
 
+def _file_problem(option: str, path: Path) -> str | None:
+    """Why `path` cannot be written as a file, or None."""
+    if path.is_dir():
+        return f"{option} {path}: is a folder; name a file"
+    if not path.parent.is_dir():
+        return f"{option} {path}: folder {path.parent} does not exist"
+    if not os.access(path if path.exists() else path.parent, os.W_OK):
+        return f"{option} {path}: not writable"
+    return None
+
+
+def _folder_problem(option: str, path: Path) -> str | None:
+    """Why `path` cannot be (or be made) a folder to write in, or None."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        what = "exists and is not a folder" if existing == path else f"{existing} is a file, not a folder"
+        return f"{option} {path}: {what}"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{option} {path}: {existing} is not writable"
+    return None
+
+
+def output_problems(*, report: Path | None, log: Path | None, trace_dir: Path | None) -> list[str]:
+    """Every output path that cannot be written, checked before any rank starts: a run must not
+    end after its work only to lose the report."""
+    found = [
+        _file_problem("--report", report) if report is not None else None,
+        _file_problem("--log", log) if log is not None else None,
+        _folder_problem("--trace-dir", trace_dir) if trace_dir is not None else None,
+    ]
+    if report is not None and log is not None and report.resolve() == log.resolve():
+        found.append(f"--report and --log name the same file, {report}")
+    return [problem for problem in found if problem is not None]
+
+
 def merge_traces(parts: Path, into: Path) -> None:
     """Concatenate the per-process OTLP-JSON files: each line is a whole export request."""
     with into.open("w") as out:
-        for part in sorted(parts.glob("*.otlp.jsonl")):
+        for part in sorted(parts.glob("*.otlp.jsonl")):  # none if the run ended before any span
             out.write(part.read_text())
             part.unlink()
-    parts.rmdir()
+    if parts.is_dir():
+        parts.rmdir()
+
+
+def _progress(console: Console) -> Progress:
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("reward {task.fields[reward]}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    )
+
+
+def _close(job: ColocatedJob, err: Console) -> None:
+    try:
+        job.close()
+    except Exception as exc:  # the report and the spans still matter more
+        err.print(f"[yellow]warning:[/] stopping the job's processes: {type(exc).__name__}: {exc}")
 
 
 def run(
@@ -100,15 +158,8 @@ def run(
     start = time.perf_counter()
     job: ColocatedJob | None = None
     error: str | None = None
-    with Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("reward {task.fields[reward]}"),
-        TimeElapsedColumn(),
-        console=console,
-        transient=False,
-    ) as progress:
+    interrupted = False
+    with _progress(console) as progress:
         task = progress.add_task("starting ranks and engine", total=steps, reward="-")
         try:
             job = ColocatedJob(config, listeners, trace_dir=parts)
@@ -116,16 +167,22 @@ def run(
             for _ in range(steps):
                 outcome = job.run_step()
                 progress.update(task, advance=1, reward=f"{outcome.reward_mean:.3f}")
-        except LifecycleError as exc:
-            error = str(exc)
+        except KeyboardInterrupt:
+            interrupted = True
+        except Exception as exc:  # a LifecycleError names what failed; anything else, its type
+            error = str(exc) if isinstance(exc, LifecycleError) else f"{type(exc).__name__}: {exc}"
             phase = job.lifecycle.phase if job is not None else "start-up"
-            err.print(f"[bold red]error:[/] {exc}\n[red]the lifecycle is {phase}; the run stopped[/]")
+            err.print(f"[bold red]error:[/] {error}\n[red]the lifecycle is {phase}; the run stopped[/]")
         finally:
             if job is not None:
-                job.close()
+                _close(job, err)
     report = job.report if job is not None else RunReport(mode=mode.value, ranks=ranks)
     report.trace_file = str(trace_file) if trace_file else None
-    report.error = error
+    report.error, report.interrupted = error, interrupted
+    if interrupted:
+        done = sum(s.loss is not None for s in report.steps)
+        kept = f"; the report keeps them in {report_path}" if report_path is not None else ""
+        err.print(f"[bold yellow]interrupted[/] after {done} of {steps} step(s){kept}")
     if provider is not None:
         provider.shutdown()  # flushes every span, the fault's too
     if trace_file is not None and parts is not None:
@@ -136,4 +193,4 @@ def run(
         report.write(report_path)
     if report.steps:
         console.print(summary(report, time.perf_counter() - start))
-    return 1 if error else 0
+    return 130 if interrupted else 1 if error else 0  # 130: the shell's code for a run ended by SIGINT

@@ -39,7 +39,7 @@ def draw_timeline(step: Step, output: Path) -> None:
     axes.set_title(f"step {step.number}: {step.root.duration_ms:.1f} ms (trace {step.root.trace_id})")
     axes.grid(axis="x", alpha=0.3)
     if colors:
-        handles = [Patch(color=color, label=name) for name, color in colors.items()]
+        handles = [Patch(color=color, label=name) for name, color in _legend(step, colors).items()]
         figure.legend(handles=handles, loc="outside lower center", ncols=min(6, len(handles)), fontsize=8)
     try:
         figure.savefig(output, format=fmt)
@@ -75,20 +75,56 @@ def _rows(step: Step) -> list[tuple[str, list[Span]]]:
     return rows + ([("engine", engine)] if engine else [])
 
 
+# Work spans by family: what the work does, whichever process does it. Each family keeps one
+# colour in every picture, so a colour means the same thing from step to step.
+FAMILIES: dict[str, tuple[str, ...]] = {
+    "memory": ("stash", "pause", "resume", "release", "flush_cache"),
+    "weight sync": ("push_weights", "broadcast_weights", "bucket", "update_weights"),
+    "rebuild": ("rebuild", "cast", "gather", "extras"),
+    "digests": ("digest", "digests", "converted_digests"),
+    "rollout": ("generate",),
+    "train": ("train",),
+}
+OTHER = "other"
+_FAMILY_COLORS = {  # Pastel1, one per family; lifecycle phases take tab10, by event
+    "memory": "#b3cde3",
+    "weight sync": "#fbb4ae",
+    "rebuild": "#ccebc5",
+    "digests": "#decbe4",
+    "rollout": "#fed9a6",
+    "train": "#e5d8bd",
+    OTHER: "#d9d9d9",
+}
+_FAMILY_OF = {method: family for family, methods in FAMILIES.items() for method in methods}
+
+
+def family(name: str) -> str:
+    """The family of a work span (`rank.cast` → rebuild), `other` if it has none."""
+    return _FAMILY_OF.get(name.split(".", 1)[-1], OTHER)
+
+
 def _colors(step: Step) -> dict[str, Any]:
-    """Each lifecycle event keeps its tab10 color in every picture; work spans take pastels, 29 apart."""
+    """A colour per span name, from the name alone: each lifecycle event its tab10 colour, each
+    work span its family's."""
     from matplotlib import colormaps
 
     order = [e.value for e in Event]
-    pastels = [c for name in ("Set3", "Pastel1", "Pastel2") for c in colormaps[name].colors]  # type: ignore[attr-defined]
     colors: dict[str, Any] = {}
     for name in sorted({s.name for s in step.spans}, key=lambda n: (not n.startswith(PHASE_PREFIX), n)):
         event = name.removeprefix(PHASE_PREFIX)
         if name.startswith(PHASE_PREFIX) and event in order:
             colors[name] = colormaps["tab10"](order.index(event) % 10)
         else:
-            colors[name] = pastels[sum(not n.startswith(PHASE_PREFIX) for n in colors) % len(pastels)]
+            colors[name] = _FAMILY_COLORS[family(name)]
     return colors
+
+
+def _legend(step: Step, colors: dict[str, Any]) -> dict[str, Any]:
+    """Label → colour: the lifecycle events, then the work families, present in this step."""
+    phases = {name: color for name, color in colors.items() if name.startswith(PHASE_PREFIX)}
+    present = {family(s.name) for s in step.spans if s.name.startswith((RANK_PREFIX, ENGINE_PREFIX))}
+    families = {f: _FAMILY_COLORS[f] for f in [*FAMILIES, OTHER] if f in present}
+    return {**phases, **families}
 
 
 def _depth(step: Step, span: Span, row: list[Span]) -> int:

@@ -17,6 +17,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, TypeAlias
 
+from rich import box
 from rich.table import Table
 
 from orchestrator.errors import TraceError, TraceFileError
@@ -24,7 +25,9 @@ from orchestrator.tracing import parse_otlp_json
 
 Value: TypeAlias = "str | bool | int | float | tuple[Value, ...] | dict[str, Value] | None"
 
+START_SPAN = "colocate.start"  # the job's start-up: a trace of its own, not a step
 STEP_SPAN, PHASE_PREFIX, RANK_PREFIX, ENGINE_PREFIX = "colocate.step", "lifecycle.", "rank.", "engine."
+SPARK_STEPS = 20  # the table's sparkline shows this many steps at most, the latest, to fit 80 columns
 BYTE_KINDS = ("moved", "freed", "stashed", "retaken", "rebuilt")  # the `colocate.bytes_<kind>` attributes
 FORMATS = ("png", "svg")
 
@@ -163,7 +166,7 @@ def load(paths: Sequence[Path]) -> Traces:
         spans.sort(key=lambda s: (s.start_ns, -s.end_ns))
         root = next((s for s in spans if s.name == STEP_SPAN and s.parent_id is None), None)
         if root is None:
-            rootless += 1
+            rootless += not any(s.name == START_SPAN and s.parent_id is None for s in spans)
             continue
         number = root.attributes.get("colocate.step")
         others = tuple(s for s in spans if s is not root)
@@ -257,8 +260,9 @@ class PhaseSummary:
 
     @property
     def slowest_rank(self) -> tuple[int, float] | None:
-        """The rank that took longest, and by how many ms per step it trails the fastest."""
-        if not self.rank_ms:
+        """The rank that took longest, and by how many ms per step it trails the fastest; None
+        unless two ranks or more worked in the phase (work only rank 0 does has no slowest)."""
+        if len(self.rank_ms) < 2:
             return None
         rank = max(self.rank_ms, key=lambda r: (self.rank_ms[r], -r))
         return rank, self.rank_ms[rank] - min(self.rank_ms.values())
@@ -378,27 +382,36 @@ def _rank_busy_ms(step: Step) -> dict[str, dict[int, float]]:
 
 
 def summary_table(summary: Summary, columns_up_to: int = 3) -> Table:
-    """One row per lifecycle event; a column per step when there are at most `columns_up_to` steps."""
+    """One row per lifecycle event; a column per step when there are at most `columns_up_to` steps.
+
+    Sized for 80 columns (a pipe's width): bytes use their own short units and never wrap."""
     table = Table(
         title="colocate trace: lifecycle phases, ms",
-        caption="slowest rank: the trainer rank busiest in the phase, and its lead over the fastest, ms per step",
+        caption="slowest: the busiest trainer rank, its lead over the fastest (ms/step)",
+        box=box.SIMPLE_HEAD,
+        show_edge=False,
+        collapse_padding=True,
     )
     table.add_column("phase", no_wrap=True)
     per_step = len(summary.steps) <= columns_up_to
     for number in summary.steps if per_step else ():
-        table.add_column(f"step {number}", justify="right", min_width=7)
+        table.add_column(f"step {number}", justify="right", no_wrap=True)
     if not per_step:
-        table.add_column("per step")
-    table.add_column("p50", justify="right", min_width=5)
-    table.add_column("p95", justify="right", min_width=5)
-    table.add_column("slowest rank", no_wrap=True)
-    table.add_column("bytes/step")
+        shown = min(len(summary.steps), SPARK_STEPS)
+        table.add_column("per step" if shown == len(summary.steps) else f"last {shown} steps", no_wrap=True)
+    table.add_column("p50", justify="right", no_wrap=True)
+    table.add_column("p95", justify="right", no_wrap=True)
+    table.add_column("slowest", no_wrap=True)
+    table.add_column("bytes/step", no_wrap=True)
     for phase in summary.phases:
         ran = zip(phase.durations_ms, phase.refused, strict=True)
-        steps = [_ms(d, r) for d, r in ran] if per_step else [_sparkline(phase.durations_ms, phase.refused)]
+        if per_step:
+            steps = [_ms(d, r) for d, r in ran]
+        else:
+            steps = [_sparkline(phase.durations_ms[-SPARK_STEPS:], phase.refused[-SPARK_STEPS:])]
         slowest = phase.slowest_rank
-        lead = "-" if slowest is None else f"{slowest[0]} +{slowest[1]:.1f}"
-        moved = ", ".join(f"{kind} {_size(n)}" for kind, n in phase.bytes.items() if n) or "-"
+        lead = "-" if slowest is None else f"{slowest[0]} +{_digits(slowest[1])}"
+        moved = "\n".join(f"{kind} {_size(n)}" for kind, n in phase.bytes.items() if n) or "-"  # a kind a line
         table.add_row(phase.event, *steps, _ms(phase.p50_ms), _ms(phase.p95_ms), lead, moved)
     return table
 
@@ -413,27 +426,35 @@ def summary_line(summary: Summary) -> str:
 def _ms(value: float | None, refused: int = 0) -> str:
     if value is None:
         return "refused" if refused else "-"
-    return f"{value:.1f}" + (f" ({refused} refused)" if refused else "")
+    return _digits(value) + (f" ({refused} refused)" if refused else "")
+
+
+def _digits(ms: float) -> str:
+    """A tenth of a ms below a second, whole ms above it: at most 5 characters up to 100 s."""
+    return f"{ms:.1f}" if ms < 1000 else f"{ms:.0f}"
 
 
 def _sparkline(values: Sequence[float | None], refused: Sequence[int]) -> str:
-    """One character a step: a bar, × for a refusal only, blank where the step did not run it."""
+    """One character a step: a bar, × for a refusal only, blank where the step did not run it
+    (p50 and p95 sit beside it, so it carries no numbers)."""
     ran = [v for v in values if v is not None]
     low, high = min(ran, default=0.0), max(ran, default=0.0)
-    bars = "".join(
+    return "".join(
         ("×" if r else " ") if v is None else "▁▂▃▄▅▆▇█"[round((v - low) / ((high - low) or 1.0) * 7)]
         for v, r in zip(values, refused, strict=True)
     )
-    return f"{bars} {low:.1f}–{high:.1f}" if ran else bars
 
 
 def _size(n: int) -> str:
+    """At most 5 characters: 812B, 147K, 1.15M, 12.3G (binary units)."""
     size, unit = float(n), "B"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024 or unit == "GiB":
+    for unit in ("B", "K", "M", "G"):
+        if size < 1024 or unit == "G":
             break
         size /= 1024
-    return f"{n} B" if unit == "B" else f"{size:.2f} {unit}"
+    if unit == "B":
+        return f"{n}B"
+    return f"{size:.2f}{unit}" if size < 10 else f"{size:.1f}{unit}" if size < 100 else f"{size:.0f}{unit}"
 
 
 def _ranges(numbers: list[int]) -> str:

@@ -21,7 +21,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExport
 from opentelemetry.trace import Span, Status, StatusCode
 
 from orchestrator.errors import GuardRejected, LifecycleError
-from orchestrator.listeners import Listener, TransitionRecord
+from orchestrator.listeners import AttributeValue, Listener, TransitionRecord
 
 SCOPE = "colocate.lifecycle"
 
@@ -94,19 +94,70 @@ def carrier() -> dict[str, str]:
     return headers
 
 
+_RANK = context.create_key("colocate.rank")  # the trainer rank a process-side call works for
+
+
 @contextmanager
-def continued(headers: Mapping[str, str]) -> Iterator[None]:
-    """Make the caller's trace context (from `carrier()`) current for a call in another process."""
-    token = context.attach(propagate.extract(headers))
+def continued(headers: Mapping[str, str], *, rank: int | None = None) -> Iterator[None]:
+    """Make the caller's trace context (from `carrier()`) current for a call in another process;
+    with `rank`, every `process_span` within the call says which trainer rank it works for."""
+    ctx = propagate.extract(headers)
+    if rank is not None:
+        ctx = context.set_value(_RANK, rank, ctx)
+    token = context.attach(ctx)
     try:
         yield
     finally:
         context.detach(token)
 
 
+def rss_bytes() -> int | None:
+    """This process's resident set size, or None where psutil is not installed."""
+    try:
+        import psutil
+    except ImportError:
+        return None
+    return int(psutil.Process().memory_info().rss)
+
+
+@contextmanager
+def process_span(name: str, attributes: Mapping[str, AttributeValue] | None = None) -> Iterator[Span]:
+    """A span of work in a rank or engine process, with the fixed keys of every process-side span:
+    `colocate.rank` (where the call came from a rank, `continued(..., rank=)`) and the host memory
+    before and after (RSS). Memory is read only when the span records."""
+    with trace.get_tracer("colocate").start_as_current_span(name, attributes=attributes) as span:
+        recording = span.is_recording()
+        if recording:
+            rank = context.get_value(_RANK)
+            if isinstance(rank, int):
+                span.set_attribute("colocate.rank", rank)
+            _set_memory(span, "colocate.memory_before")
+        try:
+            yield span
+        finally:
+            if recording:
+                _set_memory(span, "colocate.memory_after")
+
+
+def _set_memory(span: Span, key: str) -> None:
+    rss = rss_bytes()
+    if rss is not None:
+        span.set_attribute(key, rss)
+
+
+def exporters_requested(env: Mapping[str, str] | None = None) -> list[str]:
+    """The exporters the `OTEL_*` variables ask for (empty: none)."""
+    env = os.environ if env is None else env
+    if env.get("OTEL_SDK_DISABLED", "").lower() == "true":
+        return []
+    wants_otlp = any(k in env for k in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+    names = [n.strip() for n in env.get("OTEL_TRACES_EXPORTER", "otlp" if wants_otlp else "none").split(",")]
+    return [name for name in names if name not in ("none", "")]
+
+
 def configure_tracing(
     service_name: str = "colocate",
-    rank: int = 0,
+    rank: int | None = 0,
     env: Mapping[str, str] | None = None,
     trace_file: Path | None = None,
     role: str = "driver",
@@ -119,17 +170,13 @@ def configure_tracing(
     OTLP-JSON file exporter.
     """
     env = os.environ if env is None else env
-    if env.get("OTEL_SDK_DISABLED", "").lower() == "true" and trace_file is None:
-        return None
-    wants_otlp = any(k in env for k in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
-    names = [n.strip() for n in env.get("OTEL_TRACES_EXPORTER", "otlp" if wants_otlp else "none").split(",")]
     exporters: list[SpanExporter] = []
-    for name in names:
+    for name in exporters_requested(env):
         if name == "otlp":
             exporters.append(_otlp_exporter(env))
         elif name == "console":
             exporters.append(ConsoleSpanExporter())
-        elif name not in ("none", ""):
+        else:
             raise ValueError(f"OTEL_TRACES_EXPORTER={name!r}: colocate supports otlp, console and none")
     if trace_file is not None:
         exporters.append(OtlpJsonFileExporter(trace_file))
@@ -138,8 +185,9 @@ def configure_tracing(
     attributes: dict[str, str | int] = {
         "service.name": env.get("OTEL_SERVICE_NAME", service_name),
         "colocate.role": role,
-        "colocate.rank": rank,
     }
+    if rank is not None:  # the engine's process serves every rank: it has none of its own
+        attributes["colocate.rank"] = rank
     provider = TracerProvider(resource=Resource.create(attributes))
     for exporter in exporters:
         provider.add_span_processor(BatchSpanProcessor(exporter))  # export never blocks a transition

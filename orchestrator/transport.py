@@ -10,9 +10,9 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Protocol
 
 import torch
-from opentelemetry import trace
 
 from orchestrator.protocols import TransferReport
+from orchestrator.tracing import process_span
 
 Named = tuple[str, torch.Tensor]
 
@@ -52,9 +52,8 @@ def push_in_buckets(
     """Convert every tensor, bucket the results, push each bucket tagged with `version`."""
     converted = (pair for name, tensor in named for pair in convert(name, tensor))
     tensors = moved = count = 0
-    tracer = trace.get_tracer("colocate")
     for bucket in buckets(converted, bucket_bytes):
-        with tracer.start_as_current_span("rank.bucket", attributes={"colocate.tensors": len(bucket)}) as span:
+        with process_span("rank.bucket", {"colocate.tensors": len(bucket)}) as span:
             sent = sink.update_weights(bucket, version)
             span.set_attribute("colocate.bytes", sent)
         moved += sent

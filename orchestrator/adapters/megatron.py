@@ -22,10 +22,10 @@ from enum import StrEnum
 from typing import Any
 
 import torch
-from opentelemetry import trace
 
 from orchestrator.adapters.digest import DIGESTS, DigestMethod
 from orchestrator.errors import StashMismatch
+from orchestrator.tracing import process_span
 from orchestrator.transport import nbytes
 from states import Mode, Source, TrainerLayout, TrainingSetup
 
@@ -92,10 +92,9 @@ def _host_like(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
 
 
 def _span(name: str, **attributes: int) -> Any:
-    """A child span of whatever call is current (the OTel API: a no-op unless an SDK is set)."""
-    return trace.get_tracer("colocate").start_as_current_span(
-        name, attributes={f"colocate.{k}": v for k, v in attributes.items()}
-    )
+    """A child span of whatever call is current (the OTel API: a no-op unless an SDK is set),
+    with the rank and memory attributes of every process-side span."""
+    return process_span(name, {f"colocate.{k}": v for k, v in attributes.items()})
 
 
 class MegatronTrainer:

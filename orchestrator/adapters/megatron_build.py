@@ -76,15 +76,23 @@ def init_process_group(
     expert_model_parallel_size: int = 1,
     seed: int = 1234,
     master_addr: str = "127.0.0.1",
+    store: torch.distributed.Store | None = None,
 ) -> None:
-    """torch.distributed + megatron parallel state (TP = PP = 1) + model-parallel RNG seeds."""
+    """torch.distributed + megatron parallel state (TP = PP = 1) + model-parallel RNG seeds.
+
+    With `store` (a rendezvous store someone already bound) the ranks meet there, and
+    `master_port` is not used."""
     if not torch.cuda.is_available():
         enable_cpu_path()
     else:
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    os.environ.setdefault("MASTER_ADDR", master_addr)
-    os.environ["MASTER_PORT"] = str(master_port)
-    torch.distributed.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(minutes=5))
+    timeout = timedelta(minutes=5)
+    if store is not None:
+        torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    else:
+        os.environ.setdefault("MASTER_ADDR", master_addr)
+        os.environ["MASTER_PORT"] = str(master_port)
+        torch.distributed.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
     # Gloo groups stay on (the default): get_megatron_optimizer asks for them under nccl too.
     parallel_state.initialize_model_parallel(expert_model_parallel_size=expert_model_parallel_size)
     # CPU path: the tracker seeds the CPU generator (see megatron_cpu); GPU: the CUDA one.

@@ -1,16 +1,26 @@
-"""The job in process (--ranks 1): the engine's weights are compared with the trainer's each sync."""
+"""The job in process (--ranks 1): the engine's weights compared with the trainer's each sync, a
+failure between transitions, the rendezvous port, and the spans of every process-side call."""
 
 from __future__ import annotations
 
+import errno
+import socket
+from collections.abc import Iterator
+
 import pytest
 import torch
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 pytest.importorskip("megatron.core")
 pytest.importorskip("transformers")
 
-from orchestrator.job import ColocatedJob, RunConfig
+from orchestrator.job import ColocatedJob, RunConfig, rendezvous_store
 from orchestrator.listeners import Listener, TransitionRecord
-from states import Event
+from orchestrator.tracing import TracingListener
+from states import Event, Phase
 
 pytestmark = pytest.mark.slow
 
@@ -38,3 +48,71 @@ def test_a_corrupted_engine_weight_is_reported_as_a_mismatch() -> None:
     assert first.engine_matches_trainer is True
     assert second.engine_matches_trainer is False
     assert job.report.engine_matches_trainer is False
+
+
+def test_a_failure_between_transitions_leaves_the_lifecycle_faulted_with_its_cause() -> None:
+    """The engine fails while the driver compares digests, after update_weights and before
+    drop_params: no transition is running, and the step still ends in FAULTED."""
+    job = ColocatedJob(RunConfig(steps=1, ranks=1))
+    gone = ConnectionError("the engine went away")
+
+    def digests() -> dict[str, str]:
+        raise gone
+
+    job.engine.target.engine.digests = digests  # the in-process engine's own method
+    try:
+        with pytest.raises(ConnectionError):
+            job.run_step()
+    finally:
+        job.close()
+    assert job.lifecycle.phase is Phase.FAULTED
+    assert job.lifecycle.fault_cause is gone
+    assert job.report.steps[-1].phases[-2:] == ["WEIGHTS_SYNCED", "FAULTED"]
+
+
+def test_the_rendezvous_port_is_held_before_any_rank_hears_of_it() -> None:
+    store = rendezvous_store()
+    with socket.socket() as other, pytest.raises(OSError) as taken:
+        other.bind(("127.0.0.1", store.port))
+    assert taken.value.errno == errno.EADDRINUSE
+
+
+@pytest.fixture
+def spans() -> Iterator[InMemorySpanExporter]:
+    """An SDK provider with the in-memory exporter as the global one, for this test only (the
+    process-side spans use the global provider, as in a rank's own process)."""
+    from opentelemetry.util._once import Once
+
+    exporter, provider = InMemorySpanExporter(), TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    saved = trace._TRACER_PROVIDER_SET_ONCE, trace._TRACER_PROVIDER
+    trace._TRACER_PROVIDER_SET_ONCE = Once()
+    trace.set_tracer_provider(provider)
+    yield exporter
+    trace._TRACER_PROVIDER_SET_ONCE, trace._TRACER_PROVIDER = saved
+
+
+def test_every_process_side_span_has_its_rank_memory_and_a_parent(spans: InMemorySpanExporter) -> None:
+    job = ColocatedJob(RunConfig(steps=1, ranks=1), listeners=[TracingListener(trace.get_tracer_provider())])
+    try:
+        job.run_step()
+    finally:
+        job.close()
+    found = spans.get_finished_spans()
+    by_id = {s.context.span_id: s for s in found}
+    names = {s.name for s in found}
+    assert {"rank.bucket", "rank.cast", "rank.extras", "rank.digest", "rank.push_weights"} <= names
+    for span in found:
+        if span.name.startswith(("rank.", "engine.")):
+            assert isinstance(span.attributes.get("colocate.memory_before"), int), span.name
+            assert isinstance(span.attributes.get("colocate.memory_after"), int), span.name
+            expected_rank = 0 if span.name.startswith("rank.") else None
+            assert span.attributes.get("colocate.rank") == expected_rank, span.name
+    assert {s.name for s in found if s.parent is None} == {"colocate.start", "colocate.step"}
+    start = next(s for s in found if s.name == "colocate.start")
+    assert any(s.name == "engine.release" and s.parent.span_id == start.context.span_id for s in found if s.parent)
+    for name in ("engine.digests", "rank.converted_digests"):
+        (span,) = [s for s in found if s.name == name]
+        parent = by_id[span.parent.span_id]
+        assert parent.name == "colocate.engine_matches_trainer", name
+        assert by_id[parent.parent.span_id].name == "colocate.step"

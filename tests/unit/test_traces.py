@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -175,7 +176,7 @@ runner = CliRunner()
 def test_cli_summarize_table_and_json(run_dir: Path) -> None:
     result = runner.invoke(app, ["trace", "summarize", str(run_dir)], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
-    assert "update_weights" in result.output and "│ 1 +30.0 " in result.output
+    assert "update_weights" in result.output and " 1 +30.0 " in result.output
     assert "2 step(s) (1–2), wall 1.400 s" in result.output
     result = runner.invoke(app, ["trace", "summarize", *map(str, sorted(run_dir.glob("*.jsonl"))), "--json"])
     assert result.exit_code == 0, result.output
@@ -206,3 +207,43 @@ def test_cli_timeline_and_its_errors(run_dir: Path, tmp_path: Path) -> None:
     (tmp_path / "bad.jsonl").write_text("{oops\n")
     result = runner.invoke(app, ["trace", "summarize", str(tmp_path / "bad.jsonl")])
     assert result.exit_code == 1 and "bad.jsonl:1: not JSON" in result.output
+
+
+def test_work_only_rank_0_does_has_no_slowest_rank() -> None:
+    alone = traces.PhaseSummary("update_weights", (5.0,), (0,), rank_ms={0: 5.0}, bytes={})
+    assert alone.slowest_rank is None and alone.to_json()["slowest_rank"] is None
+    both = traces.PhaseSummary("train", (9.0,), (0,), rank_ms={0: 5.0, 1: 7.0}, bytes={})
+    assert both.slowest_rank == (1, pytest.approx(2.0))
+
+
+def test_the_table_fits_80_columns_without_cutting_bytes() -> None:
+    from rich.console import Console
+
+    restore = traces.PhaseSummary(
+        "update_weights",
+        (11525.3, 234.5, 14947.9),
+        (0, 0, 0),
+        {0: 1.0, 1: 1234.5},
+        {"retaken": 1_600_000, "rebuilt": 301_568},
+    )  # a loaded machine's seconds-long steps
+    spark = tuple(float(i) for i in range(30))
+    many = traces.PhaseSummary("train", spark, (0,) * 30, {0: 1.0, 1: 2.0}, {"moved": 987_654_321})
+    for summary, sizes in (
+        (traces.Summary((1, 2, 3), (1.0, 1.0, 1.0), 3.0, (restore,), 0), ["retaken 1.53M", "rebuilt 294K"]),
+        (traces.Summary(tuple(range(1, 31)), (1.0,) * 30, 30.0, (many,), 0), ["moved 942M"]),
+    ):
+        console = Console(width=80, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
+        console.print(traces.summary_table(summary))
+        text = console.export_text()
+        assert max(len(line) for line in text.splitlines()) <= 80, text
+        assert "…" not in text and all(size in text for size in sizes), text
+
+
+def test_timeline_colours_follow_the_span_family_in_every_step(run_dir: Path) -> None:
+    pytest.importorskip("matplotlib")
+    loaded = traces.load([run_dir])
+    first, second = (timeline._colors(step) for step in loaded.steps)
+    assert {n: first[n] for n in first.keys() & second.keys()} == {n: second[n] for n in first.keys() & second.keys()}
+    assert timeline.family("rank.cast") == timeline.family("rank.gather") == "rebuild"
+    assert first["rank.bucket"] == first["engine.update_weights"] == first["rank.push_weights"]
+    assert first["rank.train"] != first["rank.bucket"]
