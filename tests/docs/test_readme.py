@@ -1,7 +1,7 @@
 """The README tells the truth: its set-up, its example, its CPU commands, its flags, its numbers.
 
 - The two set-up commands make a virtual environment, and `.ci/run` runs the test one verbatim.
-- The Python example is `examples/embed.py`, byte for byte, and it runs.
+- The Python example is `examples/embed.py`, byte for byte, and it runs (its shell block).
 - Every other shell block either runs here (in a scratch folder, verbatim) or needs a GPU/SGLang.
 - Every flag the README gives a `colocate` command exists in that command's `--help`, with a value
   its choices allow; flags of the benchmarks and of pip are checked against their own `--help`.
@@ -81,16 +81,6 @@ def test_the_python_example_is_the_example_file() -> None:
     assert example == (ROOT / "examples" / "embed.py").read_text()
 
 
-@pytest.mark.slow
-def test_the_example_runs() -> None:
-    done = subprocess.run(
-        [sys.executable, "examples/embed.py", "2"], cwd=ROOT, capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "step 1: mean reward" in done.stdout and "step 2: mean reward" in done.stdout, done.stdout
-    assert done.stdout.count("restore bit-identical") == 2, "the first two restores are verified (verify_cycles=2)"
-
-
 # ---- shell blocks that run on a CPU -------------------------------------------------------------
 
 
@@ -116,6 +106,10 @@ def test_a_cpu_shell_block_runs_verbatim(block: str, tmp_path: Path) -> None:
     env = os.environ | {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     done = subprocess.run(["bash", "-c", block], cwd=where, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"{block}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+    if "examples/embed.py" in block:  # the API example: every step trains, the first two restores verify
+        steps = int(block.split()[-1]) if block.split()[-1].isdigit() else 5
+        assert done.stdout.count("mean reward") == steps, done.stdout
+        assert done.stdout.count("restore bit-identical") == min(steps, 2), done.stdout
     if "--trace-dir runs/" in block:
         (trace,) = (where / "runs").glob("*.otlp.jsonl")
         check_tree_against(trace)
