@@ -69,18 +69,21 @@ def free_memory() -> int:
     return -psutil.Process().memory_info().rss  # less RSS is more free
 
 
-def cycle(trainer: MegatronTrainer, ledger: RegionLedger, mode: Mode, freed: dict[str, int]) -> tuple[float, bool]:
+def cycle(
+    trainer: MegatronTrainer, ledger: RegionLedger, mode: Mode, freed: dict[str, dict[str, int]]
+) -> tuple[float, bool]:
     """pause_grads → drop_params → restore, as the lifecycle runs them; returns (restore s, identical).
 
-    `freed` gets the memory each pause handed back: device memory on a GPU, RSS on the CPU
-    (where `default`'s backup lives in the same RAM, so its pause frees nothing net).
+    `freed` gets, per pause, the bytes the regions counted as freed (`colocate.bytes_freed`) and
+    the memory measured handed back: device memory on a GPU, RSS on the CPU. On the CPU
+    `default`'s backup lives in the same RAM, so its pause counts 0 and RSS may even grow.
     """
     before = dict(trainer.digests())
     trainer.stash(mode)
     for tag in (Region.GRAD_BUFFER, Region.DEFAULT, Region.PARAM_BUFFER):
         start = free_memory()
-        ledger.pause(tag)
-        freed[tag.value] = free_memory() - start
+        counted = ledger.pause(tag)
+        freed[tag.value] = {"counted": counted, "measured": free_memory() - start}
     for tag in (Region.DEFAULT, Region.GRAD_BUFFER, Region.PARAM_BUFFER):
         ledger.resume(tag)
     sync()
@@ -132,7 +135,7 @@ def run(cfg: TinyGPTConfig, repeats: int) -> dict[str, Any]:
         "params": params,
     }
     identical: list[bool] = []
-    freed: dict[str, int] = {}  # kept from the first cycle, when every page was touched by training
+    freed: dict[str, dict[str, int]] = {}  # kept from the first cycle, when every page was touched by training
     for mode in (Mode.REMATERIALIZE, Mode.BACKUP):  # remat first: its pinned bytes exclude backup's copy
         runs = [cycle(trainer, ledger, mode, freed if not identical and i == 0 else {}) for i in range(repeats)]
         result[f"{'remat' if mode is Mode.REMATERIALIZE else 'backup'}_restore_s"] = statistics.median(
@@ -179,7 +182,11 @@ def show(result: dict[str, Any]) -> None:
         f"cast {result['cast_GBps']:.1f} GB/s vs copy {result['copy_GBps']:.1f} GB/s: {result['cast_vs_copy']:.0%} of the copy roofline"
     )
     what = "device memory" if torch.cuda.is_available() else "RSS"
-    print(f"{what} freed at each pause: " + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in result["freed_bytes"].items()))  # fmt: skip
+    freed = ", ".join(
+        f"{tag} {v['counted'] / 2**20:.1f} / {v['measured'] / 2**20:.1f} MiB"
+        for tag, v in result["freed_bytes"].items()
+    )
+    print(f"freed at each pause, counted (colocate.bytes_freed) / measured ({what}): {freed}")
 
 
 def main() -> None:

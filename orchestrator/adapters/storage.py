@@ -9,6 +9,15 @@ holds the fp32 mains and Adam moments.
 Works on CPU and GPU. On the GPU the freed blocks return to PyTorch's caching allocator, which
 this hands back to the device (`empty_cache`); addresses change on resume, unlike
 torch_memory_saver's (`tms.py`).
+
+What `pause` counts as freed, per region, is what the memory the storages live in got back:
+
+- `param_buffer`, `grad_buffer`: every byte of their storages (no copy is kept);
+- `default` on a GPU: every byte, since its copy goes to host memory;
+- `default` on the CPU: nothing, since its copy is made in the same RAM. The pause still
+  happens (the contents go out and come back, as on a GPU), but it frees no memory.
+
+`resume` counts the same way: what the storages' memory had to give back.
 """
 
 from __future__ import annotations
@@ -65,6 +74,12 @@ class _Paused:
     nbytes: int
     backup: torch.Tensor | None
 
+    @property
+    def freed(self) -> int:
+        """Bytes the storage's memory got back: none where the backup lives in that same memory."""
+        same_memory = self.backup is not None and self.backup.device == self.storage.device
+        return 0 if same_memory else self.nbytes
+
 
 class StorageRegions:
     """Implements `orchestrator.protocols.MemoryRegions` by resizing storages.
@@ -85,6 +100,8 @@ class StorageRegions:
         return frozenset(r.value for r in Region)
 
     def pause(self, tag: str) -> int:
+        """Free the tag's storages (copying `keep_contents` tags to host memory first); returns
+        the bytes their memory got back (see the module docstring)."""
         storages = storages_by_tag(self._tensors())[tag]
         paused = []
         for storage in storages:
@@ -97,7 +114,7 @@ class StorageRegions:
         self._paused[tag] = paused
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        return sum(p.nbytes for p in paused)
+        return sum(p.freed for p in paused)
 
     def resume(self, tag: str) -> int:
         paused = self._paused.pop(tag)
@@ -105,7 +122,7 @@ class StorageRegions:
             p.storage.resize_(p.nbytes)
             if p.backup is not None:
                 as_bytes(p.storage).copy_(p.backup)
-        return sum(p.nbytes for p in paused)
+        return sum(p.freed for p in paused)
 
     def resident_bytes(self) -> dict[str, int]:
         """Bytes each tag holds now (0 while paused)."""

@@ -15,7 +15,9 @@ def test_pause_frees_views_follow_and_default_keeps_contents() -> None:
     regions = StorageRegions(lambda: {"param_buffer": [params, view], "grad_buffer": [], "default": [state, view]})
     assert regions.pause(Region.PARAM_BUFFER) == 4096, "the shared storage counts once"
     assert regions.resident_bytes()["param_buffer"] == 0
-    assert regions.pause(Region.DEFAULT) == 1024, "a storage already under param_buffer is not paused twice"
+    assert regions.resident_bytes()["default"] == 1024, "a storage already under param_buffer counts once"
+    assert regions.pause(Region.DEFAULT) == 0, "on the CPU, default's backup lives in the RAM it would free"
+    assert regions.resident_bytes()["default"] == 0
     regions.resume(Region.PARAM_BUFFER)
     regions.resume(Region.DEFAULT)
     view.fill_(7)
@@ -25,6 +27,17 @@ def test_pause_frees_views_follow_and_default_keeps_contents() -> None:
 
 def test_tensors_are_enumerated_at_each_pause() -> None:
     tensors: dict[str, list[torch.Tensor]] = {"param_buffer": [], "grad_buffer": [], "default": []}
-    regions = StorageRegions(lambda: tensors)
+    regions = StorageRegions(lambda: tensors, keep_contents=())
     tensors["default"].append(torch.ones(8))  # Adam moments appear at the first step
     assert regions.pause(Region.DEFAULT) == 32
+
+
+def test_freed_counts_what_the_memory_got_back() -> None:
+    """Without a backup the storage's bytes are freed; with one in the same RAM, none are."""
+    grads, state = torch.zeros(256), torch.ones(512)
+    regions = StorageRegions(lambda: {"param_buffer": [], "grad_buffer": [grads], "default": [state]})
+    assert regions.pause(Region.GRAD_BUFFER) == 1024
+    assert regions.pause(Region.DEFAULT) == 0
+    assert regions.resume(Region.DEFAULT) == 0
+    assert regions.resume(Region.GRAD_BUFFER) == 1024
+    assert torch.equal(state, torch.ones(512))

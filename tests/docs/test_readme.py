@@ -1,0 +1,320 @@
+"""The README tells the truth: its set-up, its example, its CPU commands, its flags, its numbers.
+
+- The two set-up commands make a virtual environment, and `.ci/run` runs the test one verbatim.
+- The Python example is `examples/embed.py`, byte for byte, and it runs (its shell block).
+- Every other shell block either runs here (in a scratch folder, verbatim) or needs a GPU/SGLang.
+- Every flag the README gives a `colocate` command exists in that command's `--help`, with a value
+  its choices allow; flags of the benchmarks and of pip are checked against their own `--help`.
+- Every "Measured" line names the date (ISO) and the command of its run, and no section speaks of
+  a measurement without one.
+- The span tree is the trace's: every edge and every span name (against the committed sample,
+  and against the trace the README's own trace command writes).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+import typer.main
+from typer.testing import CliRunner
+
+from orchestrator.cli import app
+from orchestrator.tracing import parse_otlp_json
+
+ROOT = Path(__file__).resolve().parents[2]
+README = (ROOT / "README.md").read_text()
+SETUP_PREFIX = "python3 -m venv .venv && . .venv/bin/activate && "
+# Blocks that cannot run on this machine, and why: each marker names what they need.
+NEEDS = {"--device cuda": "a GPU", "tests/gpu": "a GPU", "sglang": "SGLang on a GPU"}
+
+
+def fenced(text: str) -> list[tuple[str, str]]:
+    """(language, body) of every fenced block, in order."""
+    return [(m[1], m[2]) for m in re.finditer(r"^```(\w*)\n(.*?)^```", text, flags=re.M | re.S)]
+
+
+def section(text: str, heading: str) -> str:
+    start = text.index(heading)
+    following = re.search(r"^#{1,3} ", text[start + len(heading) :], flags=re.M)
+    return text[start : start + len(heading) + following.start()] if following else text[start:]
+
+
+def setup_blocks() -> list[str]:
+    return [body.strip() for lang, body in fenced(section(README, "## Set-up")) if lang == "bash"]
+
+
+def cpu_blocks() -> list[str]:
+    """Every shell block outside the set-up that needs nothing this machine lacks."""
+    setup = setup_blocks()
+    blocks = [body.strip() for lang, body in fenced(README) if lang == "bash"]
+    return [b for b in blocks if b not in setup and not any(marker in b for marker in NEEDS)]
+
+
+# ---- set-up -----------------------------------------------------------------------------------
+
+
+def test_the_two_setup_commands_make_a_venv_and_ci_runs_the_test_one() -> None:
+    run_job, run_tests = setup_blocks()
+    for command in (run_job, run_tests):
+        assert "\n" not in command and command.startswith(SETUP_PREFIX), command
+        assert "pip install torch==2.13.0 && " in command, "torch is pinned before anything can pull another"
+    assert run_job.endswith("&& colocate run")
+    assert run_tests.endswith("&& pytest")
+    ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line and not line.startswith("#")]
+    assert ci[-1] == run_tests, ".ci/run must run the README's test command verbatim"
+    assert "Python ≥ 3.11" in section(README, "## Set-up")
+
+
+# ---- the example ------------------------------------------------------------------------------
+
+
+def test_the_python_example_is_the_example_file() -> None:
+    (example,) = [body for lang, body in fenced(README) if lang == "python"]
+    assert example == (ROOT / "examples" / "embed.py").read_text()
+
+
+# ---- shell blocks that run on a CPU -------------------------------------------------------------
+
+
+def test_every_shell_block_runs_here_or_says_what_it_needs() -> None:
+    blocks = [body.strip() for lang, body in fenced(README) if lang == "bash"]
+    skipped = [b for b in blocks if any(marker in b for marker in NEEDS)]
+    assert len(setup_blocks()) + len(cpu_blocks()) + len(skipped) == len(blocks)
+    assert cpu_blocks(), "the README shows at least one command that runs on a CPU"
+
+
+def scratch(tmp_path: Path) -> Path:
+    """A folder that looks like the checkout (links), so commands write their output there."""
+    for entry in ROOT.iterdir():
+        if not entry.name.startswith("."):
+            (tmp_path / entry.name).symlink_to(entry)
+    return tmp_path
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("block", cpu_blocks())
+def test_a_cpu_shell_block_runs_verbatim(block: str, tmp_path: Path) -> None:
+    where = scratch(tmp_path)
+    env = os.environ | {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    done = subprocess.run(["bash", "-c", block], cwd=where, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"{block}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+    if "examples/embed.py" in block:  # the API example: every step trains, the first two restores verify
+        steps = int(block.split()[-1]) if block.split()[-1].isdigit() else 5
+        assert done.stdout.count("mean reward") == steps, done.stdout
+        assert done.stdout.count("restore bit-identical") == min(steps, 2), done.stdout
+    if "--trace-dir runs/" in block:
+        (trace,) = (where / "runs").glob("*.otlp.jsonl")
+        check_tree_against(trace)
+
+
+# ---- flags ------------------------------------------------------------------------------------
+
+
+def colocate_commands() -> list[tuple[tuple[str, ...], list[str]]]:
+    """(subcommand path, words after it) of every `colocate ...` the README shows, in code."""
+    code = [body for _, body in fenced(README)] + re.findall(r"`([^`\n]+)`", README)
+    found = []
+    for text in code:
+        text = text.replace("\\\n", " ").replace("\n   ", " ")
+        for part in re.split(r"&&|\||\n", text):
+            words = part.split()
+            while words and ("=" in words[0] or words[0] != "colocate"):
+                words = words[1:]
+            if len(words) < 2:
+                continue
+            path, rest = subcommand(words[1:])
+            if path:
+                found.append((path, rest))
+    return found
+
+
+def subcommand(words: list[str]) -> tuple[tuple[str, ...], list[str]]:
+    command: Any = typer.main.get_command(app)  # typer's own click: duck-typed here
+    path: list[str] = []
+    while hasattr(command, "commands") and words and words[0] in command.commands:
+        path.append(words[0])
+        command = command.commands[words.pop(0)]
+    return tuple(path), words
+
+
+def help_text(path: tuple[str, ...]) -> str:
+    done = CliRunner().invoke(app, [*path, "--help"], env={"COLUMNS": "250", "NO_COLOR": "1", "TERM": "dumb"})
+    assert done.exit_code == 0, done.output
+    return done.output
+
+
+def options(path: tuple[str, ...]) -> dict[str, list[str] | None]:
+    """The flags `colocate PATH --help` lists, each with its choices (None: no fixed set)."""
+    found: dict[str, list[str] | None] = {}
+    for flag, choices in re.findall(r"(--[a-z][a-z-]*)\s+(?:<([a-z0-9_|-]+)>)?", help_text(path)):
+        found[flag] = choices.split("|") if "|" in choices else None
+    return found
+
+
+def flag_uses(words: list[str]) -> list[tuple[str, str | None]]:
+    """(flag, value or None) pairs, synopsis brackets and all: `[--mode a|b]` gives ('--mode', 'a|b')."""
+    words = [w.strip("[]") for w in words]
+    uses = []
+    for i, word in enumerate(words):
+        if word.startswith("--"):
+            value = words[i + 1] if i + 1 < len(words) and not words[i + 1].startswith("-") else None
+            uses.append((word, value))
+    return uses
+
+
+def test_every_colocate_flag_the_readme_names_is_in_that_commands_help() -> None:
+    commands = colocate_commands()
+    assert {path for path, _ in commands} >= {("run",), ("diagram",), ("trace", "summarize"), ("trace", "timeline")}
+    for path, rest in commands:
+        known = options(path)
+        for flag, value in flag_uses(rest):
+            where = f"`colocate {' '.join(path)} {flag}`"
+            assert flag in known, f"{where} is not in its --help"
+            choices = known[flag]
+            if choices is not None and value is not None:
+                for choice in value.split("|"):
+                    assert choice in choices, f"{where} {choice}: its --help offers {', '.join(choices)}"
+
+
+def test_flags_in_the_prose_belong_to_colocate_run_or_their_own_tool() -> None:
+    """An inline `--flag value` with no command before it is `colocate run`'s, unless it sits in a
+    command of another tool (a benchmark's, pip's, SGLang's server's: SGLang is not installed)."""
+    known = options(("run",))
+    others = " ".join(body for _, body in fenced(README)) + " ".join(re.findall(r"`([^`\n]+)`", README))
+    for span in re.findall(r"`(--[a-z][^`\n]*)`", README):
+        flag, *value = span.split()
+        if flag not in known:
+            assert re.search(rf"(python|pip|sglang)\S*[^`\n]*{re.escape(flag)}", others), f"`{span}`: no command has it"
+            continue
+        choices = known[flag]
+        if choices is not None and value:
+            assert value[0] in choices, f"`{span}`: colocate run {flag} offers {', '.join(choices)}"
+
+
+@pytest.mark.slow
+def test_flags_of_other_commands_are_in_their_help() -> None:
+    code = [body for _, body in fenced(README)] + re.findall(r"`([^`\n]+)`", README)
+    helps: dict[str, str] = {}
+    checked = 0
+    for text in code:
+        for part in re.split(r"&&|\||\n", text):
+            words = part.split()
+            if len(words) < 3 or words[0] != "python" or not words[1].startswith("benchmarks/"):
+                continue
+            if words[1] not in helps:
+                done = subprocess.run(
+                    [sys.executable, words[1], "--help"], cwd=ROOT, capture_output=True, text=True, timeout=300
+                )
+                assert done.returncode == 0, done.stderr
+                helps[words[1]] = done.stdout
+            for flag, _ in flag_uses(words[2:]):
+                assert flag in helps[words[1]], f"{words[1]} has no {flag}"
+                checked += 1
+    if "--index-url" in README:
+        pip = subprocess.run([sys.executable, "-m", "pip", "install", "--help"], capture_output=True, text=True)
+        assert "--index-url" in pip.stdout
+    assert checked, "the README shows benchmark flags; none were found to check"
+
+
+# ---- numbers ------------------------------------------------------------------------------------
+
+MEASURED = re.compile(r"^Measured on (\d{4}-\d{2}-\d{2})\b[^\n`]*? with `([^`]+)`", flags=re.M)
+
+
+def test_every_measured_block_names_the_date_and_command_of_its_run() -> None:
+    lines = [line for line in README.splitlines() if line.startswith("Measured")]
+    assert lines, "the README quotes measured numbers"
+    for line in lines:
+        match = MEASURED.match(line)
+        assert match, f"not 'Measured on <YYYY-MM-DD> ... with `<command>`': {line}"
+        assert datetime.date.fromisoformat(match[1]) <= datetime.datetime.now(datetime.UTC).date()
+    for text in re.split(r"^#{2,3} ", README, flags=re.M):
+        first = MEASURED.search(text)
+        for word in re.finditer(r"\bmeasured\b", text, flags=re.I):
+            assert first and first.start() <= word.start(), (
+                f"section {text.splitlines()[0]!r} speaks of a measurement before any 'Measured on <date> with'"
+            )
+
+
+def test_measured_colocate_commands_use_real_flags() -> None:
+    for _, command in MEASURED.findall(README):
+        words = command.split()
+        if words[0] != "colocate":
+            continue
+        path, rest = subcommand(words[1:])
+        assert {flag for flag, _ in flag_uses(rest)} <= set(options(path)), command
+
+
+# ---- layout and traces --------------------------------------------------------------------------
+
+
+def test_every_path_in_the_layout_table_exists() -> None:
+    rows = re.findall(r"^\| (`[^|]+`) \|", section(README, "## Layout"), flags=re.M)
+    assert len(rows) > 10
+    for row in rows:
+        first, *more = re.findall(r"`([^`]+)`", row)
+        assert (ROOT / first).exists(), first
+        for name in more:
+            assert (ROOT / name).exists() or (ROOT / first).parent.joinpath(name).exists(), f"{name} (row {first})"
+
+
+def readme_tree() -> set[tuple[str, str]]:
+    """(parent, child) span names of the README's tree."""
+    (tree,) = [body for lang, body in fenced(section(README, "## Tracing")) if lang == "" and "colocate.step" in body]
+    edges: set[tuple[str, str]] = set()
+    stack: list[str] = []
+    for line in tree.splitlines():
+        match = re.match(r"^([│├└─ ]*)([a-z_]+\.[a-z_.]+)", line)
+        assert match, line
+        depth = len(match[1]) // 3
+        del stack[depth:]
+        if stack:
+            edges.add((stack[-1], match[2]))
+        stack.append(match[2])
+    return edges
+
+
+def trace_edges(path: Path) -> set[tuple[str, str]]:
+    names: dict[bytes, str] = {}
+    parents: dict[bytes, bytes] = {}
+    for line in path.read_text().splitlines():
+        for resource in parse_otlp_json(line).resource_spans:
+            for scope in resource.scope_spans:
+                for span in scope.spans:
+                    names[span.span_id] = span.name
+                    if span.parent_span_id:
+                        parents[span.span_id] = span.parent_span_id
+    by_parent: dict[str, set[str]] = defaultdict(set)
+    for child, parent in parents.items():
+        if parent in names:
+            by_parent[names[parent]].add(names[child])
+    return {(p, c) for p, children in by_parent.items() for c in children}
+
+
+def check_tree_against(trace: Path) -> None:
+    tree, seen = readme_tree(), trace_edges(trace)
+    assert tree - seen == set(), f"the README's tree has edges the trace lacks: {sorted(tree - seen)}"
+    assert seen - tree == set(), f"the trace has edges the README's tree lacks: {sorted(seen - tree)}"
+
+
+def test_the_span_tree_is_the_committed_sample_trace() -> None:
+    check_tree_against(ROOT / "traces" / "sample.otlp.jsonl")
+
+
+def test_the_jaeger_compose_file_is_v2_on_loopback() -> None:
+    yaml = pytest.importorskip("yaml")
+    services = yaml.safe_load((ROOT / "traces" / "docker-compose.yml").read_text())["services"]
+    (jaeger,) = services.values()
+    image, _, tag = jaeger["image"].partition(":")
+    assert image == "jaegertracing/jaeger" and tag.startswith("2."), jaeger["image"]
+    assert "COLLECTOR_OTLP_ENABLED" not in str(jaeger.get("environment", {})), "a Jaeger v1 variable"
+    assert {port.split(":")[-1] for port in jaeger["ports"]} == {"16686", "4317", "4318"}
+    assert all(port.startswith("127.0.0.1:") for port in jaeger["ports"]), "published beyond this machine"
