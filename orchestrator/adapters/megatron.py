@@ -24,6 +24,7 @@ import torch
 from opentelemetry import trace
 
 from orchestrator.adapters.digest import DIGESTS, DigestMethod
+from orchestrator.adapters.fast_cast import MainParamCast
 from orchestrator.transport import nbytes
 from states import Mode, Source, TrainerLayout, TrainingSetup
 
@@ -118,6 +119,7 @@ class MegatronTrainer:
                         self._sources[prefix + _strip(raw)] = Source.EXTRAS
         self._extra_backup: dict[str, torch.Tensor] = {}
         self._param_backup: list[torch.Tensor] = []
+        self.cast = MainParamCast(self._optimizers)  # one Triton launch where it can, else Megatron's loop
 
     def _prefixed(self) -> Iterator[tuple[str, Any]]:
         for i, chunk in enumerate(self._chunks):
@@ -197,9 +199,8 @@ class MegatronTrainer:
     # ---- the steps of a rematerialize restore, timed apart by the benchmark -----------------
 
     def cast_mains(self) -> None:
-        """fp32 main shard → bf16 param buffer shard, in every DistributedOptimizer."""
-        for optimizer in self._optimizers:
-            optimizer._copy_main_params_to_model_params()
+        """fp32 main shard → bf16 param buffer shard, in every DistributedOptimizer (`fast_cast`)."""
+        self.cast()
 
     def gather_params(self) -> None:
         """All-gather every chunk's param buffers over their (expert) data-parallel groups."""
