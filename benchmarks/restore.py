@@ -144,6 +144,7 @@ def breakdown(trainer: MegatronTrainer, repeats: int) -> dict[str, float]:
     cast_bw, copy_bw = 6 * shard / times["cast_s"], 4 * shard / copy_s
     return times | {
         "cast_path": trainer.cast.path,  # type: ignore[dict-item]
+        "cast_unavailable": trainer.cast.unavailable,  # type: ignore[dict-item]
         "shard_params": shard,
         "copy_s": copy_s,
         "cast_GBps": cast_bw / 1e9,

@@ -168,7 +168,9 @@ class MainParamCast:
                 "the Triton cast cannot run here (no CUDA, no Triton, or a cast that is not fp32 → bf16)"
             )
         self._launch = _Launch(halves, block) if can and use_kernel is not False and halves else None
+        self._compiled = False
         self.pairs = halves
+        self.unavailable: str | None = None  # why the kernel stopped being used, if it did
 
     @property
     def path(self) -> str:
@@ -176,11 +178,23 @@ class MainParamCast:
         return "triton" if self._launch is not None else "megatron"
 
     def __call__(self) -> None:
+        if self._launch is not None and not self._compiled:
+            try:  # the first launch compiles the kernel: a Triton that cannot is no Triton
+                self._launch()
+            except Exception as error:
+                self._launch, self.unavailable = None, f"Triton cast failed to run: {error!r}"
+            else:
+                self._compiled = True
+                self._copy_fp32()
+                return
         if self._launch is None:
             for optimizer in self._optimizers:
                 optimizer._copy_main_params_to_model_params()
             return
         self._launch()
+        self._copy_fp32()
+
+    def _copy_fp32(self) -> None:
         for src, dst in self._fp32:  # fp32 params: their "main" is a view of the buffer itself
             dst.copy_(src)
 
