@@ -95,29 +95,41 @@ class Replica:
 
 
 class Staged:
-    """The rank's converted tensors: views of the param buffers where `to_hf` gives views, else
-    persistent staging tensors (allocated once, so their IPC handles stay valid)."""
+    """The rank's converted tensors, converted once: views of the param buffers where `to_hf`
+    gives views, else persistent staging tensors (allocated once, so their IPC handles stay
+    valid) that `refresh` fills again from the tensors they came from."""
 
     def __init__(self, trainer: Any, cfg: TinyGPTConfig) -> None:
-        self.trainer, self.cfg = trainer, cfg
-        self._staging: dict[str, torch.Tensor] = {}
-        self.named = self.refresh()
+        from orchestrator.convert import to_hf
+
+        self.cfg = cfg
+        buffers = {b.param_data.untyped_storage().data_ptr() for b in trainer._buffers}
+        self.named: list[tuple[str, torch.Tensor]] = []
+        self._copied: list[tuple[str, torch.Tensor, list[torch.Tensor]]] = []  # (megatron name, source, staging)
+        for name, tensor in trainer.sync_tensors():
+            converted = to_hf(name, tensor, cfg)
+            staging = []
+            for hf_name, part in converted:
+                if part.untyped_storage().data_ptr() not in buffers:
+                    part = part.clone()
+                    staging.append(part)
+                self.named.append((hf_name, part))
+            if staging:
+                self._copied.append((name, tensor, staging))
 
     def refresh(self) -> list[tuple[str, torch.Tensor]]:
-        from orchestrator.convert import convert
+        """Re-convert the tensors that conversion copies (q, k, v), into their staging tensors."""
+        from orchestrator.convert import to_hf
 
-        buffers = [b.param_data.untyped_storage().data_ptr() for b in self.trainer._buffers]
-        out = []
-        for name, tensor in convert(self.trainer.sync_tensors(), self.cfg):
-            if tensor.untyped_storage().data_ptr() in buffers:
-                out.append((name, tensor))
-                continue
-            staging = self._staging.get(name)
-            if staging is None:
-                staging = self._staging[name] = torch.empty_like(tensor)
-            staging.copy_(tensor)
-            out.append((name, staging))
-        return out
+        for name, tensor, staging in self._copied:
+            fresh = [
+                part
+                for _, part in to_hf(name, tensor, self.cfg)
+                if part.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr()
+            ]
+            for target, part in zip(staging, fresh, strict=True):
+                target.copy_(part)
+        return self.named
 
 
 def push(replica: Replica, staged: Staged, mode: str, bucket_bytes: int, version: int, window: int) -> int:
@@ -172,6 +184,14 @@ def run(cfg: TinyGPTConfig, bucket_mib: list[int], repeats: int, window: int) ->
         "window": window,
     }
     copy_s = d2d_copy_s(total, repeats)
+    refresh = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        staged.refresh()
+        torch.cuda.synchronize()
+        refresh.append(time.perf_counter() - start)
+    result["refresh_s"] = statistics.median(refresh)  # the rank's conversion copies (q, k, v)
     result["copy_s"], result["copy_GBps"] = copy_s, total / copy_s / 1e9
     rows = []
     version = 0

@@ -177,6 +177,7 @@ class MainParamCast:
         """'triton' or 'megatron': which cast `__call__` runs."""
         return "triton" if self._launch is not None else "megatron"
 
+    @torch.no_grad()
     def __call__(self) -> None:
         if self._launch is not None and not self._compiled:
             try:  # the first launch compiles the kernel: a Triton that cannot is no Triton
@@ -207,35 +208,34 @@ class PipelinedRestore:
     """Cast and exchange the param buffers piece by piece, the cast of a piece overlapping the
     exchange of the pieces before it (DP > 1 on CUDA, with the Triton cast).
 
-    For each bucket, this rank's shard `param_data[rank]` is cut into pieces of about
-    `piece_bytes`; piece k is sent to every other rank of the bucket's data-parallel group and
-    the peers' piece k received into their shards, as `all_gather_into_tensor` would place them.
-    A cast block belongs to the piece its first element falls in, so when piece k travels every
-    block that writes into it has been cast. Buckets whose params have no fp32 main (fp32
-    params) travel whole after the cast of their pieces, as they are.
+    For each bucket, every rank's shard `param_data[r]` is cut into pieces of about
+    `piece_bytes`; piece k of each shard travels from its owner to every other rank of the
+    bucket's data-parallel group, into the place `all_gather_into_tensor` would put it. A cast
+    block belongs to the piece its first element falls in, so when piece k travels every block
+    that writes into it has been cast. `exchange` is how a piece travels: "broadcast" (one NCCL
+    broadcast per owner, coalesced into one group call) or "p2p" (NCCL send/recv pairs).
     """
 
-    def __init__(self, chunks: Sequence[Any], cast: MainParamCast, *, piece_bytes: int = 128 << 20) -> None:
+    @torch.no_grad()
+    def __init__(
+        self, chunks: Sequence[Any], cast: MainParamCast, *, piece_bytes: int = 128 << 20, exchange: str = "broadcast"
+    ) -> None:
         if cast.path != "triton":
             raise RuntimeError("PipelinedRestore needs the Triton cast")
-        self._cast = cast
+        if exchange not in ("broadcast", "p2p"):
+            raise ValueError(f"exchange must be 'broadcast' or 'p2p', got {exchange!r}")
+        self._cast, self._exchange = cast, exchange
         self._stream = torch.cuda.Stream()
         by_address = sorted(cast.pairs, key=lambda pair: pair[1].data_ptr())
-        self._steps: list[tuple[_Launch | None, list[Any]]] = []
+        self._steps: list[tuple[_Launch | None, list[torch.Tensor], Any, int]] = []
         exchanged: list[tuple[int, int]] = []  # [start, end) addresses of the buckets exchanged here
         for chunk in chunks:
-            for group in getattr(
-                chunk, "all_bucket_groups", [*chunk.bucket_groups, *chunk.expert_parallel_bucket_groups]
-            ):
-                size = group.intra_distributed_optimizer_instance_size
-                if size == 1:
+            groups = getattr(chunk, "all_bucket_groups", [*chunk.bucket_groups, *chunk.expert_parallel_bucket_groups])
+            for group in groups:
+                if group.intra_distributed_optimizer_instance_size == 1:
                     continue
-                rank, pg = (
-                    group.intra_distributed_optimizer_instance_rank,
-                    group.intra_distributed_optimizer_instance_group,
-                )
                 for bucket in group.buckets:
-                    self._steps += self._pieces(bucket.param_data, size, rank, pg, by_address, piece_bytes)
+                    self._steps += self._pieces(bucket.param_data, group, by_address, piece_bytes)
                     start = bucket.param_data.data_ptr()
                     exchanged.append((start, start + bucket.param_data.numel() * bucket.param_data.element_size()))
         # casts into buckets no other rank shares (DP = 1 for them) run first, in one launch
@@ -243,45 +243,50 @@ class PipelinedRestore:
         self._rest = cast.launch_for(rest) if rest else None
 
     def _pieces(
-        self, data: torch.Tensor, size: int, rank: int, group: Any, pairs: list[Pair], piece_bytes: int
-    ) -> list[tuple[_Launch | None, list[Any]]]:
+        self, data: torch.Tensor, group: Any, pairs: list[Pair], piece_bytes: int
+    ) -> list[tuple[_Launch | None, list[torch.Tensor], Any, int]]:
+        size, rank = group.intra_distributed_optimizer_instance_size, group.intra_distributed_optimizer_instance_rank
+        pg = group.intra_distributed_optimizer_instance_group
         flat = data.view(-1)
+        width = flat.element_size()
         shard = flat.numel() // size
-        step = max(1, piece_bytes // flat.element_size())
-        base, end = flat.data_ptr(), flat.data_ptr() + flat.numel() * flat.element_size()
+        step = max(1, piece_bytes // width)
+        base, end = flat.data_ptr(), flat.data_ptr() + flat.numel() * width
         mine = [(s, d) for s, d in pairs if base <= d.data_ptr() < end]
         out = []
         for lo in range(0, shard, step):
             hi = min(shard, lo + step)
-            first, last = base + (rank * shard + lo) * 2, base + (rank * shard + hi) * 2
+            first, last = base + (rank * shard + lo) * width, base + (rank * shard + hi) * width
             cast: list[Pair] = []
             for src, dst in mine:
                 whole = dst.data_ptr()
-                if whole + dst.numel() * 2 <= first or whole >= last:
+                if whole + dst.numel() * width <= first or whole >= last:
                     continue
                 # the blocks of this pair whose first element lies in [first, last)
-                skip = max(0, -(-(first - whole) // 2 // BLOCK)) * BLOCK
-                stop = min(dst.numel(), -(-(last - whole) // 2 // BLOCK) * BLOCK)
+                skip = max(0, -(-(first - whole) // width // BLOCK)) * BLOCK
+                stop = min(dst.numel(), -(-(last - whole) // width // BLOCK) * BLOCK)
                 if skip < stop:
                     cast.append((src[skip:stop], dst[skip:stop]))
-            ops = []
-            for peer in range(size):
-                if peer == rank:
-                    continue
-                global_peer = torch.distributed.get_global_rank(group, peer)
-                ops.append(
-                    torch.distributed.P2POp(
-                        torch.distributed.isend, flat[rank * shard + lo : rank * shard + hi], global_peer, group
-                    )
-                )
-                ops.append(
-                    torch.distributed.P2POp(
-                        torch.distributed.irecv, flat[peer * shard + lo : peer * shard + hi], global_peer, group
-                    )
-                )
-            out.append((self._cast.launch_for(cast) if cast else None, ops))
+            views = [flat[r * shard + lo : r * shard + hi] for r in range(size)]
+            out.append((self._cast.launch_for(cast) if cast else None, views, pg, rank))
         return out
 
+    def _send(self, views: list[torch.Tensor], group: Any, rank: int) -> list[Any]:
+        dist = torch.distributed
+        owners = [dist.get_global_rank(group, r) for r in range(len(views))]
+        if self._exchange == "broadcast":
+            with dist._coalescing_manager(group, async_ops=True) as manager:
+                for view, owner in zip(views, owners, strict=True):
+                    dist.broadcast(view, src=owner, group=group)
+            return [manager]
+        ops = []
+        for peer, owner in enumerate(owners):
+            if peer != rank:
+                ops.append(dist.P2POp(dist.isend, views[rank], owner, group))
+                ops.append(dist.P2POp(dist.irecv, views[peer], owner, group))
+        return list(dist.batch_isend_irecv(ops))
+
+    @torch.no_grad()
     def __call__(self) -> None:
         main = torch.cuda.current_stream()
         self._stream.wait_stream(main)
@@ -289,12 +294,12 @@ class PipelinedRestore:
             with torch.cuda.stream(self._stream):
                 self._rest()
         works = []
-        for launch, ops in self._steps:
+        for launch, views, group, rank in self._steps:
             if launch is not None:
                 with torch.cuda.stream(self._stream):
                     launch()
                 main.wait_stream(self._stream)
-            works += torch.distributed.batch_isend_irecv(ops)
+            works += self._send(views, group, rank)
         for work in works:
             work.wait()
         main.wait_stream(self._stream)

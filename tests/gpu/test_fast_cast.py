@@ -93,8 +93,9 @@ def _scenario(rank: int, world_size: int, port: int, out: str) -> None:
         ledger = RegionLedger(TorchMemorySaverRegions(trainer.region_tensors))
         restores = {"remat": lambda: trainer.rebuild(Mode.REMATERIALIZE)}
         if world_size > 1:
-            pipelined = PipelinedRestore(chunks, trainer.cast, piece_bytes=64 << 10)  # many pieces
-            restores["pipelined"] = lambda: (pipelined(), trainer.copy_extras_back())
+            for exchange in ("broadcast", "p2p"):  # small pieces: many of them
+                pipelined = PipelinedRestore(chunks, trainer.cast, piece_bytes=64 << 10, exchange=exchange)
+                restores[f"pipelined_{exchange}"] = lambda p=pipelined: (p(), trainer.copy_extras_back())
         for name, restore in restores.items():
             verdicts, freed = [], []
             for _ in range(2):
@@ -166,10 +167,9 @@ def test_restores_bit_identical_under_torch_memory_saver_and_kernel_matches_mega
     ranks = _run(world_size, tmp_path)
     for rank in ranks:
         assert rank["path"] == "triton"
-        assert rank["remat_ok"], rank["remat"]["verdicts"]
-        if world_size > 1:
-            assert rank["pipelined_ok"], rank["pipelined"]["verdicts"]
-        for name in ("remat", "pipelined") if world_size > 1 else ("remat",):
+        names = ("remat", "pipelined_broadcast", "pipelined_p2p") if world_size > 1 else ("remat",)
+        for name in names:
+            assert rank[f"{name}_ok"], rank[name]["verdicts"]
             for freed in rank[name]["freed"]:
                 assert freed["param_buffer"] >= rank["param_buffer_bytes"], freed
         assert rank["kernel_matches_megatron"], "Triton cast differs from _copy_main_params_to_model_params"
