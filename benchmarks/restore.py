@@ -235,12 +235,14 @@ def free_port() -> int:
 
 
 def run_ranks(cfg: TinyGPTConfig, ranks: int, repeats: int, timeout: float = 1800) -> list[dict[str, Any]]:
-    """`run` on `ranks` spawned processes (one GPU each where there are GPUs); results by rank."""
+    """`run` on `ranks` spawned processes (one GPU each where there are GPUs); results by rank.
+
+    A rank that fails ends the run with its traceback; one that hangs, after `timeout` seconds."""
     if torch.cuda.is_available() and torch.cuda.device_count() < ranks:
         raise SystemExit(f"--ranks {ranks} needs {ranks} GPUs; {torch.cuda.device_count()} visible")
     port = int(os.environ.get("MASTER_PORT", free_port()))
-    if ranks == 1:
-        return [run(0, 1, port, cfg, repeats)]
+    # One process per rank at DP=1 too: run in this process, the benchmark exited with status 1
+    # after printing its results (twice on an H200, under torch_memory_saver; cause not found).
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [ctx.Process(target=_rank_main, args=(r, ranks, port, cfg, repeats, results)) for r in range(ranks)]
@@ -252,7 +254,9 @@ def run_ranks(cfg: TinyGPTConfig, ranks: int, repeats: int, timeout: float = 180
         try:
             out.append(results.get(timeout=max(1.0, deadline - time.monotonic())))
         except Exception as error:
-            raise SystemExit(f"rank(s) gave no result within {timeout:.0f} s") from error
+            for p in procs:
+                p.kill()
+            raise SystemExit(f"{ranks - len(out)} rank(s) gave no result within {timeout:.0f} s") from error
         if "error" in out[-1]:
             for p in procs:
                 p.kill()
