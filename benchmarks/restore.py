@@ -188,9 +188,9 @@ def run(rank: int, world_size: int, port: int, cfg: TinyGPTConfig, repeats: int)
     }
     if world_size > 1 and trainer.cast.path == "triton":
         variants = {  # how the pieces travel, and how large they are
-            "pipelined": {"exchange": "broadcast", "piece_bytes": 128 << 20},
-            "pipelined_512MiB": {"exchange": "broadcast", "piece_bytes": 512 << 20},
-            "pipelined_p2p": {"exchange": "p2p", "piece_bytes": 128 << 20},
+            "pipelined": {"exchange": "p2p", "piece_bytes": 128 << 20},
+            "pipelined_broadcast": {"exchange": "broadcast", "piece_bytes": 128 << 20},
+            "pipelined_broadcast_512MiB": {"exchange": "broadcast", "piece_bytes": 512 << 20},
         }
         for label, kwargs in variants.items():
             restores[label] = overlapped(trainer, PipelinedRestore(chunks, trainer.cast, **kwargs))  # type: ignore[arg-type]

@@ -53,7 +53,13 @@ def cast_pairs(optimizer: Any) -> tuple[list[Pair], list[Pair]] | None:
     `_copy_main_params_to_model_params` computes them; None where that method does more than copy."""
     if not _supported(optimizer):
         return None
+    try:
+        return _pairs(optimizer)
+    except (AttributeError, KeyError):  # a Megatron whose optimizer keeps its ranges otherwise
+        return None
 
+
+def _pairs(optimizer: Any) -> tuple[list[Pair], list[Pair]]:
     def pairs(mains: Sequence[Sequence[torch.Tensor]], models: Sequence[Sequence[torch.Tensor]]) -> list[Pair]:
         out = []
         for main_group, model_group in zip(mains, models, strict=True):
@@ -212,13 +218,14 @@ class PipelinedRestore:
     `piece_bytes`; piece k of each shard travels from its owner to every other rank of the
     bucket's data-parallel group, into the place `all_gather_into_tensor` would put it. A cast
     block belongs to the piece its first element falls in, so when piece k travels every block
-    that writes into it has been cast. `exchange` is how a piece travels: "broadcast" (one NCCL
-    broadcast per owner, coalesced into one group call) or "p2p" (NCCL send/recv pairs).
+    that writes into it has been cast. `exchange` is how a piece travels: "p2p" (NCCL send/recv
+    pairs) or "broadcast" (one NCCL broadcast per owner, coalesced into one group call; slower
+    on two H200s: 7.2 ms against 4.8 ms for a 1 B model's restore).
     """
 
     @torch.no_grad()
     def __init__(
-        self, chunks: Sequence[Any], cast: MainParamCast, *, piece_bytes: int = 128 << 20, exchange: str = "broadcast"
+        self, chunks: Sequence[Any], cast: MainParamCast, *, piece_bytes: int = 128 << 20, exchange: str = "p2p"
     ) -> None:
         if cast.path != "triton":
             raise RuntimeError("PipelinedRestore needs the Triton cast")
