@@ -234,13 +234,29 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+class PortTaken(Exception):
+    """The rendezvous port was taken between choosing it and binding it."""
+
+
 def run_ranks(cfg: TinyGPTConfig, ranks: int, repeats: int, timeout: float = 1800) -> list[dict[str, Any]]:
     """`run` on `ranks` spawned processes (one GPU each where there are GPUs); results by rank.
 
-    A rank that fails ends the run with its traceback; one that hangs, after `timeout` seconds."""
+    A rank that fails ends the run with its traceback; one that hangs, after `timeout` seconds.
+    A free port chosen here can be taken by another program before rank 0 binds it: then the
+    ranks start again on another (three tries), unless MASTER_PORT names the port."""
     if torch.cuda.is_available() and torch.cuda.device_count() < ranks:
         raise SystemExit(f"--ranks {ranks} needs {ranks} GPUs; {torch.cuda.device_count()} visible")
-    port = int(os.environ.get("MASTER_PORT", free_port()))
+    fixed = os.environ.get("MASTER_PORT")
+    for attempt in range(1 if fixed else 3):
+        try:
+            return _attempt(cfg, ranks, repeats, timeout, int(fixed) if fixed else free_port())
+        except PortTaken:
+            if fixed or attempt == 2:
+                raise SystemExit("the rendezvous port was in use; set MASTER_PORT to a free one") from None
+    raise AssertionError("unreachable")
+
+
+def _attempt(cfg: TinyGPTConfig, ranks: int, repeats: int, timeout: float, port: int) -> list[dict[str, Any]]:
     # One process per rank at DP=1 too: run in this process, the benchmark exited with status 1
     # after printing its results (twice on an H200, under torch_memory_saver; cause not found).
     ctx = mp.get_context("spawn")
@@ -248,19 +264,22 @@ def run_ranks(cfg: TinyGPTConfig, ranks: int, repeats: int, timeout: float = 180
     procs = [ctx.Process(target=_rank_main, args=(r, ranks, port, cfg, repeats, results)) for r in range(ranks)]
     for p in procs:
         p.start()
-    out = []
+    out: list[dict[str, Any]] = []
     deadline = time.monotonic() + timeout
-    while len(out) < ranks:
-        try:
-            out.append(results.get(timeout=max(1.0, deadline - time.monotonic())))
-        except Exception as error:
+    try:
+        while len(out) < ranks:
+            try:
+                out.append(results.get(timeout=max(1.0, deadline - time.monotonic())))
+            except Exception as error:
+                raise SystemExit(f"{ranks - len(out)} rank(s) gave no result within {timeout:.0f} s") from error
+            if "error" in out[-1]:
+                if "EADDRINUSE" in out[-1]["error"]:
+                    raise PortTaken
+                raise SystemExit(f"rank {out[-1]['rank']} failed:\n{out[-1]['error']}")
+    finally:
+        if len(out) < ranks or any("error" in r for r in out):
             for p in procs:
                 p.kill()
-            raise SystemExit(f"{ranks - len(out)} rank(s) gave no result within {timeout:.0f} s") from error
-        if "error" in out[-1]:
-            for p in procs:
-                p.kill()
-            raise SystemExit(f"rank {out[-1]['rank']} failed:\n{out[-1]['error']}")
     for p in procs:
         p.join(60)
     return sorted(out, key=lambda r: r["rank"])
