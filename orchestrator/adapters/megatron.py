@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from orchestrator.adapters.digest import DIGESTS, DigestMethod
+from orchestrator.adapters.fast_cast import MainParamCast
 from orchestrator.errors import StashMismatch
 from orchestrator.tracing import process_span
 from orchestrator.transport import nbytes
@@ -148,6 +149,7 @@ class MegatronTrainer:
                     self._sources[name] = Source.EXTRAS if covered else Source.ELSEWHERE
         self._extra_backup: dict[str, torch.Tensor] = {}
         self._param_backup: list[torch.Tensor] = []
+        self.cast = MainParamCast(self._optimizers)  # one Triton launch where it can, else Megatron's loop
 
     def _prefixed(self) -> Iterator[tuple[str, Any]]:
         for i, chunk in enumerate(self._chunks):
@@ -231,9 +233,8 @@ class MegatronTrainer:
     # ---- the steps of a rematerialize restore, timed apart by the benchmark -----------------
 
     def cast_mains(self) -> None:
-        """fp32 main shard → bf16 param buffer shard, in every DistributedOptimizer."""
-        for optimizer in self._optimizers:
-            optimizer._copy_main_params_to_model_params()
+        """fp32 main shard → bf16 param buffer shard, in every DistributedOptimizer (`fast_cast`)."""
+        self.cast()
 
     def gather_params(self) -> None:
         """All-gather every chunk's param buffers over their (expert) data-parallel groups."""
