@@ -233,6 +233,9 @@ app.command("plan")(plan_command)
 
 
 def main() -> None:
+    from orchestrator.interrupt import CTRL_C
+
+    CTRL_C.install()  # once, for the process's life (orchestrator/interrupt.py)
     app()
 
 

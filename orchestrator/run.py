@@ -12,6 +12,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from orchestrator.errors import LifecycleError
+from orchestrator.interrupt import CTRL_C
 from orchestrator.job import ColocatedJob, RunConfig
 from orchestrator.listeners import Listener
 from orchestrator.logs import LoggingListener, configure_logging
@@ -165,11 +166,15 @@ def run(
             job = ColocatedJob(config, listeners, trace_dir=parts)
             progress.update(task, description=f"{mode} x{ranks} {config.device}, {config.engine} engine")
             for _ in range(steps):
+                if CTRL_C.requested.is_set():
+                    raise KeyboardInterrupt
                 outcome = job.run_step()
                 progress.update(task, advance=1, reward=f"{outcome.reward_mean:.3f}")
         except KeyboardInterrupt:
             interrupted = True
         except Exception as exc:  # a LifecycleError names what failed; anything else, its type
+            # A terminal's Ctrl-C reaches the whole process group: a rank may die of it first.
+            interrupted = CTRL_C.requested.is_set()
             error = str(exc) if isinstance(exc, LifecycleError) else f"{type(exc).__name__}: {exc}"
             phase = job.lifecycle.phase if job is not None else "start-up"
             err.print(f"[bold red]error:[/] {error}\n[red]the lifecycle is {phase}; the run stopped[/]")

@@ -10,7 +10,6 @@ host (0.19.2 through nccl, as it is): the device is the one the process has.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -90,9 +89,11 @@ def init_process_group(
     if store is not None:
         torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     else:
-        os.environ.setdefault("MASTER_ADDR", master_addr)
-        os.environ["MASTER_PORT"] = str(master_port)
-        torch.distributed.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+        # The address goes in the init method, not in MASTER_ADDR/MASTER_PORT: no process-wide
+        # environment is changed per call.
+        torch.distributed.init_process_group(
+            backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank, world_size=world_size, timeout=timeout
+        )
     # Gloo groups stay on (the default): get_megatron_optimizer asks for them under nccl too.
     parallel_state.initialize_model_parallel(expert_model_parallel_size=expert_model_parallel_size)
     # CPU path: the tracker seeds the CPU generator (see megatron_cpu); GPU: the CUDA one.

@@ -77,8 +77,11 @@ def test_the_two_setup_commands_make_a_venv_and_ci_runs_the_test_one() -> None:
 
 
 def test_the_python_example_is_the_example_file() -> None:
-    (example,) = [body for lang, body in fenced(README) if lang == "python"]
-    assert example == (ROOT / "examples" / "embed.py").read_text()
+    marked = README.split("<!-- examples/embed.py, verbatim -->", 1)[1]
+    lang, example = fenced(marked)[0]
+    assert lang == "python" and example == (ROOT / "examples" / "embed.py").read_text()
+    for _, fragment in (block for block in fenced(README) if block[0] == "python"):
+        compile(fragment, "README.md", "exec")  # the other Python blocks are fragments: they parse
 
 
 # ---- shell blocks that run on a CPU -------------------------------------------------------------
@@ -268,10 +271,10 @@ def test_every_path_in_the_layout_table_exists() -> None:
 
 def readme_tree() -> set[tuple[str, str]]:
     """(parent, child) span names of the README's tree."""
-    (tree,) = [body for lang, body in fenced(section(README, "## Tracing")) if lang == "" and "colocate.step" in body]
+    trees = [body for lang, body in fenced(section(README, "## Tracing")) if lang == "" and "colocate.st" in body]
     edges: set[tuple[str, str]] = set()
     stack: list[str] = []
-    for line in tree.splitlines():
+    for line in "".join(trees).splitlines():
         match = re.match(r"^([│├└─ ]*)([a-z_]+\.[a-z_.]+)", line)
         assert match, line
         depth = len(match[1]) // 3
