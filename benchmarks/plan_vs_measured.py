@@ -32,7 +32,7 @@ LIMIT = 0.05
 
 
 def planned(preset: str, dp: int, ep: int = 1) -> Plan:
-    return plan(from_tiny_gpt(TINY_GPTS[preset], preset), Parallelism(dp=dp, ep=ep))
+    return plan(from_tiny_gpt(TINY_GPTS[preset](), preset), Parallelism(dp=dp, ep=ep))
 
 
 # ---- measuring (imports torch and megatron-core) ----------------------------------------
@@ -64,7 +64,7 @@ def _rank(rank: int, world: int, port: int, preset: str, out: str, ep: int) -> N
     warm @ warm
     del warm
     base = _used() if cuda else 0
-    cfg = TINY_GPTS[preset]
+    cfg = TINY_GPTS[preset]()
     chunks, optimizer = build_gpt(cfg)
     train_step(chunks, optimizer, torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1)))
     print(f"rank {rank}: built and trained one step", file=sys.stderr, flush=True)

@@ -45,19 +45,9 @@ from orchestrator.adapters.megatron_build import (
     train_step,
 )
 from orchestrator.adapters.storage import StorageRegions
-from orchestrator.presets import PRESETS, preset
+from orchestrator.presets import BENCHMARK_MODELS, benchmark_model
 from orchestrator.regions import RegionLedger
 from states import Mode, Region
-
-AWKWARD = {"num_experts": 2, "fp32_param": True, "frozen_param": True}
-CPU_SIZE = TinyGPTConfig(hidden_size=512, num_layers=4, num_attention_heads=8, num_query_groups=4,
-                         ffn_hidden_size=1536, vocab_size=8192)  # fmt: skip
-CHOICES = ("cpu", *PRESETS)
-
-
-def config(name: str) -> TinyGPTConfig:
-    """The preset with the awkward extras every restore must handle."""
-    return replace(CPU_SIZE if name == "cpu" else preset(name), **AWKWARD)
 
 
 def sync() -> None:
@@ -346,7 +336,9 @@ def show(results: list[dict[str, Any]]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", choices=CHOICES, default="llama-1b" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--preset", choices=BENCHMARK_MODELS, default="llama-1b" if torch.cuda.is_available() else "cpu"
+    )
     parser.add_argument("--ranks", type=int, default=1, help="data-parallel ranks, one process (and GPU) each")
     parser.add_argument("--layers", type=int, help="override the preset's layer count")
     parser.add_argument("--repeats", type=int, default=5, help="restore cycles per mode; medians are shown")
@@ -354,7 +346,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.ranks < 1:
         parser.error(f"--ranks must be at least 1, got {args.ranks}")
-    cfg = config(args.preset) if args.layers is None else replace(config(args.preset), num_layers=args.layers)
+    cfg = (
+        benchmark_model(args.preset)
+        if args.layers is None
+        else replace(benchmark_model(args.preset), num_layers=args.layers)
+    )
     results = run_ranks(cfg, args.ranks, args.repeats)
     if args.json:
         print(json.dumps({"summary": summary(results), "ranks": results}))

@@ -16,9 +16,11 @@ rates are the usual ones for the size, not tuned on the copy task.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from orchestrator.gpt import TinyGPTConfig
 
-__all__ = ["PRESETS", "param_count", "preset"]
+__all__ = ["BENCHMARK_MODELS", "PRESETS", "benchmark_model", "param_count", "preset"]
 
 
 def _tiny() -> TinyGPTConfig:
@@ -44,6 +46,19 @@ def preset(name: str) -> TinyGPTConfig:
     if name not in _GPU:
         raise ValueError(f"unknown model preset {name!r}; known: {', '.join(PRESETS)}")
     return _GPU[name]
+
+
+# The CPU-size model of the restore benchmark and the planner's byte-for-byte check.
+_CPU = TinyGPTConfig(hidden_size=512, num_layers=4, num_attention_heads=8, num_query_groups=4,
+                     ffn_hidden_size=1536, vocab_size=8192)  # fmt: skip
+BENCHMARK_MODELS: tuple[str, ...] = ("cpu", *PRESETS)
+
+
+def benchmark_model(name: str) -> TinyGPTConfig:
+    """`cpu` or a preset, with every kind of extra a restore must handle: an MoE last layer
+    (expert_bias), an fp32 param and a frozen param."""
+    base = _CPU if name == "cpu" else preset(name)
+    return replace(base, num_experts=2, fp32_param=True, frozen_param=True)
 
 
 def param_count(cfg: TinyGPTConfig) -> int:

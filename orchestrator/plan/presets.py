@@ -8,21 +8,20 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from orchestrator.errors import ConfigError
 from orchestrator.gpt import TinyGPTConfig
 from orchestrator.plan.model import ModelSpec, _spec_from_dict, from_hf_config
+from orchestrator.presets import benchmark_model, preset
 
-_AWKWARD: dict[str, Any] = {"num_experts": 2, "fp32_param": True, "frozen_param": True}
-# The same shapes as benchmarks/restore.py's presets (a test holds them equal).
-TINY_GPTS: dict[str, TinyGPTConfig] = {
-    "tiny": TinyGPTConfig(),
-    "cpu": TinyGPTConfig(hidden_size=512, num_layers=4, num_attention_heads=8, num_query_groups=4,
-                         ffn_hidden_size=1536, vocab_size=8192, **_AWKWARD),
-    "gpu-1b": TinyGPTConfig(hidden_size=2048, num_layers=16, num_attention_heads=16, num_query_groups=8,
-                            ffn_hidden_size=7168, vocab_size=32768, seq_len=128, **_AWKWARD),
-}  # fmt: skip
+# colocate's own GPTs: the job's default, and the restore benchmark's models (orchestrator/presets.py);
+# `gpu-1b` is the benchmark's `llama-1b`, extras included.
+# Built on demand: the job's default lives with GRPOConfig, which imports torch; planning never does.
+TINY_GPTS: dict[str, Callable[[], TinyGPTConfig]] = {
+    "tiny": lambda: preset("tiny"),
+    "cpu": lambda: benchmark_model("cpu"),
+    "gpu-1b": lambda: benchmark_model("llama-1b"),
+}
 
 
 def from_tiny_gpt(cfg: TinyGPTConfig, name: str = "tiny-gpt") -> ModelSpec:
@@ -91,7 +90,7 @@ GLM5 = {
 
 
 def _tiny(name: str) -> Callable[[], ModelSpec]:
-    return lambda: from_tiny_gpt(TINY_GPTS[name], name)
+    return lambda: from_tiny_gpt(TINY_GPTS[name](), name)
 
 
 PRESETS: dict[str, Callable[[], ModelSpec]] = {
