@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # the router's torch.compile costs ~9 s cold
 
@@ -37,6 +35,7 @@ from orchestrator.errors import ConfigError, StashMismatch
 from orchestrator.lifecycle import require_restore_coverage
 from orchestrator.regions import RegionLedger
 from states import Mode, Region
+from tests.support.spawn import spawn_ranks
 
 CUDA = torch.cuda.is_available()
 DIGEST = DigestMethod.DEVICE if CUDA else DigestMethod.SHA256
@@ -198,7 +197,7 @@ SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
 }
 
 
-def _rank_main(rank: int, world_size: int, port: int, scenario: str, out: str, ep: int) -> None:
+def _rank_main(rank: int, world_size: int, port: int, out: str, scenario: str, ep: int) -> None:
     path = Path(out) / f"rank{rank}.json"
     try:
         backend = "nccl" if CUDA else "gloo"
@@ -210,29 +209,6 @@ def _rank_main(rank: int, world_size: int, port: int, scenario: str, out: str, e
     path.write_text(json.dumps(result))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(scenario: str, world_size: int, out: Path, *, ep: int = 1, timeout: float = 240) -> list[dict[str, Any]]:
     """Run `scenario` on `world_size` gloo ranks (expert parallelism `ep`); every wait is bounded."""
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [
-        ctx.Process(target=_rank_main, args=(r, world_size, port, scenario, str(out), ep)) for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            raise TimeoutError(f"rank process {p.pid} of scenario {scenario!r} did not finish in {timeout} s")
-    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world_size)]
-    errors = [r["error"] for r in results if "error" in r]
-    if errors:
-        raise RuntimeError("a rank failed:\n" + "\n".join(errors))
-    return results
+    return spawn_ranks(_rank_main, world_size, out, args=(scenario, ep), timeout=timeout)

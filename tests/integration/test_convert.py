@@ -182,7 +182,7 @@ def megatron(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     pytest.importorskip("megatron.core")
     import torch.multiprocessing as mp
 
-    from tests.integration.megatron_ranks import free_port
+    from tests.support.spawn import free_port
 
     out = tmp_path_factory.mktemp("convert") / "rank0.pt"
     process = mp.get_context("spawn").Process(target=_megatron_rank, args=(free_port(), str(out)))

@@ -4,14 +4,14 @@ the kernel would cast are exactly the ones Megatron's loop writes, at DP=1 and D
 from __future__ import annotations
 
 import json
-import socket
 import traceback
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+
+from tests.support.spawn import spawn_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -78,22 +78,7 @@ def _scenario(rank: int, world_size: int, port: int, out: str) -> None:
 
 
 def _run(world_size: int, out: Path) -> list[dict[str, Any]]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_scenario, args=(r, world_size, port, str(out))) for r in range(world_size)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(240)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            raise TimeoutError(f"rank process {p.pid} did not finish in 240 s")
-    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world_size)]
-    assert not [r["error"] for r in results if "error" in r], results
-    return results
+    return spawn_ranks(_scenario, world_size, out, timeout=240)
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
