@@ -1,6 +1,7 @@
 """colocate's controller: the lifecycle, its adapters' Protocols, tracing, logging and the CLI."""
 
-from orchestrator.config import LifecycleConfig
+from orchestrator.core.config import LifecycleConfig
+from orchestrator.core.lifecycle import Lifecycle
 from orchestrator.errors import (
     ActionFailed,
     ConfigError,
@@ -15,9 +16,8 @@ from orchestrator.errors import (
     RestoreMismatch,
     StashMismatch,
 )
-from orchestrator.lifecycle import Lifecycle
-from orchestrator.listeners import FanOut, Listener, TransitionRecord
 from orchestrator.protocols import MemoryRegions, RolloutEngine, Trainer, TransferReport, WeightTransport
+from orchestrator.telemetry.listeners import FanOut, Listener, TransitionRecord
 
 __all__ = [
     "ActionFailed",

@@ -13,8 +13,8 @@ import json
 import sys
 from contextlib import ExitStack
 
-from orchestrator.adapters.sglang import SGLangEngine, WeightBroadcaster
-from orchestrator.transport import push_in_buckets
+from orchestrator.adapters.engines.sglang import SGLangEngine, WeightBroadcaster
+from orchestrator.adapters.transport.buckets import push_in_buckets
 from tests.contracts.test_sglang_engine import tensors
 
 

@@ -1,7 +1,7 @@
 """A local stand-in for SGLang's HTTP server: its request schemas and documented behaviours.
 
 Not an SGLang engine. It checks what colocate sends against the request classes recorded in
-`orchestrator/adapters/sglang_schema.json` (extracted from sglang's io_struct.py) and plays the
+`orchestrator/adapters/engines/sglang/sglang_schema.json` (extracted from sglang's io_struct.py) and plays the
 behaviours colocate relies on (sglang 0.5.23, design §4):
 
 - unknown field → 400, missing required field → 400. SGLang itself *ignores* unknown fields
@@ -66,7 +66,9 @@ import torch
 
 from states import EngineMemory
 
-SCHEMA_PATH = Path(__file__).resolve().parents[2] / "orchestrator" / "adapters" / "sglang_schema.json"
+SCHEMA_PATH = (
+    Path(__file__).resolve().parents[2] / "orchestrator" / "adapters" / "engines" / "sglang" / "sglang_schema.json"
+)
 TAGS = ("weights", "kv_cache", "cuda_graph")
 
 # sglang's SafeUnpickler.ALLOWED_GLOBALS, as extracted from its common.py with the schema.
@@ -337,7 +339,7 @@ def _update_from_tensor(server: SGLangStandIn, state: StandInState, body: dict[s
 
 def _init_group(server: SGLangStandIn, state: StandInState, body: dict[str, Any]) -> tuple[int, Any]:
     if state.join_groups:
-        from orchestrator.adapters.sglang import weight_update_group
+        from orchestrator.adapters.engines.sglang import weight_update_group
 
         state.groups[body["group_name"]] = weight_update_group(
             backend=body.get("backend", "nccl"),
@@ -545,9 +547,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.model_path:
         from transformers import LlamaConfig
 
-        from orchestrator.adapters.hf_engine import TransformersEngine
-        from orchestrator.convert import ATTN_IMPLEMENTATION
-        from orchestrator.grpo import GRPOConfig
+        from orchestrator.adapters.engines.transformers import TransformersEngine
+        from orchestrator.adapters.megatron.convert import ATTN_IMPLEMENTATION
+        from orchestrator.demo.grpo import GRPOConfig
 
         config = LlamaConfig.from_pretrained(args.model_path, attn_implementation=ATTN_IMPLEMENTATION)
         grpo = GRPOConfig()  # the largest batch `colocate run` sends

@@ -1,7 +1,7 @@
 """SGLangEngine against SGLang's request definitions, through a local stand-in server.
 
 These tests check colocate's requests against SGLang's request definitions (the schema extracted
-from sglang's io_struct.py, orchestrator/adapters/sglang_schema.json) and its documented
+from sglang's io_struct.py, orchestrator/adapters/engines/sglang/sglang_schema.json) and its documented
 behaviours, through a local stand-in server (tests/contracts/sglang_server.py). No SGLang engine
 runs here: no model, no GPU, no CUDA IPC. The payloads are real (CPU tensors through the same
 ForkingPickler + base64 format) and are unpickled and rebuilt by the stand-in.
@@ -18,17 +18,17 @@ from unittest.mock import patch
 import pytest
 import torch
 
-from orchestrator.adapters.sglang import (
+from orchestrator.adapters.engines.sglang import (
     Generation,
     SGLangEngine,
     SGLangGroup,
     flattened_bucket,
     serialize,
 )
-from orchestrator.config import url_problems
+from orchestrator.adapters.transport.buckets import push_in_buckets
+from orchestrator.core.config import url_problems
 from orchestrator.errors import ConfigError, EngineError
 from orchestrator.protocols import RolloutEngine
-from orchestrator.transport import push_in_buckets
 from states import EngineMemory
 from tests.contracts.sglang_server import SCHEMA_PATH, SGLangStandIn, reconstruct
 
@@ -247,7 +247,7 @@ def test_payload_globals_outside_sglangs_allowlist_are_refused(engine: SGLangEng
     payload = serialize({"flattened_tensor": torch.zeros(4, dtype=torch.uint8), "metadata": [Generation([], [])]})
     body = {"serialized_named_tensors": [payload], "load_format": "flattened_bucket"}
     with (
-        pytest.raises(EngineError, match=r"Blocked unsafe global \(orchestrator\.adapters\.sglang\.Generation\)"),
+        pytest.raises(EngineError, match=r"Blocked unsafe global \(orchestrator\.adapters\.engines\.sglang\.Generation\)"),
         engine.weight_update_session(),
     ):
         engine._call("POST", "/update_weights_from_tensor", body)
@@ -369,7 +369,7 @@ def test_actions_are_client_spans_and_every_request_carries_the_trace(
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     tracer = provider.get_tracer("test")
     with (
-        patch("orchestrator.adapters.sglang.trace.get_tracer", return_value=tracer),
+        patch("orchestrator.adapters.engines.sglang.trace.get_tracer", return_value=tracer),
         tracer.start_as_current_span("lifecycle.update_weights") as parent,
     ):
         engine.release(ALL)
@@ -442,8 +442,8 @@ def test_the_lifecycle_closes_the_session_when_the_update_fails_between_buckets_
     session, and the lifecycle ends in FAULTED with the cause."""
     from orchestrator import Lifecycle, LifecycleConfig
     from orchestrator.errors import ActionFailed
-    from orchestrator.inmemory import InMemoryRegions, InMemoryTrainer
     from orchestrator.protocols import TransferReport
+    from orchestrator.testing import InMemoryRegions, InMemoryTrainer
     from states import Mode, Phase, Region
 
     group = SGLangGroup([server.url])

@@ -21,7 +21,7 @@ import torch
 if importlib.util.find_spec("sglang") is None:
     pytest.skip("sglang is not installed: the contract tier, scripts/sglang-contract-tier.sh", allow_module_level=True)
 
-from orchestrator.adapters.sglang import SGLangGroup
+from orchestrator.adapters.engines.sglang import SGLangGroup
 from orchestrator.errors import EngineError
 from states import EngineMemory
 from tests.contracts import sglang_tier as tier
@@ -36,7 +36,7 @@ def model_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The folder the README's first command writes: `colocate engine-config DIR`."""
     from typer.testing import CliRunner
 
-    from orchestrator.cli import app
+    from orchestrator.cli.app import app
 
     folder = tmp_path_factory.mktemp("model")
     done = CliRunner().invoke(app, ["engine-config", str(folder), "--force"])  # in this process: see sglang_tier
@@ -208,11 +208,11 @@ def test_pause_and_continue_parse_as_sglangs_requests(group: SGLangGroup, served
 
 def lifecycle_on(group: SGLangGroup, *, fail_after_buckets: int | None = None) -> Any:
     """A real Lifecycle whose engine is colocate's SGLang client. The trainer side is the in-memory
-    one (orchestrator/inmemory.py): what is judged here is the engine side, by SGLang."""
+    one (orchestrator/testing.py): what is judged here is the engine side, by SGLang."""
     from orchestrator import Lifecycle, LifecycleConfig
-    from orchestrator.inmemory import InMemoryRegions, InMemoryTrainer
+    from orchestrator.adapters.transport.buckets import push_in_buckets
     from orchestrator.protocols import TransferReport
-    from orchestrator.transport import push_in_buckets
+    from orchestrator.testing import InMemoryRegions, InMemoryTrainer
     from states import Mode, Region
 
     trainer = InMemoryTrainer()

@@ -50,8 +50,8 @@ def test_server_lists_are_checked_before_anything_starts() -> None:
 def test_engine_config_writes_the_trained_models_llama_config_and_never_overwrites(tmp_path: Path) -> None:
     from transformers import LlamaConfig
 
-    from orchestrator.convert import hf_llama_config
-    from orchestrator.grpo import GRPOConfig
+    from orchestrator.adapters.megatron.convert import hf_llama_config
+    from orchestrator.demo.grpo import GRPOConfig
 
     done = run("engine-config", str(tmp_path / "model"))
     assert done.returncode == 0 and "--load-format dummy" in done.stdout, done.stderr

@@ -22,18 +22,18 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # the router's torch.compile 
 from guards.bitexact import restore_bit_identical
 from guards.config import violations
 from orchestrator.adapters.digest import DigestMethod
-from orchestrator.adapters.megatron import Extra, MegatronTrainer, megatron_setup
-from orchestrator.adapters.megatron_build import (
+from orchestrator.adapters.megatron.build import (
     TinyGPTConfig,
     build_gpt,
     destroy_process_group,
     init_process_group,
     train_step,
 )
-from orchestrator.adapters.storage import StorageRegions
+from orchestrator.adapters.megatron.trainer import Extra, MegatronTrainer, megatron_setup
+from orchestrator.adapters.regions.storage import StorageRegions
+from orchestrator.core.lifecycle import require_restore_coverage
+from orchestrator.core.regions import RegionLedger
 from orchestrator.errors import ConfigError, StashMismatch
-from orchestrator.lifecycle import require_restore_coverage
-from orchestrator.regions import RegionLedger
 from states import Mode, Region
 from tests.support.spawn import spawn_ranks
 
@@ -56,7 +56,7 @@ def tokens(cfg: TinyGPTConfig, generator: torch.Generator) -> torch.Tensor:
 def regions_for(trainer: MegatronTrainer) -> Any:
     """torch_memory_saver on a GPU, storage resizing on the CPU."""
     if CUDA:
-        from orchestrator.adapters.tms import TorchMemorySaverRegions
+        from orchestrator.adapters.regions.tms import TorchMemorySaverRegions
 
         return TorchMemorySaverRegions(trainer.region_tensors)
     return StorageRegions(trainer.region_tensors)

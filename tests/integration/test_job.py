@@ -17,9 +17,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 pytest.importorskip("megatron.core")
 pytest.importorskip("transformers")
 
-from orchestrator.job import ColocatedJob, RunConfig, rendezvous_store
-from orchestrator.listeners import Listener, TransitionRecord
-from orchestrator.tracing import TracingListener
+from orchestrator.demo.job import ColocatedJob, RunConfig, rendezvous_store
+from orchestrator.telemetry.listeners import Listener, TransitionRecord
+from orchestrator.telemetry.tracing import TracingListener
 from states import Event, Phase
 
 pytestmark = pytest.mark.slow

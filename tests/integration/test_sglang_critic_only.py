@@ -12,12 +12,12 @@ pytest.importorskip("transformers")
 pytest.importorskip("requests")
 
 from orchestrator import Lifecycle, LifecycleConfig
-from orchestrator.adapters.hf_engine import TransformersEngine
-from orchestrator.adapters.sglang import SGLangEngine
-from orchestrator.gpt import TinyGPTConfig
-from orchestrator.inmemory import InMemoryRegions, InMemoryTrainer
+from orchestrator.adapters.engines.sglang import SGLangEngine
+from orchestrator.adapters.engines.transformers import TransformersEngine
+from orchestrator.adapters.megatron.gpt import TinyGPTConfig
+from orchestrator.adapters.transport.buckets import push_in_buckets
 from orchestrator.protocols import TransferReport
-from orchestrator.transport import push_in_buckets
+from orchestrator.testing import InMemoryRegions, InMemoryTrainer
 from states import Phase, Region
 from tests.contracts.sglang_server import SGLangStandIn
 

@@ -1,4 +1,4 @@
-"""Controller unit tests run on the in-memory adapters (orchestrator/inmemory.py) and nothing else."""
+"""Controller unit tests run on the in-memory adapters (orchestrator/testing.py) and nothing else."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pytest
 
 from orchestrator import Lifecycle, LifecycleConfig, Listener
-from orchestrator.inmemory import InMemoryEngine, InMemoryRegions, InMemoryTrainer, InMemoryTransport
+from orchestrator.testing import InMemoryEngine, InMemoryRegions, InMemoryTrainer, InMemoryTransport
 from states import Mode, Region
 
 

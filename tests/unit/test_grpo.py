@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from orchestrator.demo.grpo import SyntheticTask, TaskConfig, group_advantages, grpo_loss, shard_rows
 from orchestrator.errors import ConfigError
-from orchestrator.grpo import SyntheticTask, TaskConfig, group_advantages, grpo_loss, shard_rows
 
 TASK = SyntheticTask(TaskConfig(alphabet_size=8, length=4))
 
@@ -129,7 +129,7 @@ def test_shard_rows_covers_every_row_once() -> None:
 
 
 def test_grpo_config_defaults_fit_the_task_and_refuse_bad_values() -> None:
-    from orchestrator.grpo import GRPOConfig
+    from orchestrator.demo.grpo import GRPOConfig
 
     cfg = GRPOConfig()
     assert cfg.steps == 30 and cfg.max_new_tokens == cfg.task.length

@@ -15,7 +15,7 @@ from orchestrator.errors import ConfigError, GuardRejected
 from orchestrator.plan.budget import MemoryProbe
 from orchestrator.plan.memory import EngineSpec, Parallelism, plan
 from orchestrator.plan.presets import load_model
-from orchestrator.tracing import TracingListener
+from orchestrator.telemetry.tracing import TracingListener
 from states import EngineMemory, MemoryBudget, Mode, Phase, Region
 from tests.unit.conftest import make_rig
 from tests.unit.test_guards import snap

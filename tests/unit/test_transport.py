@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from orchestrator.transport import Named, buckets, push_in_buckets
+from orchestrator.adapters.transport.buckets import Named, buckets, push_in_buckets
 
 
 def test_buckets_respect_the_size_and_keep_order() -> None:

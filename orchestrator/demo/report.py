@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from orchestrator.listeners import Listener, TransitionRecord
+from orchestrator.telemetry.listeners import Listener, TransitionRecord
 from states import Event
 
 

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from orchestrator.gpt import TinyGPTConfig
+from orchestrator.adapters.megatron.gpt import TinyGPTConfig
 
 __all__ = ["BENCHMARK_MODELS", "PRESETS", "benchmark_model", "param_count", "preset"]
 
 
 def _tiny() -> TinyGPTConfig:
-    from orchestrator.grpo import GRPOConfig
+    from orchestrator.demo.grpo import GRPOConfig
 
     return GRPOConfig().model
 

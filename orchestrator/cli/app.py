@@ -9,8 +9,8 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
-from orchestrator import diagram
-from orchestrator.config import Device, EngineKind, WeightSync
+from orchestrator.core import diagram
+from orchestrator.core.config import Device, EngineKind, WeightSync
 from orchestrator.errors import ConfigError, TraceError
 from orchestrator.plan.command import plan_command
 from states import Mode
@@ -106,8 +106,8 @@ def run_command(
     ] = 120.0,
 ) -> None:
     """Run the colocated GRPO demo: Megatron-core ranks and a rollout engine, one full cycle per step."""
-    from orchestrator.job import RunConfig
-    from orchestrator.run import output_problems, run
+    from orchestrator.demo.job import RunConfig
+    from orchestrator.demo.run import output_problems, run
 
     problems: list[str] = output_problems(report=report, log=log, trace_dir=trace_dir)
     try:
@@ -140,8 +140,8 @@ def engine_config_command(
 
     Start the server with `--load-format dummy`: colocate sends every weight before the first rollout.
     """
-    from orchestrator.convert import hf_llama_config
-    from orchestrator.grpo import GRPOConfig
+    from orchestrator.adapters.megatron.convert import hf_llama_config
+    from orchestrator.demo.grpo import GRPOConfig
 
     target = folder / "config.json"
     if target.exists() and not force:
@@ -192,7 +192,7 @@ def trace_summarize_command(
     """Per lifecycle phase: ms per step, p50 and p95, the slowest trainer rank, bytes moved."""
     import json
 
-    from orchestrator import traces
+    from orchestrator.cli import traces
 
     try:
         summary = traces.summarize(traces.load(files))
@@ -215,7 +215,8 @@ def trace_timeline_command(
     step: Annotated[int | None, typer.Option(help="Which step (default: the last complete one).")] = None,
 ) -> None:
     """Draw one step: the driver's phases, each trainer rank's work and the engine's, in ms."""
-    from orchestrator import timeline, traces
+    from orchestrator.cli import traces
+    from orchestrator.cli.traces import timeline
 
     if output.suffix.lower() not in (".png", ".svg"):
         _fail(f"--output {output}: use a .png or .svg file")
@@ -233,9 +234,9 @@ app.command("plan")(plan_command)
 
 
 def main() -> None:
-    from orchestrator.interrupt import CTRL_C
+    from orchestrator.cli.interrupt import CTRL_C
 
-    CTRL_C.install()  # once, for the process's life (orchestrator/interrupt.py)
+    CTRL_C.install()  # once, for the process's life (orchestrator/cli/interrupt.py)
     app()
 
 

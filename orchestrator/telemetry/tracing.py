@@ -21,7 +21,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExport
 from opentelemetry.trace import Span, Status, StatusCode
 
 from orchestrator.errors import GuardRejected, LifecycleError
-from orchestrator.listeners import AttributeValue, Listener, TransitionRecord
+from orchestrator.telemetry.listeners import AttributeValue, Listener, TransitionRecord
 
 SCOPE = "colocate.lifecycle"
 

@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from guards.bitexact import restore_bit_identical
-from orchestrator.config import LifecycleConfig
+from orchestrator.core.config import LifecycleConfig
+from orchestrator.core.regions import RegionLedger
 from orchestrator.errors import EngineError, RecoveryRefused, RestoreMismatch
-from orchestrator.listeners import TransitionRecord
 from orchestrator.protocols import RolloutEngine, Trainer, WeightTransport, WeightUpdateSessions
-from orchestrator.regions import RegionLedger
+from orchestrator.telemetry.listeners import TransitionRecord
 from states import EngineMemory, Region
 
 Work = Callable[[], Any]

@@ -18,8 +18,9 @@ from typing import Any
 from transitions import EventData, Machine
 
 from guards import GUARDS, evaluate, refusals
-from orchestrator.actions import Actions, Known, Work
-from orchestrator.config import LifecycleConfig
+from orchestrator.core.actions import Actions, Known, Work
+from orchestrator.core.config import LifecycleConfig
+from orchestrator.core.regions import RegionLedger
 from orchestrator.errors import (
     ActionFailed,
     ConfigError,
@@ -28,9 +29,8 @@ from orchestrator.errors import (
     IllegalTransition,
     LifecycleError,
 )
-from orchestrator.listeners import FanOut, Listener, TransitionRecord
 from orchestrator.protocols import MemoryRegions, RolloutEngine, Trainer, WeightTransport
-from orchestrator.regions import RegionLedger
+from orchestrator.telemetry.listeners import FanOut, Listener, TransitionRecord
 from states import INITIAL, TABLE, Event, Mode, Phase, Snapshot, TrainerLayout, Transition
 
 

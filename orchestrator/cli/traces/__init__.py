@@ -21,7 +21,7 @@ from rich import box
 from rich.table import Table
 
 from orchestrator.errors import TraceError, TraceFileError
-from orchestrator.tracing import parse_otlp_json
+from orchestrator.telemetry.tracing import parse_otlp_json
 
 Value: TypeAlias = "str | bool | int | float | tuple[Value, ...] | dict[str, Value] | None"
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from orchestrator.gpt import TinyGPTConfig
+from orchestrator.adapters.megatron.gpt import TinyGPTConfig
 
 if TYPE_CHECKING:
     from transformers import LlamaConfig

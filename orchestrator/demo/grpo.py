@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from orchestrator.adapters.megatron.gpt import TinyGPTConfig
 from orchestrator.errors import ConfigError
-from orchestrator.gpt import TinyGPTConfig
 
 if TYPE_CHECKING:
     from megatron.core.distributed import DistributedDataParallel

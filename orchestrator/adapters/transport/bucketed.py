@@ -2,7 +2,7 @@
 
 The trainer's sync tensors are read at each push (never cached: the lifecycle admits a push only
 while the params are resident), converted to the engine's names and layout, and pushed in buckets
-of at most `bucket_bytes` (`orchestrator.transport.push_in_buckets`). The engine is anything with
+of at most `bucket_bytes` (`orchestrator.adapters.transport.buckets.push_in_buckets`). The engine is anything with
 `update_weights(named, version)`: `TransformersEngine`, `SGLangEngine`, `SGLangGroup`.
 
     transport = BucketedTransport(trainer.sync_tensors, engine, convert=partial(to_hf, cfg=model))
@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from orchestrator.adapters.transport.buckets import BucketSink, Named, push_in_buckets
 from orchestrator.protocols import TransferReport
-from orchestrator.transport import BucketSink, Named, push_in_buckets
 
 __all__ = ["BucketedTransport"]
 
@@ -28,7 +28,7 @@ class BucketedTransport:
     """Implements `orchestrator.protocols.WeightTransport` for a trainer and an engine both reachable here.
 
     `tensors` yields the trainer's named sync tensors (`MegatronTrainer.sync_tensors`); `convert`
-    maps one of them to the engine's tensors (`orchestrator.convert.to_hf` for a Llama engine).
+    maps one of them to the engine's tensors (`orchestrator.adapters.megatron.convert.to_hf` for a Llama engine).
     """
 
     def __init__(

@@ -32,8 +32,8 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from orchestrator.adapters.megatron_cpu import enable_cpu_path
-from orchestrator.gpt import TinyGPTConfig
+from orchestrator.adapters.megatron.cpu import enable_cpu_path
+from orchestrator.adapters.megatron.gpt import TinyGPTConfig
 
 __all__ = [
     "FP32_PARAM_NAME",

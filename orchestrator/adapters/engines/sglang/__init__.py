@@ -77,7 +77,7 @@ from requests.adapters import HTTPAdapter
 from torch.multiprocessing import reductions  # importing it registers torch's reductions with ForkingPickler
 from urllib3.util.retry import Retry
 
-from orchestrator.config import url_problems
+from orchestrator.core.config import url_problems
 from orchestrator.errors import ConfigError, EngineError
 from states import EngineMemory
 
@@ -668,7 +668,7 @@ class SGLangGroup:
     the one they all serve (servers that disagree are an `EngineError` naming each one's). The
     rollout splits the prompts into contiguous shares, one per server.
 
-    It implements the job's engine (`orchestrator.job.JobEngine`) too: `generate` takes and
+    It implements the job's engine (`orchestrator.demo.job.JobEngine`) too: `generate` takes and
     returns tensors, and `digests()` is None, since SGLang's HTTP API has no way to read every
     weight back.
     """

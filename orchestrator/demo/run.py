@@ -11,13 +11,13 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from orchestrator.cli.interrupt import CTRL_C
+from orchestrator.demo.job import ColocatedJob, RunConfig
+from orchestrator.demo.report import RunReport
 from orchestrator.errors import LifecycleError
-from orchestrator.interrupt import CTRL_C
-from orchestrator.job import ColocatedJob, RunConfig
-from orchestrator.listeners import Listener
-from orchestrator.logs import LoggingListener, configure_logging
-from orchestrator.report import RunReport
-from orchestrator.tracing import TracingListener, configure_tracing
+from orchestrator.telemetry.listeners import Listener
+from orchestrator.telemetry.logs import LoggingListener, configure_logging
+from orchestrator.telemetry.tracing import TracingListener, configure_tracing
 from states import Event
 
 SPARK = "▁▂▃▄▅▆▇█"

@@ -24,10 +24,10 @@ from typing import Any
 import torch
 
 from orchestrator.adapters.digest import DIGESTS, DigestMethod
-from orchestrator.adapters.fast_cast import MainParamCast
+from orchestrator.adapters.megatron.fast_cast import MainParamCast
+from orchestrator.adapters.transport.buckets import nbytes
 from orchestrator.errors import StashMismatch
-from orchestrator.tracing import process_span
-from orchestrator.transport import nbytes
+from orchestrator.telemetry.tracing import process_span
 from states import Mode, Source, TrainerLayout, TrainingSetup
 
 

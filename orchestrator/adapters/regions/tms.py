@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from orchestrator.adapters.storage import TensorsByTag, as_bytes, storages_by_tag
+from orchestrator.adapters.regions.storage import TensorsByTag, as_bytes, storages_by_tag
 from states import Region
 
 _KEEP_CONTENTS = {Region.DEFAULT.value}

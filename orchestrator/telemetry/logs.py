@@ -14,7 +14,7 @@ import structlog
 from opentelemetry import trace
 
 from orchestrator.errors import ActionFailed, GuardRejected, LifecycleError
-from orchestrator.listeners import Listener, TransitionRecord
+from orchestrator.telemetry.listeners import Listener, TransitionRecord
 
 
 def _ids() -> dict[str, str | None]:

@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
+from orchestrator.adapters.transport.buckets import Named, push_in_buckets
 from orchestrator.errors import ConfigError, LifecycleError, RankFailed
 from orchestrator.protocols import MemoryRegions, TransferReport
-from orchestrator.transport import Named, push_in_buckets
 from states import EngineMemory, Mode, TrainerLayout, TrainingSetup
 
 RANK_TIMEOUT_S = 120.0
@@ -68,7 +68,7 @@ class Traced:
         variables and `trace_file`, set as the global one (nothing if neither asks for spans)."""
         from opentelemetry import trace
 
-        from orchestrator.tracing import configure_tracing
+        from orchestrator.telemetry.tracing import configure_tracing
 
         path = Path(trace_file) if trace_file else None
         self._provider = configure_tracing(rank=rank, trace_file=path, role=self.role)
@@ -76,7 +76,7 @@ class Traced:
             trace.set_tracer_provider(self._provider)
 
     def invoke(self, headers: dict[str, str], method: str, *args: Any, **kwargs: Any) -> Any:
-        from orchestrator.tracing import continued, process_span
+        from orchestrator.telemetry.tracing import continued, process_span
 
         if method in self.untraced:
             return getattr(self, method)(*args, **kwargs)
@@ -124,9 +124,9 @@ class RankWorker(Traced):
         if own_process:
             self.start_tracing(trace_file, rank)
         # megatron.core before anything that may import torch_memory_saver (design §4)
-        from orchestrator.adapters.megatron import MegatronTrainer
-        from orchestrator.adapters.megatron_build import build_gpt, init_process_group
-        from orchestrator.adapters.storage import StorageRegions
+        from orchestrator.adapters.megatron.build import build_gpt, init_process_group
+        from orchestrator.adapters.megatron.trainer import MegatronTrainer
+        from orchestrator.adapters.regions.storage import StorageRegions
 
         cuda = device == "cuda"
         if cuda != torch.cuda.is_available():
@@ -138,7 +138,7 @@ class RankWorker(Traced):
         self.chunks, self.optimizer = build_gpt(model)
         self.trainer = MegatronTrainer(self.chunks, self.optimizer)
         if cuda:
-            from orchestrator.adapters.tms import TorchMemorySaverRegions
+            from orchestrator.adapters.regions.tms import TorchMemorySaverRegions
 
             self.regions: MemoryRegions = TorchMemorySaverRegions(self.trainer.region_tensors)
         else:
@@ -153,14 +153,14 @@ class RankWorker(Traced):
 
     def close(self) -> None:
         """Leave the process group (in the driver's process, so a later job can make its own)."""
-        from orchestrator.adapters.megatron_build import destroy_process_group
+        from orchestrator.adapters.megatron.build import destroy_process_group
 
         if torch.distributed.is_initialized():
             destroy_process_group()
 
     def setup(self) -> TrainingSetup:
         """What this rank's real Megatron configs say (DDP config, optimizer config)."""
-        from orchestrator.adapters.megatron import megatron_setup
+        from orchestrator.adapters.megatron.trainer import megatron_setup
 
         return megatron_setup(self.chunks, self.optimizer)
 
@@ -191,7 +191,7 @@ class RankWorker(Traced):
 
     # The work of a step.
     def train(self, batch: Batch) -> float:
-        from orchestrator.grpo import grpo_train_step
+        from orchestrator.demo.grpo import grpo_train_step
 
         shard = batch.shard(self.rank, self.world_size)
         stats = grpo_train_step(
@@ -206,7 +206,7 @@ class RankWorker(Traced):
         return float(stats.loss)
 
     def converted(self) -> Iterator[Named]:
-        from orchestrator.convert import to_hf
+        from orchestrator.adapters.megatron.convert import to_hf
 
         for name, tensor in self.trainer.sync_tensors():
             yield from to_hf(name, tensor, self.model)
@@ -217,7 +217,7 @@ class RankWorker(Traced):
 
     def join_weight_group(self, urls: list[str], tp_sizes: list[int], port: int) -> None:
         """Host SGLang's weight-update group for servers off this rank's GPU (rank 0 of it)."""
-        from orchestrator.adapters.sglang import SGLangEngine, WeightBroadcaster
+        from orchestrator.adapters.engines.sglang import SGLangEngine, WeightBroadcaster
 
         engines = [SGLangEngine(url, tp_size=tp) for url, tp in zip(urls, tp_sizes, strict=True)]
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -294,7 +294,7 @@ class Ranks:
             self.timeout = timeout
 
     def call(self, method: str, *args: Any, only: int | None = None) -> list[Any]:
-        from orchestrator.tracing import carrier
+        from orchestrator.telemetry.tracing import carrier
 
         targets = list(enumerate(self.workers)) if only is None else [(only, self.workers[only])]
         headers = carrier()
@@ -459,7 +459,7 @@ class EngineClient:
                 raise RankFailed("engine", "start", exc) from exc
 
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        from orchestrator.tracing import carrier
+        from orchestrator.telemetry.tracing import carrier
 
         if not self.remote:
             return self.target.invoke(carrier(), method, *args, **kwargs)
@@ -508,7 +508,7 @@ class EngineWorker(Traced):
     ) -> None:
         if own_process:
             self.start_tracing(trace_file, rank=None)
-        from orchestrator.adapters.hf_engine import TransformersEngine
+        from orchestrator.adapters.engines.transformers import TransformersEngine
 
         self.engine = TransformersEngine(model, max_batch=max_batch, max_len=max_len)
 

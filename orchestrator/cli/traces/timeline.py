@@ -6,8 +6,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from orchestrator.cli.traces import ENGINE_PREFIX, FORMATS, PHASE_PREFIX, RANK_PREFIX, Span, Step
 from orchestrator.errors import TraceError
-from orchestrator.traces import ENGINE_PREFIX, FORMATS, PHASE_PREFIX, RANK_PREFIX, Span, Step
 from states import Event
 
 

@@ -12,7 +12,7 @@ from typing import Protocol
 import torch
 
 from orchestrator.protocols import TransferReport
-from orchestrator.tracing import process_span
+from orchestrator.telemetry.tracing import process_span
 
 Named = tuple[str, torch.Tensor]
 

@@ -28,13 +28,11 @@ from typing import Any, Protocol
 import torch
 from opentelemetry import trace
 
-from orchestrator.config import Device, EngineKind, LifecycleConfig, WeightSync, url_problems
-from orchestrator.errors import ConfigError
-from orchestrator.grpo import GRPOConfig, SyntheticTask, group_advantages
-from orchestrator.lifecycle import Lifecycle
-from orchestrator.listeners import Listener
-from orchestrator.protocols import RolloutEngine
-from orchestrator.ranks import (
+from orchestrator.adapters.transport.buckets import Named
+from orchestrator.core.config import Device, EngineKind, LifecycleConfig, WeightSync, url_problems
+from orchestrator.core.lifecycle import Lifecycle
+from orchestrator.demo.grpo import GRPOConfig, SyntheticTask, group_advantages
+from orchestrator.demo.ranks import (
     RANK_TIMEOUT_S,
     Batch,
     BroadcastTransport,
@@ -47,9 +45,11 @@ from orchestrator.ranks import (
     control,
     remote_class,
 )
-from orchestrator.report import ReportListener, RunReport
-from orchestrator.tracing import exporters_requested
-from orchestrator.transport import Named
+from orchestrator.demo.report import ReportListener, RunReport
+from orchestrator.errors import ConfigError
+from orchestrator.protocols import RolloutEngine
+from orchestrator.telemetry.listeners import Listener
+from orchestrator.telemetry.tracing import exporters_requested
 from states import Mode, Phase
 
 
@@ -204,7 +204,7 @@ class ColocatedJob:
         sglang = None
         if cfg.engine is EngineKind.SGLANG:
             try:
-                from orchestrator.adapters.sglang import SGLangGroup
+                from orchestrator.adapters.engines.sglang import SGLangGroup
             except ImportError as exc:
                 raise ConfigError(
                     [f"--engine sglang needs the sglang extra (pip install -e '.[sglang]'): {exc}"]
@@ -237,7 +237,7 @@ class ColocatedJob:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from orchestrator.ranks import start_ray
+        from orchestrator.demo.ranks import start_ray
 
         cfg, grpo = self.config, self.config.grpo
         self._shutdown = start_ray(cfg.ranks)

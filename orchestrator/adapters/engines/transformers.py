@@ -27,11 +27,11 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import Cache, StaticLayer
 
 from orchestrator.adapters.digest import sha256_digests
-from orchestrator.adapters.storage import return_large_frees_to_the_os
-from orchestrator.convert import hf_llama_config
+from orchestrator.adapters.megatron.convert import hf_llama_config
+from orchestrator.adapters.megatron.gpt import TinyGPTConfig
+from orchestrator.adapters.regions.storage import return_large_frees_to_the_os
+from orchestrator.adapters.transport.buckets import nbytes
 from orchestrator.errors import EngineError
-from orchestrator.gpt import TinyGPTConfig
-from orchestrator.transport import nbytes
 from states import EngineMemory
 
 __all__ = ["TransformersEngine"]
