@@ -234,9 +234,9 @@ app.command("plan")(plan_command)
 
 
 def main() -> None:
-    from orchestrator.cli.interrupt import CTRL_C
+    from orchestrator.demo.interrupt import CTRL_C
 
-    CTRL_C.install()  # once, for the process's life (orchestrator/cli/interrupt.py)
+    CTRL_C.install()  # once, for the process's life (orchestrator/demo/interrupt.py)
     app()
 
 

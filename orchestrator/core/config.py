@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -67,16 +67,3 @@ class Device(StrEnum):
 
     CPU = "cpu"
     CUDA = "cuda"
-
-
-def url_problems(urls: Sequence[str]) -> list[str]:
-    """What is wrong with a list of server URLs: none, not http(s), or one given twice."""
-    if not urls:
-        return ["--engine sglang needs at least one --engine-url"]
-    problems = [
-        f"--engine-url {url!r}: not an http:// or https:// URL"
-        for url in urls
-        if not url.startswith(("http://", "https://")) or not url.split("://", 1)[1].strip("/")
-    ]
-    names = [url.rstrip("/") for url in urls]
-    return problems + [f"--engine-url {url} given twice" for url in sorted({u for u in names if names.count(u) > 1})]

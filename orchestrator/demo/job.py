@@ -29,7 +29,7 @@ import torch
 from opentelemetry import trace
 
 from orchestrator.adapters.transport.buckets import Named
-from orchestrator.core.config import Device, EngineKind, LifecycleConfig, WeightSync, url_problems
+from orchestrator.core.config import Device, EngineKind, LifecycleConfig, WeightSync
 from orchestrator.core.lifecycle import Lifecycle
 from orchestrator.demo.grpo import GRPOConfig, SyntheticTask, group_advantages
 from orchestrator.demo.ranks import (
@@ -67,6 +67,19 @@ class JobEngine(RolloutEngine, Protocol):
     def digests(self) -> dict[str, str] | None:
         """A digest per engine weight; None where the engine cannot report its weights."""
         ...
+
+
+def url_problems(urls: Sequence[str]) -> list[str]:
+    """What is wrong with a list of server URLs: none, not http(s), or one given twice."""
+    if not urls:
+        return ["--engine sglang needs at least one --engine-url"]
+    problems = [
+        f"--engine-url {url!r}: not an http:// or https:// URL"
+        for url in urls
+        if not url.startswith(("http://", "https://")) or not url.split("://", 1)[1].strip("/")
+    ]
+    names = [url.rstrip("/") for url in urls]
+    return problems + [f"--engine-url {url} given twice" for url in sorted({u for u in names if names.count(u) > 1})]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from orchestrator.cli.interrupt import CTRL_C
+from orchestrator.demo.interrupt import CTRL_C
 from orchestrator.demo.job import ColocatedJob, RunConfig
 from orchestrator.demo.report import RunReport
 from orchestrator.errors import LifecycleError

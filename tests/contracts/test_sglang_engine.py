@@ -24,9 +24,9 @@ from orchestrator.adapters.engines.sglang import (
     SGLangGroup,
     flattened_bucket,
     serialize,
+    url_problems,
 )
 from orchestrator.adapters.transport.buckets import push_in_buckets
-from orchestrator.core.config import url_problems
 from orchestrator.errors import ConfigError, EngineError
 from orchestrator.protocols import RolloutEngine
 from states import EngineMemory
@@ -247,7 +247,9 @@ def test_payload_globals_outside_sglangs_allowlist_are_refused(engine: SGLangEng
     payload = serialize({"flattened_tensor": torch.zeros(4, dtype=torch.uint8), "metadata": [Generation([], [])]})
     body = {"serialized_named_tensors": [payload], "load_format": "flattened_bucket"}
     with (
-        pytest.raises(EngineError, match=r"Blocked unsafe global \(orchestrator\.adapters\.engines\.sglang\.Generation\)"),
+        pytest.raises(
+            EngineError, match=r"Blocked unsafe global \(orchestrator\.adapters\.engines\.sglang\.Generation\)"
+        ),
         engine.weight_update_session(),
     ):
         engine._call("POST", "/update_weights_from_tensor", body)
@@ -345,10 +347,10 @@ def test_sampling_params_are_checked_against_sglangs_fields(engine: SGLangEngine
 @pytest.mark.parametrize(
     ("urls", "problem"),
     [
-        ([], "at least one --engine-url"),
-        (["127.0.0.1:30000"], "not an http:// or https:// URL"),
-        (["http://"], "not an http:// or https:// URL"),
-        (["http://a:1", "http://a:1/"], "http://a:1 given twice"),
+        ([], "no SGLang server URL given"),
+        (["127.0.0.1:30000"], "'127.0.0.1:30000': not an http:// or https:// URL"),
+        (["http://"], "'http://': not an http:// or https:// URL"),
+        (["http://a:1", "http://a:1/"], "server URL http://a:1 given twice"),
     ],
 )
 def test_bad_server_lists_are_config_errors(urls: list[str], problem: str) -> None:

@@ -77,7 +77,6 @@ from requests.adapters import HTTPAdapter
 from torch.multiprocessing import reductions  # importing it registers torch's reductions with ForkingPickler
 from urllib3.util.retry import Retry
 
-from orchestrator.core.config import url_problems
 from orchestrator.errors import ConfigError, EngineError
 from states import EngineMemory
 
@@ -89,6 +88,7 @@ __all__ = [
     "WeightBroadcaster",
     "flattened_bucket",
     "serialize",
+    "url_problems",
     "version_problem",
     "weight_update_group",
 ]
@@ -656,6 +656,19 @@ class WeightBroadcaster:
 
     def close(self) -> None:
         torch.distributed.destroy_process_group(self._group)
+
+
+def url_problems(urls: Sequence[str]) -> list[str]:
+    """What is wrong with a list of server URLs: none, not http(s), or one given twice."""
+    if not urls:
+        return ["no SGLang server URL given"]
+    problems = [
+        f"server URL {url!r}: not an http:// or https:// URL"
+        for url in urls
+        if not url.startswith(("http://", "https://")) or not url.split("://", 1)[1].strip("/")
+    ]
+    names = [url.rstrip("/") for url in urls]
+    return problems + [f"server URL {url} given twice" for url in sorted({u for u in names if names.count(u) > 1})]
 
 
 # ---- every server of a job -------------------------------------------------------------------
