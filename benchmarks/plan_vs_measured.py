@@ -83,7 +83,7 @@ def _measure(chunks: Any, optimizer: Any, base: int) -> dict[str, Any]:
     from guards.bitexact import restore_bit_identical
     from orchestrator.adapters.digest import DigestMethod
     from orchestrator.adapters.megatron.trainer import MegatronTrainer
-    from orchestrator.adapters.transport.buckets import nbytes
+    from orchestrator.adapters.transport.bucketed import nbytes
     from orchestrator.core.regions import RegionLedger
     from states import Region
 

@@ -34,7 +34,7 @@ import torch
 import torch.multiprocessing as mp
 
 from orchestrator.adapters.megatron.gpt import TinyGPTConfig
-from orchestrator.adapters.transport.buckets import buckets, nbytes
+from orchestrator.adapters.transport.bucketed import buckets, nbytes
 from orchestrator.demo.presets import PRESETS, preset
 
 MODES = ("per-bucket", "registered")

@@ -23,12 +23,11 @@ import socket
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from opentelemetry import trace
 
-from orchestrator.adapters.transport.buckets import Named
 from orchestrator.core.config import Device, EngineKind, LifecycleConfig, WeightSync
 from orchestrator.core.lifecycle import Lifecycle
 from orchestrator.demo.grpo import GRPOConfig, SyntheticTask, group_advantages
@@ -47,26 +46,10 @@ from orchestrator.demo.ranks import (
 )
 from orchestrator.demo.report import ReportListener, RunReport
 from orchestrator.errors import ConfigError
-from orchestrator.protocols import RolloutEngine
+from orchestrator.protocols import JobEngine
 from orchestrator.telemetry.listeners import Listener
 from orchestrator.telemetry.tracing import exporters_requested
 from states import Mode, Phase
-
-
-class JobEngine(RolloutEngine, Protocol):
-    """What the job asks of its engine beyond the lifecycle's `RolloutEngine`."""
-
-    def update_weights(self, named: Sequence[Named], version: int) -> int: ...
-
-    def generate(
-        self, prompts: torch.Tensor, *, max_new_tokens: int, temperature: float, seed: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Completions of exactly `max_new_tokens` per prompt row, and each token's log-probability."""
-        ...
-
-    def digests(self) -> dict[str, str] | None:
-        """A digest per engine weight; None where the engine cannot report its weights."""
-        ...
 
 
 def url_problems(urls: Sequence[str]) -> list[str]:

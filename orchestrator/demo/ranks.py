@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from orchestrator.adapters.transport.buckets import Named, push_in_buckets
+from orchestrator.adapters.transport.bucketed import push_in_buckets
 from orchestrator.errors import ConfigError, LifecycleError, RankFailed
-from orchestrator.protocols import MemoryRegions, TransferReport
+from orchestrator.protocols import MemoryRegions, Named, TransferReport
 from states import EngineMemory, Mode, TrainerLayout, TrainingSetup
 
 RANK_TIMEOUT_S = 120.0

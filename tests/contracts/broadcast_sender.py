@@ -14,7 +14,7 @@ import sys
 from contextlib import ExitStack
 
 from orchestrator.adapters.engines.sglang import SGLangEngine, WeightBroadcaster
-from orchestrator.adapters.transport.buckets import push_in_buckets
+from orchestrator.adapters.transport.bucketed import push_in_buckets
 from tests.contracts.test_sglang_engine import tensors
 
 

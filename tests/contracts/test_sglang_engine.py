@@ -26,7 +26,7 @@ from orchestrator.adapters.engines.sglang import (
     serialize,
     url_problems,
 )
-from orchestrator.adapters.transport.buckets import push_in_buckets
+from orchestrator.adapters.transport.bucketed import push_in_buckets
 from orchestrator.errors import ConfigError, EngineError
 from orchestrator.protocols import RolloutEngine
 from states import EngineMemory

@@ -210,7 +210,7 @@ def lifecycle_on(group: SGLangGroup, *, fail_after_buckets: int | None = None) -
     """A real Lifecycle whose engine is colocate's SGLang client. The trainer side is the in-memory
     one (orchestrator/testing.py): what is judged here is the engine side, by SGLang."""
     from orchestrator import Lifecycle, LifecycleConfig
-    from orchestrator.adapters.transport.buckets import push_in_buckets
+    from orchestrator.adapters.transport.bucketed import push_in_buckets
     from orchestrator.protocols import TransferReport
     from orchestrator.testing import InMemoryRegions, InMemoryTrainer
     from states import Mode, Region

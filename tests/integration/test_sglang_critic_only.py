@@ -15,7 +15,7 @@ from orchestrator import Lifecycle, LifecycleConfig
 from orchestrator.adapters.engines.sglang import SGLangEngine
 from orchestrator.adapters.engines.transformers import TransformersEngine
 from orchestrator.adapters.megatron.gpt import TinyGPTConfig
-from orchestrator.adapters.transport.buckets import push_in_buckets
+from orchestrator.adapters.transport.bucketed import push_in_buckets
 from orchestrator.protocols import TransferReport
 from orchestrator.testing import InMemoryRegions, InMemoryTrainer
 from states import Phase, Region

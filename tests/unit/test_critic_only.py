@@ -11,7 +11,7 @@ pytest.importorskip("transformers")
 from orchestrator import Lifecycle, LifecycleConfig
 from orchestrator.adapters.engines.transformers import TransformersEngine
 from orchestrator.adapters.megatron.gpt import TinyGPTConfig
-from orchestrator.adapters.transport.buckets import push_in_buckets
+from orchestrator.adapters.transport.bucketed import push_in_buckets
 from orchestrator.protocols import TransferReport
 from orchestrator.testing import InMemoryRegions, InMemoryTrainer
 from states import EngineMemory, Phase, Region

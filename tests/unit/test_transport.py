@@ -6,7 +6,8 @@ from collections.abc import Sequence
 
 import torch
 
-from orchestrator.adapters.transport.buckets import Named, buckets, push_in_buckets
+from orchestrator.adapters.transport.bucketed import buckets, push_in_buckets
+from orchestrator.protocols import Named
 
 
 def test_buckets_respect_the_size_and_keep_order() -> None:

@@ -30,7 +30,7 @@ from orchestrator.adapters.digest import sha256_digests
 from orchestrator.adapters.megatron.convert import hf_llama_config
 from orchestrator.adapters.megatron.gpt import TinyGPTConfig
 from orchestrator.adapters.regions.storage import return_large_frees_to_the_os
-from orchestrator.adapters.transport.buckets import nbytes
+from orchestrator.adapters.transport.bucketed import nbytes
 from orchestrator.errors import EngineError
 from states import EngineMemory
 

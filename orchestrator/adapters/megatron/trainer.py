@@ -25,7 +25,7 @@ import torch
 
 from orchestrator.adapters.digest import DIGESTS, DigestMethod
 from orchestrator.adapters.megatron.fast_cast import MainParamCast
-from orchestrator.adapters.transport.buckets import nbytes
+from orchestrator.adapters.transport.bucketed import nbytes
 from orchestrator.errors import StashMismatch
 from orchestrator.telemetry.tracing import process_span
 from states import Mode, Source, TrainerLayout, TrainingSetup

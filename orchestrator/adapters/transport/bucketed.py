@@ -1,23 +1,64 @@
-"""A `WeightTransport` from a trainer in this process to any engine that takes buckets.
+"""Weight sync in buckets, and a `WeightTransport` from a trainer in this process to any engine that takes them.
 
-The trainer's sync tensors are read at each push (never cached: the lifecycle admits a push only
+The trainer's named tensors are converted, grouped by size and pushed. Buckets bound the memory a
+sync holds in flight (SGLang's flattened buckets serve the same purpose); a bucket never splits a
+tensor. The sync tensors are read at each push (never cached: the lifecycle admits a push only
 while the params are resident), converted to the engine's names and layout, and pushed in buckets
-of at most `bucket_bytes` (`orchestrator.adapters.transport.buckets.push_in_buckets`). The engine is anything with
-`update_weights(named, version)`: `TransformersEngine`, `SGLangEngine`, `SGLangGroup`.
+of at most `bucket_bytes`. The engine is anything with `update_weights(named, version)`
+(`orchestrator.protocols.BucketSink`): `TransformersEngine`, `SGLangEngine`, `SGLangGroup`.
 
     transport = BucketedTransport(trainer.sync_tensors, engine, convert=partial(to_hf, cfg=model))
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
-from orchestrator.adapters.transport.buckets import BucketSink, Named, push_in_buckets
-from orchestrator.protocols import TransferReport
+from orchestrator.protocols import BucketSink, Named, TransferReport
+from orchestrator.telemetry.tracing import process_span
 
-__all__ = ["BucketedTransport"]
+__all__ = ["BucketedTransport", "buckets", "nbytes", "push_in_buckets"]
+
+
+def nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def buckets(named: Iterable[Named], bucket_bytes: int) -> Iterator[list[Named]]:
+    """Consecutive groups of at most `bucket_bytes` (a larger tensor travels alone)."""
+    bucket: list[Named] = []
+    size = 0
+    for name, tensor in named:
+        if bucket and size + nbytes(tensor) > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes(tensor)
+    if bucket:
+        yield bucket
+
+
+def push_in_buckets(
+    named: Iterable[Named],
+    sink: BucketSink,
+    version: int,
+    *,
+    bucket_bytes: int,
+    convert: Callable[[str, torch.Tensor], list[Named]] = lambda n, t: [(n, t)],
+) -> TransferReport:
+    """Convert every tensor, bucket the results, push each bucket tagged with `version`."""
+    converted = (pair for name, tensor in named for pair in convert(name, tensor))
+    tensors = moved = count = 0
+    for bucket in buckets(converted, bucket_bytes):
+        with process_span("rank.bucket", {"colocate.tensors": len(bucket)}) as span:
+            sent = sink.update_weights(bucket, version)
+            span.set_attribute("colocate.bytes", sent)
+        moved += sent
+        tensors += len(bucket)
+        count += 1
+    return TransferReport(tensors=tensors, bytes=moved, buckets=count)
 
 
 def _as_is(name: str, tensor: torch.Tensor) -> list[Named]:

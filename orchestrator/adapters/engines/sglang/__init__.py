@@ -78,6 +78,7 @@ from torch.multiprocessing import reductions  # importing it registers torch's r
 from urllib3.util.retry import Retry
 
 from orchestrator.errors import ConfigError, EngineError
+from orchestrator.protocols import Named
 from states import EngineMemory
 
 __all__ = [
@@ -93,7 +94,6 @@ __all__ = [
     "weight_update_group",
 ]
 
-Named = tuple[str, torch.Tensor]
 _CUDA_DEVICE_ARG = 6  # index of `device` in torch's reduce_tensor args for CUDA tensors (SGLang's patch_torch)
 _NO_VERSION = (None, "", "default")  # what SGLang reports before any versioned update
 
@@ -681,7 +681,7 @@ class SGLangGroup:
     the one they all serve (servers that disagree are an `EngineError` naming each one's). The
     rollout splits the prompts into contiguous shares, one per server.
 
-    It implements the job's engine (`orchestrator.demo.job.JobEngine`) too: `generate` takes and
+    It implements the job's engine (`orchestrator.protocols.JobEngine`) too: `generate` takes and
     returns tensors, and `digests()` is None, since SGLang's HTTP API has no way to read every
     weight back.
     """
