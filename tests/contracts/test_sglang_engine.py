@@ -248,7 +248,7 @@ def test_payload_globals_outside_sglangs_allowlist_are_refused(engine: SGLangEng
     body = {"serialized_named_tensors": [payload], "load_format": "flattened_bucket"}
     with (
         pytest.raises(
-            EngineError, match=r"Blocked unsafe global \(orchestrator\.adapters\.engines\.sglang\.Generation\)"
+            EngineError, match=r"Blocked unsafe global \(orchestrator\.adapters\.engines\.sglang\.client\.Generation\)"
         ),
         engine.weight_update_session(),
     ):
@@ -371,7 +371,7 @@ def test_actions_are_client_spans_and_every_request_carries_the_trace(
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     tracer = provider.get_tracer("test")
     with (
-        patch("orchestrator.adapters.engines.sglang.trace.get_tracer", return_value=tracer),
+        patch("orchestrator.adapters.engines.sglang.client.trace.get_tracer", return_value=tracer),
         tracer.start_as_current_span("lifecycle.update_weights") as parent,
     ):
         engine.release(ALL)
