@@ -6,7 +6,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from orchestrator.cli.traces import ENGINE_PREFIX, FORMATS, PHASE_PREFIX, RANK_PREFIX, Span, Step
+from orchestrator.cli.traces.model import ENGINE_PREFIX, FORMATS, PHASE_PREFIX, RANK_PREFIX, Span, Step
 from orchestrator.errors import TraceError
 from states import Event
 
