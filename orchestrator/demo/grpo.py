@@ -43,7 +43,6 @@ __all__ = [
     "group_advantages",
     "grpo_loss",
     "grpo_train_step",
-    "shard_rows",
 ]
 
 
@@ -148,12 +147,6 @@ def grpo_loss(
     return -(surrogate * mask).sum() / denominator
 
 
-def shard_rows(batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
-    """Rank ``rank``'s contiguous slice of the rows of ``batch`` (shards differ by at most one row)."""
-    n = batch.shape[0]
-    return batch[rank * n // world_size : (rank + 1) * n // world_size]
-
-
 @dataclass(frozen=True, kw_only=True)
 class GRPOStepStats:
     """One ``grpo_train_step``, global over data-parallel ranks except ``seconds``."""
@@ -199,7 +192,7 @@ def grpo_train_step(
     """One Megatron optimizer step on this rank's shard of a GRPO batch.
 
     ``prompts`` ``[n, P]``, ``completions`` / ``old_logprobs`` / ``completion_mask`` ``[n, T]``,
-    ``advantages`` ``[n]`` are this data-parallel rank's rows (see ``shard_rows``); advantages
+    ``advantages`` ``[n]`` are this data-parallel rank's rows (rank r's are rows r::world_size); advantages
     are computed on the whole batch first, since a group may straddle shards.
 
     The loss is the mean over the *global* batch's completion tokens. Megatron DDP (0.16.1, with
@@ -272,7 +265,6 @@ class GRPOConfig:
     ``max_new_tokens`` are read from ``model`` and ``task`` so that each has one source.
     """
 
-    steps: int = 30
     prompts_per_step: int = 128
     group_size: int = 16
     clip_eps: float = 0.2
@@ -281,7 +273,6 @@ class GRPOConfig:
     temperature: float = 1.0
     task: TaskConfig = field(default_factory=TaskConfig)
     model: TinyGPTConfig = field(default_factory=_default_model)
-    seed: int = 0
 
     @property
     def lr(self) -> float:
@@ -300,7 +291,6 @@ class GRPOConfig:
         problems = [
             f"{name} must be > 0, got {value}"
             for name, value in (
-                ("steps", self.steps),
                 ("prompts_per_step", self.prompts_per_step),
                 ("lr", self.lr),
                 ("clip_eps", self.clip_eps),
