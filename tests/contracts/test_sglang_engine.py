@@ -10,9 +10,11 @@ ForkingPickler + base64 format) and are unpickled and rebuilt by the stand-in.
 from __future__ import annotations
 
 import json
+import pickle
 import re
 import time
 from collections.abc import Iterator
+from http import HTTPStatus
 from unittest.mock import patch
 
 import pytest
@@ -30,6 +32,7 @@ from orchestrator.adapters.transport.bucketed import push_in_buckets
 from orchestrator.errors import ConfigError, EngineError
 from orchestrator.protocols import RolloutEngine
 from states import EngineMemory
+from tests.contracts import sglang_server
 from tests.contracts.sglang_server import SCHEMA_PATH, SGLangStandIn, reconstruct
 
 pytestmark = pytest.mark.timeout(20)
@@ -253,6 +256,26 @@ def test_payload_globals_outside_sglangs_allowlist_are_refused(engine: SGLangEng
         engine.weight_update_session(),
     ):
         engine._call("POST", "/update_weights_from_tensor", body)
+
+
+def test_an_engine_error_carries_the_http_status_through_a_pickle(engine: SGLangEngine) -> None:
+    with pytest.raises(EngineError) as refused:
+        engine._call("POST", "/no_such_route", {})
+    assert refused.value.status == HTTPStatus.NOT_FOUND
+    copy = pickle.loads(pickle.dumps(refused.value))  # as a Ray actor's error crosses processes
+    assert (copy.engine, copy.reason, copy.status) == (engine.name, refused.value.reason, HTTPStatus.NOT_FOUND)
+    with pytest.raises(EngineError) as unreachable:
+        SGLangEngine("http://127.0.0.1:9", retries=0).server_info()
+    assert unreachable.value.status is None  # no answer, so no status
+
+
+def test_connect_names_a_server_without_server_info_by_its_404(
+    server: SGLangStandIn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delitem(sglang_server._ROUTES, ("GET", "/server_info"))
+    with pytest.raises(EngineError, match=r"is this an SGLang 0\.5 server") as refused:
+        SGLangGroup([server.url]).connect()
+    assert refused.value.status == HTTPStatus.NOT_FOUND
 
 
 # ---- several servers: SGLangGroup ----------------------------------------------------------------

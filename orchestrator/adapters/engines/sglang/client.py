@@ -192,7 +192,9 @@ class SGLangEngine:
         """Send; raise EngineError on an HTTP error or `success: false`; return the JSON body (or None)."""
         response = self._send(method, path, body)
         if response.status_code >= 400:
-            raise EngineError(self.name, f"{path}: HTTP {response.status_code}: {_message(response)}")
+            raise EngineError(
+                self.name, f"{path}: HTTP {response.status_code}: {_message(response)}", response.status_code
+            )
         try:
             result = response.json() if response.content else None
         except ValueError:
@@ -217,7 +219,9 @@ class SGLangEngine:
             if response.status_code == 200:
                 return
             if response.status_code != 400:
-                raise EngineError(self.name, f"/flush_cache: HTTP {response.status_code}: {_message(response)}")
+                raise EngineError(
+                    self.name, f"/flush_cache: HTTP {response.status_code}: {_message(response)}", response.status_code
+                )
             if time.monotonic() + self.flush_poll_s > deadline:
                 raise EngineError(
                     self.name,

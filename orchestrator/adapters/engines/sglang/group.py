@@ -10,6 +10,7 @@ import itertools
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from http import HTTPStatus
 from typing import Any
 
 import torch
@@ -76,9 +77,9 @@ class SGLangGroup:
             try:
                 info = engine.server_info()
             except EngineError as exc:
-                if "HTTP 404" not in exc.reason:
+                if exc.status != HTTPStatus.NOT_FOUND:
                     raise
-                raise EngineError(engine.name, f"{exc.reason}: is this an SGLang 0.5 server?") from exc
+                raise EngineError(engine.name, f"{exc.reason}: is this an SGLang 0.5 server?", exc.status) from exc
             problem = version_problem(info.get("version"))
             if problem:
                 raise EngineError(engine.name, problem)
