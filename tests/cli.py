@@ -27,10 +27,10 @@ def sglang_stand_ins(
     folder: Path, count: int = 1, device: str = "cpu", join_groups: bool = False
 ) -> Iterator[list[str]]:
     """Servers speaking SGLang's HTTP API, started as the README starts SGLang: `colocate
-    engine-config FOLDER`, then one server per URL loading it (tests/contracts/sglang_server.py)."""
+    engine-config FOLDER`, then one server per URL loading it (tests/support/sglang_server.py)."""
     done = run("engine-config", str(folder))
     assert done.returncode == 0, done.stderr
-    command = [sys.executable, "-m", "tests.contracts.sglang_server", "--model-path", str(folder), "--device", device]
+    command = [sys.executable, "-m", "tests.support.sglang_server", "--model-path", str(folder), "--device", device]
     command += ["--join-groups"] if join_groups else []
     procs = [subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, text=True) for _ in range(count)]
     try:

@@ -2,7 +2,7 @@
 
 These tests check colocate's requests against SGLang's request definitions (the schema extracted
 from sglang's io_struct.py, orchestrator/adapters/engines/sglang/sglang_schema.json) and its documented
-behaviours, through a local stand-in server (tests/contracts/sglang_server.py). No SGLang engine
+behaviours, through a local stand-in server (tests/support/sglang_server.py). No SGLang engine
 runs here: no model, no GPU, no CUDA IPC. The payloads are real (CPU tensors through the same
 ForkingPickler + base64 format) and are unpickled and rebuilt by the stand-in.
 """
@@ -32,23 +32,11 @@ from orchestrator.adapters.transport.bucketed import push_in_buckets
 from orchestrator.errors import ConfigError, EngineError
 from orchestrator.protocols import RolloutEngine
 from states import EngineMemory
-from tests.contracts import sglang_server
-from tests.contracts.sglang_server import SCHEMA_PATH, SGLangStandIn, reconstruct
+from tests.support import sglang_server
+from tests.support.sglang_server import SCHEMA_PATH, SGLangStandIn, reconstruct
+from tests.support.sglang_weights import ALL, WEIGHTS, tensors
 
 pytestmark = pytest.mark.timeout(20)
-
-WEIGHTS = {
-    "model.embed_tokens.weight": ((32, 8), torch.bfloat16),
-    "model.layers.0.self_attn.q_proj.weight": ((8, 8), torch.bfloat16),
-    "model.norm.weight": ((8,), torch.float32),
-    "lm_head.weight": ((32, 8), torch.bfloat16),
-}
-ALL = frozenset(EngineMemory)
-
-
-def tensors(seed: int = 0) -> list[tuple[str, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [(name, torch.randn(shape, generator=gen).to(dtype)) for name, (shape, dtype) in WEIGHTS.items()]
 
 
 @pytest.fixture

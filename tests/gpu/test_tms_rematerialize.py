@@ -21,7 +21,7 @@ MODES = ("rematerialize", "backup")
 @pytest.fixture(scope="module")
 def rank(tmp_path_factory: pytest.TempPathFactory) -> dict:
     pytest.importorskip("torch_memory_saver")
-    from tests.integration.megatron_ranks import run_ranks
+    from tests.support.megatron_ranks import run_ranks
 
     (result,) = run_ranks("cycles", 1, tmp_path_factory.mktemp("gpu"))
     return result

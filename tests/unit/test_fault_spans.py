@@ -11,7 +11,7 @@ from opentelemetry.trace import StatusCode
 from orchestrator import ActionFailed, GuardRejected
 from orchestrator.telemetry.logs import LoggingListener
 from orchestrator.telemetry.tracing import TracingListener
-from tests.unit.conftest import Rig, make_rig
+from tests.support.rig import Rig, make_rig
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from opentelemetry.trace import StatusCode
 from orchestrator import ActionFailed, GuardRejected, Listener, TransitionRecord
 from orchestrator.telemetry.logs import LoggingListener
 from orchestrator.telemetry.tracing import TracingListener, configure_tracing
-from tests.unit.conftest import cycle, make_rig
+from tests.support.rig import cycle, make_rig
 
 STEP = ["pause_grads", "update_weights", "drop_params", "rollout", "restore", "train"]
 

@@ -1,6 +1,6 @@
 """The trainer's end of a broadcast weight sync, in a process of its own (a group has one rank per process).
 
-    python -m tests.contracts.broadcast_sender URL [URL ...] --port P --versions 2
+    python -m tests.support.broadcast_sender URL [URL ...] --port P --versions 2
 
 Pushes `tests.contracts.test_sglang_engine.tensors(seed=version)` for each version, in buckets,
 over gloo, and prints one JSON line per version: the transfer report.
@@ -15,7 +15,7 @@ from contextlib import ExitStack
 
 from orchestrator.adapters.engines.sglang import SGLangEngine, WeightBroadcaster
 from orchestrator.adapters.transport.bucketed import push_in_buckets
-from tests.contracts.test_sglang_engine import tensors
+from tests.support.sglang_weights import tensors
 
 
 def main(argv: list[str] | None = None) -> int:

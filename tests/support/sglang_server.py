@@ -41,7 +41,7 @@ samples from it. That is what `colocate run --engine sglang` is tested against o
 without SGLang, started as SGLang would be:
 
     colocate engine-config DIR
-    python -m tests.contracts.sglang_server --model-path DIR [--device cuda]   # prints its URL
+    python -m tests.support.sglang_server --model-path DIR [--device cuda]   # prints its URL
 """
 
 from __future__ import annotations
