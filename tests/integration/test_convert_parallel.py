@@ -5,7 +5,7 @@ within bf16 tolerance.
 
 Each layout is one spawn of gloo ranks on the CPU path that builds, trains and syncs all three
 families in turn; the tests then compare per family. The ranks also measure the sync's peak extra
-memory (the CPU allocator's, through the profiler) against the bucket budget.
+memory (the bytes of the tensors it makes that are alive at once) against the bucket budget.
 """
 
 from __future__ import annotations
@@ -13,13 +13,15 @@ from __future__ import annotations
 import json
 import os
 import traceback
-from collections import Counter
+import weakref
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("transformers")
 pytest.importorskip("megatron.core")
@@ -197,40 +199,43 @@ def _logits(chunks: list[Any], batch: torch.Tensor) -> torch.Tensor | None:
     return out[0] if out else None  # only the last stage has them
 
 
-def _in_collective(event: Any) -> bool:
-    while event is not None:
-        if event.name.startswith("c10d::"):
-            return True
-        event = event.cpu_parent
-    return False
+class _LiveBytes(TorchDispatchMode):
+    """The bytes of the tensors made while it is on, still alive: every op's new storage counts
+    from the op until it is freed (on whichever thread drops it), and `peak` is the most at once.
+    Storages an op shares with its inputs (views, in-place ops, `detach`) are not new."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.held = self.peak = 0
+        self._live: dict[int, int] = {}
 
-def _peak_allocated(prof: Any) -> int:
-    """The CPU allocator's peak above where it started, counting the tensors the sync holds, from
-    the profiler's memory records: an allocation counts on the op that made it
-    (`self_cpu_memory_usage`), a free outside any op as a `[memory]` event.
+    def _free(self, key: int) -> None:
+        self.held -= self._live.pop(key)
 
-    Gloo's scratch inside a collective is left out: it flattens the gathered parts into a buffer
-    it frees on its worker thread, where the profiler records no free, so counting it would add
-    every gather ever made. On a GPU `torch.cuda.max_memory_allocated` would count everything."""
-    records = [e for e in prof.events() if e.self_cpu_memory_usage]
-    main = Counter(e.thread for e in records).most_common(1)[0][0]
-    held = peak = 0
-    for e in sorted(records, key=lambda e: e.time_range.start):
-        if e.thread != main or _in_collective(e):
-            continue
-        held += e.self_cpu_memory_usage
-        peak = max(peak, held)
-    return peak
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        leaves = pytree.tree_leaves((args, kwargs))
+        inputs = {t.untyped_storage().data_ptr() for t in leaves if isinstance(t, torch.Tensor)}
+        out = func(*args, **kwargs)
+        for tensor in pytree.tree_leaves(out):
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            storage = tensor.untyped_storage()
+            key = storage.data_ptr()
+            if key in inputs or key in self._live or not storage.nbytes():
+                continue
+            self._live[key] = storage.nbytes()
+            self.held += storage.nbytes()
+            self.peak = max(self.peak, self.held)
+            weakref.finalize(storage, self._free, key)
+        return out
 
 
 def _sync(chunks: list[Any], family: Family) -> dict[str, Any]:
-    from torch.profiler import ProfilerActivity, profile
-
     from orchestrator.convert import hf_buckets, is_sync_source
 
     sizes = []
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _LiveBytes() as memory:
         for bucket in hf_buckets(chunks, family=family, bucket_bytes=BUCKET_BYTES):
             sizes.append(sum(t.numel() * t.element_size() for _, t in bucket))
     state = {}
@@ -239,7 +244,7 @@ def _sync(chunks: list[Any], family: Family) -> dict[str, Any]:
     param_bytes = sum(p.numel() * p.element_size() for p in chunks[0].parameters())
     return {
         "state": state if is_sync_source() else {},
-        "peak_extra_bytes": _peak_allocated(prof),
+        "peak_extra_bytes": memory.peak,
         "largest_bucket": max(sizes),
         "buckets": len(sizes),
         "param_bytes": param_bytes,
