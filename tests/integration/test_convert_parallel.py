@@ -36,11 +36,13 @@ LARGEST = 2 * 128 * 64 * 2  # bytes of the largest whole tensor: the dense linea
 TOLERANCE = 0.15
 ROUTING_FLIPS = 2  # of BATCH x SEQ = 64 tokens, for an MoE model (see the test)
 
-# name: (tensor-, pipeline-, expert-parallel size, world size)
+# name: (tensor-, pipeline-, expert-parallel size, world size). In "tp2pp2ep2" the experts are
+# not tensor-parallel (expert TP 1): their expert-parallel group is the dense TP group.
 LAYOUTS: dict[str, tuple[int, int, int, int]] = {
     "tp2": (2, 1, 1, 2),
     "pp2": (1, 2, 1, 2),
     "ep2": (1, 1, 2, 2),
+    "tp2pp2ep2": (2, 2, 2, 4),
 }
 
 
@@ -88,6 +90,7 @@ def _config(family: Family, tp: int, pp: int, ep: int) -> Any:
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep if moe else 1,  # a dense model keeps its params data-parallel
+        expert_tensor_parallel_size=tp if ep == 1 else 1,
         **moe,
     )
 
@@ -266,7 +269,10 @@ def _rank(rank: int, world: int, port: int, out: str, layout: tuple[int, int, in
         torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         tp, pp, ep = layout
         ps.initialize_model_parallel(
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=tp if ep == 1 else 1,
         )
         batch = _batches(STEPS + 1)[-1]  # one the model was not trained on
         tensors: dict[str, Any] = {"tokens": batch[:, :-1]}
@@ -381,6 +387,7 @@ MISTAKES = {  # layout: (what goes wrong, the sync with that mistake)
     "tp2": ("fc1 shards concatenated whole", _fc1_shards_whole),
     "pp2": ("layers without their stage's offset", lambda s: _swap(s, "layers.0.", "layers.1.")),
     "ep2": ("experts in their rank's local order", lambda s: _swap(s, "experts.0.", "experts.2.")),
+    "tp2pp2ep2": ("fc1 shards concatenated whole", _fc1_shards_whole),
 }
 
 
