@@ -154,7 +154,7 @@ def _all_gather(tensor: torch.Tensor, group: Any, size: int) -> list[torch.Tenso
     return parts
 
 
-def _whole(unit: _Unit, groups: _Groups, spec: ModelSpec) -> list[tuple[str, torch.Tensor]]:
+def _whole(unit: _Unit, groups: _Groups) -> list[tuple[str, torch.Tensor]]:
     """The whole Megatron tensor(s) `unit` is a part of, each under its global name: fresh memory."""
     if unit.expert:
         if groups.experts_size == 1:
@@ -175,10 +175,9 @@ def _whole(unit: _Unit, groups: _Groups, spec: ModelSpec) -> list[tuple[str, tor
         return out
     if unit.partition_dim is None or groups.tp_size == 1:
         return [(unit.name, unit.tensor.clone())]
-    whole = _concat(_all_gather(unit.tensor, groups.tp, groups.tp_size), unit.name, unit.partition_dim)
-    if unit.name.endswith("word_embeddings.weight") or unit.name == "output_layer.weight":
-        whole = whole[: spec.vocab_size]  # rows past the vocab pad it to a multiple of TP
-    return [(unit.name, whole)]
+    # The vocab-parallel embedding and output layer split `GPTModel.vocab_size` rows evenly, so
+    # their shards concatenate to exactly the vocab the HF config gets.
+    return [(unit.name, _concat(_all_gather(unit.tensor, groups.tp, groups.tp_size), unit.name, unit.partition_dim))]
 
 
 def hf_buckets(
@@ -210,7 +209,7 @@ def hf_buckets(
             yield bucket
             bucket.clear()  # the consumer has had it: drop the references before gathering more
             bucket, held = [], 0
-        for name, whole in _whole(unit, groups, spec):
+        for name, whole in _whole(unit, groups):
             bucket.extend(to_hf(name, whole, spec))
         held += size
     if bucket:

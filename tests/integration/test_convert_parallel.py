@@ -335,10 +335,10 @@ def _synced(layout: dict[str, Any], family: Family) -> tuple[ModelSpec, dict[str
     return spec, state, logits
 
 
-def _token_errors(layout: dict[str, Any], family: Family, state: dict[str, torch.Tensor], tmp: Path) -> torch.Tensor:
+def _errors(layout: dict[str, Any], family: Family, state: dict[str, torch.Tensor], tmp: Path) -> torch.Tensor:
+    """|HF logits - Megatron logits|, [batch, seq, vocab]."""
     spec, _, megatron = _synced(layout, family)
-    hf = _hf_logits(family, spec, state, layout["ranks"][0]["tokens"], tmp)
-    return (hf - megatron).abs().amax(dim=-1)  # [batch, seq]: each token's worst logit
+    return (_hf_logits(family, spec, state, layout["ranks"][0]["tokens"], tmp) - megatron).abs()
 
 
 @pytest.mark.slow
@@ -346,12 +346,13 @@ def _token_errors(layout: dict[str, Any], family: Family, state: dict[str, torch
 def test_hf_logits_match_megatron(layout: dict[str, Any], family: Family, tmp_path: Path) -> None:
     spec, state, megatron = _synced(layout, family)
     assert sorted(state) == sorted(hf_names(spec)), "the source ranks together send every tensor once"
-    errors = _token_errors(layout, family, state, tmp_path)
+    diff = _errors(layout, family, state, tmp_path)
+    errors = diff.amax(dim=-1)  # [batch, seq]: each token's worst logit
     reports = [r[family.value] for r in layout["reports"]]
     peak = max(r["peak_extra_bytes"] for r in reports)
     flipped = int((errors > TOLERANCE).sum())
     print(
-        f"\n{layout['name']} {family}: max |Δlogit| {errors.max():.4f}, mean of token max {errors.mean():.5f}, "
+        f"\n{layout['name']} {family}: max |Δlogit| {diff.max():.4f}, mean {diff.mean():.5f}, "
         f"tokens over {TOLERANCE}: {flipped}/{errors.numel()}, mean |logit| {megatron.abs().mean():.3f}; "
         f"sync peak extra {peak} B, largest bucket {max(r['largest_bucket'] for r in reports)} B "
         f"of budget {BUCKET_BYTES}, params {max(r['param_bytes'] for r in reports)} B a rank"
@@ -397,7 +398,7 @@ def test_a_wrong_gather_breaks_the_tolerance(layout: dict[str, Any], tmp_path: P
     what, mistake = MISTAKES[layout["name"]]
     family = Family.QWEN3_MOE
     _, state, _ = _synced(layout, family)
-    errors = _token_errors(layout, family, mistake(state), tmp_path)
+    errors = _errors(layout, family, mistake(state), tmp_path).amax(dim=-1)
     broken = int((errors > TOLERANCE).sum())
     print(f"\n{layout['name']} {what}: {broken}/{errors.numel()} tokens over {TOLERANCE}, max {errors.max():.3f}")
     assert broken > 4 * ROUTING_FLIPS, f"{what}: only {broken} tokens over {TOLERANCE}, max {errors.max():.4f}"
