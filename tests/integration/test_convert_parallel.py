@@ -202,14 +202,15 @@ def _logits(chunks: list[Any], batch: torch.Tensor) -> torch.Tensor | None:
     return out[0] if out else None  # only the last stage has them
 
 
-class _LiveBytes(TorchDispatchMode):
-    """The bytes of the tensors made while it is on, still alive: every op's new storage counts
-    from the op until it is freed (on whichever thread drops it), and `peak` is the most at once.
-    Storages an op shares with its inputs (views, in-place ops, `detach`) are not new."""
+class _SyncWatch(TorchDispatchMode):
+    """While on: the bytes of the tensors made and still alive (every op's new storage counts from
+    the op until it is freed, on whichever thread drops it), `peak` the most at once, and
+    `gathers` the all-gathers. Storages an op shares with its inputs (views, in-place ops,
+    `detach`) are not new."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.held = self.peak = 0
+        self.held = self.peak = self.gathers = 0
         self._live: dict[int, int] = {}
 
     def _free(self, key: int) -> None:
@@ -217,6 +218,7 @@ class _LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        self.gathers += str(func).startswith("c10d.allgather")
         leaves = pytree.tree_leaves((args, kwargs))
         inputs = {t.untyped_storage().data_ptr() for t in leaves if isinstance(t, torch.Tensor)}
         out = func(*args, **kwargs)
@@ -238,7 +240,7 @@ def _sync(chunks: list[Any], family: Family) -> dict[str, Any]:
     from orchestrator.convert import hf_buckets, is_sync_source
 
     sizes = []
-    with _LiveBytes() as memory:
+    with _SyncWatch() as watch:
         for bucket in hf_buckets(chunks, family=family, bucket_bytes=BUCKET_BYTES):
             sizes.append(sum(t.numel() * t.element_size() for _, t in bucket))
     state = {}
@@ -246,13 +248,31 @@ def _sync(chunks: list[Any], family: Family) -> dict[str, Any]:
         state.update(bucket)
     param_bytes = sum(p.numel() * p.element_size() for p in chunks[0].parameters())
     return {
+        "gathers": watch.gathers,
+        "sharded": _sharded_tensors(chunks),
         "state": state if is_sync_source() else {},
-        "peak_extra_bytes": memory.peak,
+        "peak_extra_bytes": watch.peak,
         "largest_bucket": max(sizes),
         "buckets": len(sizes),
         "param_bytes": param_bytes,
         "synced_bytes": sum(sizes),
     }
+
+
+def _sharded_tensors(chunks: list[Any]) -> int:
+    """How many of this rank's tensors other ranks hold parts of (plus the one exchange of expert
+    ranks an MoE model's sync starts with)."""
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    experts = ps.get_expert_tensor_parallel_world_size() * ps.get_expert_model_parallel_world_size()
+    count = int(bool(chunks[0].config.num_moe_experts))
+    for name, param in chunks[0].named_parameters():
+        if ".local_experts." in name:
+            count += experts > 1
+        else:
+            count += tp > 1 and bool(getattr(param, "tensor_model_parallel", False))
+    return count
 
 
 def _rank(rank: int, world: int, port: int, out: str, layout: tuple[int, int, int]) -> None:
@@ -405,7 +425,7 @@ def test_a_wrong_gather_breaks_the_tolerance(layout: dict[str, Any], tmp_path: P
 
 
 @pytest.mark.slow
-def test_no_rank_holds_more_than_one_bucket(layout: dict[str, Any]) -> None:
+def test_each_tensor_is_gathered_once_and_no_rank_holds_more_than_one_bucket(layout: dict[str, Any]) -> None:
     """The allocator's peak during the sync stays within one bucket plus the tensor in flight."""
     for report in layout["reports"]:
         for family in Family:
@@ -415,3 +435,4 @@ def test_no_rank_holds_more_than_one_bucket(layout: dict[str, Any]) -> None:
             # One bucket, plus the tensor in flight: its gathered shards and the whole they become.
             assert r["peak_extra_bytes"] <= BUCKET_BYTES + 2 * LARGEST, (family, r)
             assert r["peak_extra_bytes"] < r["synced_bytes"], (family, r)
+            assert r["gathers"] == r["sharded"], "each sharded tensor is gathered exactly once"
