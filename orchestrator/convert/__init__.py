@@ -18,6 +18,7 @@ from orchestrator.convert.hf import (
     hf_llama_config,
     hf_names,
     hf_shape,
+    hf_targets,
     to_hf,
 )
 from orchestrator.convert.spec import Family, ModelSpec
@@ -33,6 +34,7 @@ __all__ = [
     "hf_llama_config",
     "hf_names",
     "hf_shape",
+    "hf_targets",
     "is_sync_source",
     "model_spec",
     "to_hf",

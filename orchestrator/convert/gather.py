@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from orchestrator.convert.hf import to_hf
+from orchestrator.convert.hf import hf_targets, to_hf
 from orchestrator.convert.spec import Family, ModelSpec
 
 __all__ = ["hf_buckets", "is_sync_source", "model_spec", "unwrap_gpt"]
@@ -195,15 +195,18 @@ def hf_buckets(
     A bucket is emptied when the next is asked for: keep what it holds, not the list.
 
     Raises ValueError before any collective when `family` cannot compute what the model computes
-    (every problem named), and during the walk for a tensor the family has no counterpart for.
+    (every problem named) or has no counterpart for one of its tensors (named).
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, not {bucket_bytes}")
     spec = model_spec(model_chunks, family, config)
+    units = list(_units(model_chunks))
+    for unit in units:  # every name is checked before the first collective, so no rank waits alone
+        hf_targets(unit.name, spec)
     groups = _Groups.current(spec)
     bucket: Bucket = []
     held = 0
-    for unit in _units(model_chunks):
+    for unit in units:
         size = unit.whole_bytes(groups)
         if bucket and held + size > bucket_bytes:
             yield bucket

@@ -41,6 +41,7 @@ __all__ = [
     "hf_llama_config",
     "hf_names",
     "hf_shape",
+    "hf_targets",
     "to_hf",
 ]
 
@@ -296,6 +297,27 @@ def _kind_problem(match: re.Match[str], kind: str, spec: ModelSpec) -> str | Non
     return None
 
 
+def _rule(name: str, spec: ModelSpec) -> tuple[list[str], Split]:
+    """The HF names `name` becomes, and how its tensor splits into them."""
+    for pattern, families, why in _REFUSED:
+        if spec.family in families and pattern.search(name):
+            raise ValueError(f"cannot convert {name!r} to HF {spec.family.value}: {why}")
+    for pattern, targets, split, kind, families in _RULES:
+        match = pattern.match(name)
+        if match is None or spec.family not in families:
+            continue
+        problem = _kind_problem(match, kind, spec)
+        if problem is not None:
+            raise ValueError(f"cannot convert {name!r}: {problem}")
+        return [t.format(**match.groupdict()) for t in targets], split
+    raise ValueError(f"cannot convert {name!r} to HF {spec.family.value}: no mapping for this Megatron name")
+
+
+def hf_targets(name: str, cfg: Shape) -> list[str]:
+    """The HF names the whole Megatron tensor `name` becomes; raises as `to_hf` does, with no tensor."""
+    return _rule(name, _spec(cfg))[0]
+
+
 def to_hf(name: str, tensor: torch.Tensor, cfg: Shape) -> list[tuple[str, torch.Tensor]]:
     """The HF tensors one whole Megatron tensor becomes: views of `tensor` where the split allows.
 
@@ -305,25 +327,11 @@ def to_hf(name: str, tensor: torch.Tensor, cfg: Shape) -> list[tuple[str, torch.
     in an MoE layer or experts in a dense one, and a shape that does not match.
     """
     spec = _spec(cfg)
-    family = spec.family.value
-    for pattern, families, why in _REFUSED:
-        if spec.family in families and pattern.search(name):
-            raise ValueError(f"cannot convert {name!r} to HF {family}: {why}")
-    for pattern, targets, split, kind, families in _RULES:
-        match = pattern.match(name)
-        if match is None or spec.family not in families:
-            continue
-        problem = _kind_problem(match, kind, spec)
-        if problem is not None:
-            raise ValueError(f"cannot convert {name!r}: {problem}")
-        hf = [t.format(**match.groupdict()) for t in targets]
-        expected = _expected_source_shape(hf, spec)
-        if tuple(tensor.shape) != expected:
-            raise ValueError(
-                f"cannot convert {name!r}: shape {tuple(tensor.shape)}, expected {expected} for this config"
-            )
-        return list(zip(hf, split(tensor, spec), strict=True))
-    raise ValueError(f"cannot convert {name!r} to HF {family}: no mapping for this Megatron name")
+    hf, split = _rule(name, spec)
+    expected = _expected_source_shape(hf, spec)
+    if tuple(tensor.shape) != expected:
+        raise ValueError(f"cannot convert {name!r}: shape {tuple(tensor.shape)}, expected {expected} for this config")
+    return list(zip(hf, split(tensor, spec), strict=True))
 
 
 def convert(named: Iterable[tuple[str, torch.Tensor]], cfg: Shape) -> Iterator[tuple[str, torch.Tensor]]:
