@@ -86,7 +86,7 @@ class _Groups:
     local_experts: int
 
     @classmethod
-    def current(cls, spec: ModelSpec) -> _Groups:
+    def current(cls, spec: ModelSpec, device: torch.device) -> _Groups:
         from megatron.core import parallel_state as ps
 
         tp = ps.get_tensor_model_parallel_group()
@@ -95,7 +95,8 @@ class _Groups:
             return cls(tp, tp_size, None, 1, ((0, 0),), 0)
         experts = ps.get_expert_tensor_and_model_parallel_group()
         size = torch.distributed.get_world_size(experts)
-        mine = torch.tensor([ps.get_expert_model_parallel_rank(), ps.get_expert_tensor_parallel_rank()])
+        # On the params' device: NCCL gathers only CUDA tensors.
+        mine = torch.tensor([ps.get_expert_model_parallel_rank(), ps.get_expert_tensor_parallel_rank()], device=device)
         everyone = [torch.empty_like(mine) for _ in range(size)]
         torch.distributed.all_gather(everyone, mine, group=experts)
         ranks = tuple((int(r[0]), int(r[1])) for r in everyone)
@@ -203,7 +204,7 @@ def hf_buckets(
     units = list(_units(model_chunks))
     for unit in units:  # every name is checked before the first collective, so no rank waits alone
         hf_targets(unit.name, spec)
-    groups = _Groups.current(spec)
+    groups = _Groups.current(spec, units[0].tensor.device)
     bucket: Bucket = []
     held = 0
     for unit in units:
