@@ -149,7 +149,7 @@ def _rank() -> int:
 
 
 def colocate_megatron(
-    model: Sequence[Any],
+    model: Sequence[Any] | Any,
     optimizer: Any,
     engine: RolloutEngine | None,
     mode: Mode | str = Mode.REMATERIALIZE,
@@ -176,6 +176,7 @@ def colocate_megatron(
     a flag Megatron's configs hold, an engine that loads no weights, a model the Llama conversion
     cannot map (when `convert` and `transport` are not given), a param no restore path covers.
     """
+    model = list(model) if isinstance(model, Sequence) else [model]  # Megatron's list of chunks, or one
     if not torch.cuda.is_available():
         from orchestrator.adapters.megatron_cpu import enable_cpu_path
 

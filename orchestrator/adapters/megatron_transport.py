@@ -6,7 +6,10 @@ buckets, and loads the buckets into the engine one at a time, tagged with the ve
 converter owns any gathering: at tensor-parallel size 1 every tensor is whole, and `per_tensor`
 maps them one by one (`per_tensor(partial(to_hf, cfg=shape))` is the Llama conversion wired
 today). A converter that gathers TP shards, PP stages or EP experts plugs in the same way, since
-it yields buckets and so decides how much it holds gathered at a time.
+it yields buckets and so decides how much it holds gathered at a time. One that reads the model
+itself (the conversion package's `hf_buckets`) may ignore the sync tensors it is handed:
+
+    convert = lambda named, *, bucket_bytes: hf_buckets(model, family="qwen3", bucket_bytes=bucket_bytes)
 
 What the transport reads is checked to stay unwritten. Every in-place write to a tensor bumps its
 version counter (`Tensor._version`), which all views of one storage share. A push records the

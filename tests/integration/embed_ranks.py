@@ -6,6 +6,7 @@ a fresh process (megatron's parallel state and the CPU path are process-wide).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import traceback
@@ -113,6 +114,32 @@ def _writes_first_param(named: Iterable[Named], *, bucket_bytes: int) -> Iterato
         yield from per_tensor(partial(to_hf, cfg=DENSE))([(name, tensor)], bucket_bytes=bucket_bytes)
 
 
+def _not_a_llama() -> tuple[list[Any], Any]:
+    """A real Megatron GPT that maps name for name onto a Llama but computes something else:
+    LayerNorm, and the output layer tied to the embedding."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
+
+    from orchestrator.adapters.megatron_build import _transformer_config
+
+    config = dataclasses.replace(_transformer_config(DENSE), normalization="LayerNorm")
+    gpt = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="LayerNorm"),
+        vocab_size=DENSE.vocab_size,
+        max_sequence_length=DENSE.seq_len,
+        share_embeddings_and_output_weights=True,
+        position_embedding_type="rope",
+    )
+    ddp = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True)
+    chunks = [DistributedDataParallel(config, ddp, Float16Module(config, gpt))]
+    opt = OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True, use_distributed_optimizer=True)
+    return chunks, get_megatron_optimizer(opt, chunks)
+
+
 def embed_scenario() -> dict[str, Any]:
     """The one call on a dense Llama-shaped GPT: two cycles with the transformers engine, then what
     it refuses, each time with the engine untouched."""
@@ -123,6 +150,7 @@ def embed_scenario() -> dict[str, Any]:
 
     # Refused before anything moves.
     result["megatron_flag"] = _refusal(lambda: colocate_megatron(chunks, optimizer, engine, distributed_optimizer=True))
+    result["unknown_flag"] = _refusal(lambda: colocate_megatron(chunks, optimizer, engine, colocated=True))
     result["bad_mode"] = _refusal(lambda: colocate_megatron(chunks, optimizer, engine, "rematerialise"))
     result["no_update_weights"] = _refusal(lambda: colocate_megatron(chunks, optimizer, _NoWeights(engine)))
     chunks[0].ddp_config.overlap_param_gather = True  # as the user's DDP config would say it
@@ -130,10 +158,12 @@ def embed_scenario() -> dict[str, Any]:
     chunks[0].ddp_config.overlap_param_gather = False
     moe_chunks, moe_optimizer = build_gpt(TinyGPTConfig(num_experts=2))
     result["moe"] = _refusal(lambda: colocate_megatron(moe_chunks, moe_optimizer, engine))
+    result["uncovered"] = _refusal(lambda: colocate_megatron(moe_chunks, moe_optimizer, engine, extras=()))
+    result["not_llama"] = _refusal(lambda: colocate_megatron(*_not_a_llama(), engine))
     result["engine_untouched"] = engine.resident_bytes() == resident and engine.weight_version() is None
 
     # The cycle, as the example drives it.
-    lifecycle = colocate_megatron(chunks, optimizer, engine)
+    lifecycle = colocate_megatron(chunks[0], optimizer, engine)  # one chunk, not in a list: taken as [chunk]
     (tracing, *_) = lifecycle.listeners.listeners
     result["tracing_provider"] = type(tracing._provider).__name__ if isinstance(tracing, TracingListener) else None
     result["regions"] = type(lifecycle._regions._regions).__name__
@@ -174,6 +204,7 @@ def embed_scenario() -> dict[str, Any]:
             "names": list(cause.names) if isinstance(cause, SyncTensorWritten) else None,
             "message": str(cause),
             "phase": writing.phase.value,
+            "engine_version": fresh.weight_version(),
         }
     result["faulted"] = Phase.FAULTED.value
     return result

@@ -46,6 +46,7 @@ def test_one_call_syncs_drops_and_restores_bit_identically(embed: dict[str, Any]
 def test_setup_is_read_from_megatrons_configs_not_taken_on_trust(embed: dict[str, Any]) -> None:
     assert "overlap-param-gather" in embed["overlap_param_gather"], embed["overlap_param_gather"]
     assert "distributed_optimizer: read from Megatron's DDP and optimizer configs" in embed["megatron_flag"]
+    assert "colocated: not a TrainingSetup flag" in embed["unknown_flag"]
 
 
 def test_what_the_one_call_refuses_is_named_and_leaves_the_engine_untouched(embed: dict[str, Any]) -> None:
@@ -53,6 +54,9 @@ def test_what_the_one_call_refuses_is_named_and_leaves_the_engine_untouched(embe
     assert "'no-update-weights' has no update_weights" in embed["no_update_weights"]
     assert "decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.weight" in embed["moe"], embed["moe"]
     assert "MoE tensors have no dense Llama counterpart" in embed["moe"]
+    assert "decoder.layers.1.mlp.router.expert_bias: not rebuilt from the fp32 mains" in embed["uncovered"]
+    for problem in ("normalization='LayerNorm'", "share_embeddings_and_output_weights=True"):
+        assert problem in embed["not_llama"], embed["not_llama"]
     assert embed["engine_untouched"]
 
 
@@ -61,3 +65,4 @@ def test_a_converter_that_writes_to_a_live_param_faults_the_update_naming_it(emb
     assert written["cause"] == "SyncTensorWritten" and written["names"] == ["embedding.word_embeddings.weight"]
     assert "read-only" in written["message"]
     assert written["phase"] == embed["faulted"]
+    assert written["engine_version"] is None, "the engine serves no version of a failed update"
