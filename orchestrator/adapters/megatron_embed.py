@@ -14,7 +14,7 @@ argument that replaces each choice:
 | regions | torch_memory_saver where the param buffers are on a GPU, storage resizing on the CPU | `regions=` |
 | setup | read from the DDP and optimizer configs (`megatron_setup`); the trainer's other flags as keywords | `**flags` |
 | transport | `MegatronTransport` through `hf_llama`: Megatron GPT → HF Llama at TP = PP = 1 | `convert=`, `transport=` |
-| listeners | spans exported where the `OTEL_*` variables say (else to the global provider), structlog lines | `listeners=` |
+| listeners | spans to the trainer's global tracer provider, else exported where the `OTEL_*` variables say, and structlog lines | `listeners=` |
 | rank | torch.distributed's | `rank=` |
 
 On a CUDA-less host it applies `enable_cpu_path()` (idempotent): the restore's cast and
@@ -125,12 +125,27 @@ def hf_llama(model: Sequence[Any], trainer: MegatronTrainer) -> Converter:
 
 
 def otel_listeners(rank: int) -> list[Listener]:
-    """A tracing listener exporting where the `OTEL_*` variables say (to the global tracer
-    provider where they ask for nothing), then a structlog listener."""
+    """A tracing listener, then a structlog listener.
+
+    Spans go to the global tracer provider when one was set (the trainer's own). Otherwise the
+    `OTEL_*` variables decide: where they ask for export, a provider of role `rank` is made and
+    set as the global one, so that the adapters' own spans (`rank.cast`, `rank.bucket`, ...)
+    join the lifecycle's; OpenTelemetry sets it once for the process's life, and a later call
+    finds it set. Where they ask for nothing, spans go to the global no-op provider.
+    """
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+
     from orchestrator.logs import LoggingListener
     from orchestrator.tracing import TracingListener, configure_tracing
 
-    return [TracingListener(configure_tracing(rank=rank)), LoggingListener()]
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):
+        configured = configure_tracing(rank=rank, role="rank")
+        if configured is not None:
+            trace.set_tracer_provider(configured)
+            provider = trace.get_tracer_provider()  # another thread may have set one first
+    return [TracingListener(provider), LoggingListener()]
 
 
 def _regions(trainer: MegatronTrainer) -> MemoryRegions:

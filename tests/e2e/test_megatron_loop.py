@@ -33,5 +33,7 @@ def test_the_loop_trains_syncs_and_restores_with_spans_from_the_otel_variables(t
     spans = re.findall(r'"name": "(lifecycle\.[a-z_]+)"', done.stdout)  # the console exporter's JSON
     for event in ("pause_grads", "update_weights", "drop_params", "rollout", "restore", "train"):
         assert spans.count(f"lifecycle.{event}") == 3, (event, spans)
-    assert '"service.name": "my-trainer"' in done.stdout
+    assert '"service.name": "my-trainer"' in done.stdout and '"colocate.role": "rank"' in done.stdout
+    # the provider is the global one, so the adapters' own spans are in the same traces
+    assert {"rank.cast", "rank.bucket", "rank.digest"} <= set(re.findall(r'"name": "(rank\.[a-z_]+)"', done.stdout))
     assert list(tmp_path.iterdir()) == [], "the example writes nothing"
