@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("megatron.core")
 pytest.importorskip("transformers")
@@ -18,7 +19,10 @@ pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "megatron_loop.py"
 
-pytestmark = pytest.mark.slow  # about 6 s on an idle core
+pytestmark = [
+    pytest.mark.slow,  # about 6 s on an idle core
+    pytest.mark.skipif(torch.cuda.is_available(), reason="the example is the CPU path (enable_cpu_path, gloo)"),
+]
 
 
 def test_the_loop_trains_syncs_and_restores_with_spans_from_the_otel_variables(tmp_path: Path) -> None:

@@ -224,7 +224,7 @@ SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
 def rank_main(rank: int, world_size: int, port: int, out: str, scenario: str) -> None:
     path = Path(out) / f"rank{rank}.json"
     try:
-        init_process_group(rank, world_size, port)
+        init_process_group(rank, world_size, port, "nccl" if torch.cuda.is_available() else "gloo")
         result = SCENARIOS[scenario]()
         destroy_process_group()
     except BaseException:
