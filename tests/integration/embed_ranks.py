@@ -20,7 +20,7 @@ import torch
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # the router's torch.compile costs ~9 s cold
 
 from guards.bitexact import restore_bit_identical
-from orchestrator import ActionFailed, ConfigError, colocate_megatron
+from orchestrator import ActionFailed, ConfigError, Trainer, colocate_megatron
 from orchestrator.adapters.hf_engine import TransformersEngine
 from orchestrator.adapters.megatron import MegatronTrainer
 from orchestrator.adapters.megatron_build import TinyGPTConfig, build_gpt, destroy_process_group, init_process_group
@@ -56,6 +56,7 @@ def extras_written_scenario() -> dict[str, Any]:
     chunks, optimizer = build_gpt(AWKWARD)
     lm_step(chunks, optimizer, tokens(AWKWARD, 0))  # expert_bias moves off 0, Adam state exists
     trainer = MegatronTrainer(chunks, optimizer)
+    result: dict[str, Any] = {"is_trainer": isinstance(trainer, Trainer)}
     ledger = RegionLedger(StorageRegions(trainer.region_tensors))
     sources = trainer.layout().sync_sources
     cycles = []
@@ -76,7 +77,8 @@ def extras_written_scenario() -> dict[str, Any]:
         verdict = restore_bit_identical(before, trainer.digests())
         cycles.append({"written": sorted(written), "bit_identical": verdict.ok, "reason": verdict.reason})
         lm_step(chunks, optimizer, tokens(AWKWARD, 1 + cycle))
-    return {"cycles": cycles}
+    result["cycles"] = cycles
+    return result
 
 
 class _NoWeights:
@@ -190,6 +192,16 @@ def embed_scenario() -> dict[str, Any]:
             }
         )
     result["cycles"] = cycles
+
+    # Backup mode through the same call: a pinned copy of the param buffer instead of the cast.
+    backup = colocate_megatron(chunks, optimizer, TransformersEngine(gpt_shape(chunks), max_batch=8), Mode.BACKUP)
+    with backup.step():
+        backup.pause_grads()
+        backup.update_weights()
+        backup.drop_params()
+        backup.rollout()
+        backup.restore()
+    result["backup"] = {"verified": backup.last_restore_verified, "mode": backup.config.mode.value}
 
     # A converter that writes to a live param: the push raises, naming it, and the lifecycle faults.
     fresh = TransformersEngine(gpt_shape(chunks), max_batch=8, max_len=DENSE.seq_len)  # the first one is taken

@@ -29,8 +29,9 @@ def embed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def test_a_transport_writing_to_the_extras_it_reads_leaves_the_next_restore_bit_identical(tmp_path: Path) -> None:
-    cycles = run("extras_written", tmp_path)["cycles"]
-    for cycle in cycles:
+    result = run("extras_written", tmp_path)
+    assert result["is_trainer"], "MegatronTrainer implements the Trainer Protocol, sync_tensors included"
+    for cycle in result["cycles"]:
         # expert_bias, the fp32 param and the frozen norm: every kind of extra was written to
         assert len(cycle["written"]) == 3, cycle["written"]
         assert cycle["bit_identical"], cycle["reason"]
@@ -42,6 +43,7 @@ def test_one_call_syncs_drops_and_restores_bit_identically(embed: dict[str, Any]
     assert [c["version"] for c in embed["cycles"]] == [1, 2]
     assert all(c["engine_has_trainer_weights"] for c in embed["cycles"]), embed["cycles"]
     assert [c["verified"] for c in embed["cycles"]] == [True, True]
+    assert embed["backup"] == {"verified": True, "mode": "backup"}
 
 
 def test_setup_is_read_from_megatrons_configs_not_taken_on_trust(embed: dict[str, Any]) -> None:
