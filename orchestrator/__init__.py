@@ -32,12 +32,12 @@ from orchestrator.protocols import (
 
 if TYPE_CHECKING:
     from orchestrator.adapters.megatron_cpu import enable_cpu_path
-    from orchestrator.adapters.megatron_embed import colocate_megatron
+    from orchestrator.embed import colocate_megatron
 
 # Names whose modules import torch: loaded at first use, so `import orchestrator` (and
 # `colocate diagram`) needs neither torch nor megatron-core.
 _LAZY = {
-    "colocate_megatron": "orchestrator.adapters.megatron_embed",
+    "colocate_megatron": "orchestrator.embed",
     "enable_cpu_path": "orchestrator.adapters.megatron_cpu",
 }
 

@@ -25,10 +25,10 @@ from orchestrator.adapters.hf_engine import TransformersEngine
 from orchestrator.adapters.megatron import MegatronTrainer
 from orchestrator.adapters.megatron_build import TinyGPTConfig, build_gpt, destroy_process_group, init_process_group
 from orchestrator.adapters.megatron_build import train_step as lm_step
-from orchestrator.adapters.megatron_embed import gpt_shape
 from orchestrator.adapters.megatron_transport import SyncTensorWritten, per_tensor
 from orchestrator.adapters.storage import StorageRegions
 from orchestrator.convert import to_hf
+from orchestrator.embed import gpt_shape
 from orchestrator.regions import RegionLedger
 from orchestrator.tracing import TracingListener
 from orchestrator.transport import Named

@@ -1,5 +1,10 @@
 """One call from a Megatron-core trainer's model and optimizer to a `Lifecycle`.
 
+This module wires the adapters into the controller, so it sits above both (the controller and
+the adapters know each other only through `orchestrator.protocols`); that is also why the call
+is a function here and not a `Lifecycle.for_megatron` classmethod, which would make the
+controller import Megatron's adapters.
+
     lifecycle = colocate_megatron(model, optimizer, engine)                 # rematerialize
     lifecycle = colocate_megatron(model, optimizer, engine, Mode.BACKUP)
     lifecycle = colocate_megatron(model, optimizer, None, Mode.TRAIN_ONLY)
