@@ -19,7 +19,7 @@ argument that replaces each choice:
 | regions | torch_memory_saver where the param buffers are on a GPU, storage resizing on the CPU | `regions=` |
 | setup | read from the DDP and optimizer configs (`megatron_setup`); the trainer's other flags as keywords | `**flags` |
 | transport | `MegatronTransport` through `hf_llama`: Megatron GPT → HF Llama at TP = PP = 1 | `convert=`, `transport=` |
-| listeners | spans to the trainer's global tracer provider, else exported where the `OTEL_*` variables say, and structlog lines | `listeners=` |
+| listeners | spans to the trainer's global tracer provider, else to one the `OTEL_*` variables ask for (set as the global one: `otel_listeners`); structlog lines | `listeners=` |
 | rank | torch.distributed's | `rank=` |
 
 On a CUDA-less host it applies `enable_cpu_path()` (idempotent): the restore's cast and
