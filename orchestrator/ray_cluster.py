@@ -234,14 +234,20 @@ def _ray(args: list[str], env: Mapping[str, str]) -> None:
 
 
 def head_processes(temp_dir: Path) -> list[Any]:
-    """Every process of the private cluster at `temp_dir` (psutil.Process), found by that folder
-    on its command line (unique to the run) and by descent from those."""
+    """Every process of the private cluster at `temp_dir` (psutil.Process): those with that
+    folder (unique to the run) or the cluster's GCS address on their command line (Ray Client's
+    server has only the latter), and their descendants."""
     import psutil
 
+    marks = [str(temp_dir)]
+    with contextlib.suppress(OSError):
+        gcs_port = (temp_dir / "ray_current_cluster").read_text().strip().rpartition(":")[2]
+        marks.append(f"={LOOPBACK}:{gcs_port} ")
     found: dict[int, Any] = {}
     for proc in psutil.process_iter(["cmdline"]):
         with contextlib.suppress(psutil.Error):
-            if str(temp_dir) in " ".join(proc.info["cmdline"] or []):
+            line = " ".join(proc.info["cmdline"] or []) + " "
+            if any(mark in line for mark in marks):
                 found[proc.pid] = proc
                 found.update((child.pid, child) for child in proc.children(recursive=True))
     found.pop(os.getpid(), None)
