@@ -133,11 +133,12 @@ class RayUnreachable(LifecycleError):
     """No Ray cluster could be joined at `address` (nothing listens there, it refused this driver's
     token, or it is not Ray)."""
 
-    _fields = ("address", "cause")
+    _fields = ("address", "cause", "hint")
 
-    def __init__(self, address: str, cause: BaseException) -> None:
-        self.address, self.cause = address, cause
-        super().__init__(f"cannot join the Ray cluster at {address}: {type(cause).__name__}: {cause}")
+    def __init__(self, address: str, cause: BaseException, hint: str = "") -> None:
+        self.address, self.cause, self.hint = address, cause, hint
+        why = f"{type(cause).__name__}: {cause}" + (f" ({hint})" if hint else "")
+        super().__init__(f"cannot join the Ray cluster at {address}: {why}")
 
 
 class RestoreMismatch(LifecycleError):

@@ -96,8 +96,11 @@ def attach(address: str, *, runtime_env: Mapping[str, Any]) -> RayCluster:
     _check_reachable(address, target)
     try:
         ray.init(address=target, **_driver_options(runtime_env))
-    except Exception as exc:  # an AuthenticationError, a version mismatch, not a Ray GCS at all
-        raise RayUnreachable(address, exc) from exc
+    except Exception as exc:  # a refused token, a version mismatch, not a Ray GCS at all
+        # Ray reports a refused driver as a failed connection: say what a token cluster needs.
+        token = os.environ.get("RAY_AUTH_MODE", "").lower() == "token"
+        hint = "" if token else "a cluster with token authentication also needs RAY_AUTH_MODE=token and its token here"
+        raise RayUnreachable(address, exc, hint) from exc
     # ray.shutdown, for a driver of a cluster it did not start, only disconnects.
     return RayCluster(address=target, private=False, temp_dir=None, close=ray.shutdown)
 

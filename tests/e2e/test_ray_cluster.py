@@ -163,6 +163,15 @@ def test_attach_runs_on_the_users_cluster_and_leaves_it_up(
     gcs = [pid for pid, name in processes(None, cluster.folder).items() if name == "gcs_server"]
     assert len(gcs) == 1
     report = tmp_path / "r.json"
+    # A driver without the token is refused, and told why.
+    without = {k: v for k, v in cluster.env.items() if k != "RAY_AUTH_MODE"} | {"TMPDIR": str(temp)}
+    refused = subprocess.run(
+        colocate("run", "--steps", "1", "--ray-address", cluster.address),
+        cwd=ROOT, env=without, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    message = " ".join(refused.stderr.split())
+    assert refused.returncode == 1, refused.stderr
+    assert f"cannot join the Ray cluster at {cluster.address}" in message and "RAY_AUTH_MODE=token" in message
     # RAY_ADDRESS, as Ray's own tools take it; token mode, as any driver of that cluster needs.
     env = cluster.env | {"RAY_ADDRESS": cluster.address, "TMPDIR": str(temp)}
     proc = subprocess.Popen(
@@ -198,7 +207,7 @@ def test_a_bad_or_unreachable_ray_address_is_named() -> None:
         port = taken.getsockname()[1]
     start = time.monotonic()
     done = run("run", "--steps", "1", "--ray-address", f"127.0.0.1:{port}", timeout=120)
-    assert done.returncode != 0
+    assert done.returncode == 1
     assert f"cannot join the Ray cluster at 127.0.0.1:{port}" in " ".join(done.stderr.split()), done.stderr
     print(f"refused after {time.monotonic() - start:.1f} s")
 
