@@ -111,18 +111,19 @@ def start_private(cpus: int, *, runtime_env: Mapping[str, Any]) -> RayCluster:
 
     _token_mode_for_this_process()
     temp_dir = Path(tempfile.mkdtemp(prefix="colocate-ray-"))  # short: Ray's socket paths must fit in 107 bytes
+    reaper = _start_reaper(temp_dir)
     try:
         address = _start_head(cpus, temp_dir)
         ray.init(address=address, **_driver_options(runtime_env))
     except BaseException:
-        _stop_head(temp_dir)
+        _stop_reaper(reaper, temp_dir)
         raise
 
     def close() -> None:
         try:
             ray.shutdown()
         finally:
-            _stop_head(temp_dir)
+            _stop_reaper(reaper, temp_dir)
 
     return RayCluster(address=address, private=True, temp_dir=temp_dir, close=close)
 
@@ -257,6 +258,33 @@ def head_processes(temp_dir: Path) -> list[Any]:
     return list(found.values())
 
 
+def _start_reaper(temp_dir: Path) -> subprocess.Popen[bytes]:
+    """A process that stops the cluster at `temp_dir` once this one is gone, however it went
+    (`kill -9` too): it waits for the end of a pipe only this process holds. `ray start` detaches
+    the cluster's processes, so nothing else would. Its own session: a Ctrl-C to the terminal's
+    process group does not end it before it has done its work."""
+    command = [sys.executable, "-m", "orchestrator.ray_cluster", "--reap"]
+    reaper = subprocess.Popen(command, stdin=subprocess.PIPE, start_new_session=True)
+    if reaper.stdin is not None:  # the folder goes by the pipe: on its command line, `head_processes` would count it
+        reaper.stdin.write(f"{temp_dir}\n".encode())
+        reaper.stdin.flush()
+    return reaper
+
+
+def _stop_reaper(reaper: subprocess.Popen[bytes], temp_dir: Path) -> None:
+    """Stop the cluster here, then let the reaper go (it finds nothing left to stop)."""
+    try:
+        _stop_head(temp_dir)
+    finally:
+        if reaper.stdin is not None:
+            reaper.stdin.close()
+        try:
+            reaper.wait(timeout=STOP_S)
+        except subprocess.TimeoutExpired:
+            reaper.kill()
+            reaper.wait()
+
+
 def _stop_head(temp_dir: Path) -> None:
     """Stop the private cluster's processes (by process, never by name: other Ray clusters on
     the machine are left alone) and remove its folder."""
@@ -274,3 +302,9 @@ def _stop_head(temp_dir: Path) -> None:
         psutil.wait_procs(alive, timeout=STOP_S)
     finally:
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--reap"]:  # the reaper (`_start_reaper`)
+    folder = Path(sys.stdin.buffer.readline().decode().strip())
+    sys.stdin.buffer.read()  # returns once the driver's end of the pipe is closed
+    _stop_head(folder)

@@ -106,6 +106,28 @@ def test_a_private_run_listens_on_loopback_only(temp: Path, tmp_path: Path) -> N
     assert list(temp.glob("colocate-ray-*")) == []
 
 
+def test_a_killed_run_leaves_no_cluster_behind(temp: Path, tmp_path: Path) -> None:
+    log = tmp_path / "log.jsonl"
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")} | {"TMPDIR": str(temp)}
+    proc = subprocess.Popen(
+        colocate("run", "--steps", "50", "--ranks", "2", "--log", str(log)),
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        wait_for_step(proc, log, 1)
+        (folder,) = temp.glob("colocate-ray-*")
+        assert {"gcs_server", "raylet"} <= {p.name() for p in head_processes(folder)}
+    finally:
+        proc.kill()  # SIGKILL: the run has no chance to stop its cluster itself
+        proc.wait()
+    deadline = time.monotonic() + 60
+    while ((left := head_processes(folder)) or folder.exists()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert left == [], [p.name() for p in left]
+    assert not folder.exists()  # the reaper removes it last
+    print(f"cluster gone {60 - (deadline - time.monotonic()):.1f} s after the kill")
+
+
 def _ray(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "ray.scripts.scripts", *args], env=env, capture_output=True, text=True)
 
