@@ -38,7 +38,7 @@ LOOPBACK = "127.0.0.1"
 LOOPBACK_FOR_RAY = "[::ffff:127.0.0.1]"
 REACH_S = 5.0  # how long the address of a cluster may take to accept a connection
 HEAD_START_S = 120.0  # `ray start --head` on a loaded machine
-STOP_S = 5.0  # how long the private cluster's processes have to exit before they are killed
+STOP_S = 5.0  # how long the private cluster's processes, once killed, may take to be gone
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,14 +292,12 @@ def _stop_head(temp_dir: Path) -> None:
 
     try:
         procs = head_processes(temp_dir)
+        # SIGKILL at once: nothing of a private cluster outlives the run, so there is nothing to
+        # flush, and a stopped process (SIGSTOP) would hold SIGTERM until it is continued.
         for proc in procs:
             with contextlib.suppress(psutil.Error):
-                proc.terminate()
-        _, alive = psutil.wait_procs(procs, timeout=STOP_S)
-        for proc in alive:
-            with contextlib.suppress(psutil.Error):
                 proc.kill()
-        psutil.wait_procs(alive, timeout=STOP_S)
+        psutil.wait_procs(procs, timeout=STOP_S)
     finally:
         shutil.rmtree(temp_dir, ignore_errors=True)
 
