@@ -209,8 +209,7 @@ def _start_head(cpus: int, temp_dir: Path) -> str:
             "--head",
             f"--node-ip-address={LOOPBACK}",
             "--port=0",
-            f"--num-cpus={cpus}",
-            "--num-gpus=0",
+            f"--num-cpus={cpus}",  # GPUs: those this process sees (none where CUDA_VISIBLE_DEVICES is empty)
             "--include-dashboard=false",
             "--dashboard-agent-listen-port=0",
             "--metrics-export-port=0",
