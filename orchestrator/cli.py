@@ -98,6 +98,14 @@ def run_command(
         WeightSync,
         typer.Option(help="SGLang: tensor (CUDA IPC, servers on the trainer's GPUs) or broadcast (servers off them)."),
     ] = WeightSync.TENSOR,
+    ray_address: Annotated[
+        str | None,
+        typer.Option(
+            envvar="RAY_ADDRESS",
+            metavar="HOST:PORT",
+            help="Run the ranks on this running Ray cluster (its GCS address); unset: a private one on loopback.",
+        ),
+    ] = None,
     report: Annotated[Path | None, typer.Option(help="Write the run report here, as JSON.")] = None,
     trace_dir: Annotated[Path | None, typer.Option(help="Write OTLP-JSON traces under this folder.")] = None,
     log: Annotated[Path | None, typer.Option(help="Write one JSON log line per transition here.")] = None,
@@ -122,6 +130,7 @@ def run_command(
             engine=engine,
             engine_urls=tuple(engine_url or ()),
             weight_sync=weight_sync,
+            ray_address=ray_address or None,
         )
     except ConfigError as exc:
         problems += [str(v) for v in exc.violations]

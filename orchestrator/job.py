@@ -47,6 +47,7 @@ from orchestrator.ranks import (
     control,
     remote_class,
 )
+from orchestrator.ray_cluster import address_problems, driver_ip
 from orchestrator.report import ReportListener, RunReport
 from orchestrator.tracing import exporters_requested
 from orchestrator.transport import Named
@@ -82,6 +83,9 @@ class RunConfig:
     engine: EngineKind = EngineKind.TRANSFORMERS
     engine_urls: tuple[str, ...] = ()
     weight_sync: WeightSync = WeightSync.TENSOR
+    # A running Ray cluster's GCS address (HOST:PORT) to run the ranks on; None: a private cluster
+    # of the job's own, on loopback (`orchestrator.ray_cluster`).
+    ray_address: str | None = None
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
 
     def __post_init__(self) -> None:
@@ -98,6 +102,8 @@ class RunConfig:
             problems.append(
                 f"--device cuda runs one rank (got --ranks {self.ranks}): several GPU ranks are not built yet"
             )
+        if self.ray_address is not None:
+            problems += address_problems(self.ray_address)
         if self.steps < 1:
             problems.append(f"--steps must be at least 1, got {self.steps}")
         if self.ranks < 1:
@@ -133,10 +139,17 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def rendezvous_store() -> torch.distributed.TCPStore:
-    """The ranks' rendezvous store, bound by the driver to a port the system picks and held for
-    the job's life: the port is taken before any rank hears of it, so nothing can race for it."""
-    return torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+def rendezvous_store(host: str = "127.0.0.1") -> torch.distributed.TCPStore:
+    """The ranks' rendezvous store, bound by the driver to `host` and a port the system picks, and
+    held for the job's life: the port is taken before any rank hears of it, so nothing can race
+    for it. The socket is bound here and handed over because the store's own server would listen
+    on every interface, whatever host it is given."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.create_server((host, 0), family=family)
+    port = int(listener.getsockname()[1])
+    return torch.distributed.TCPStore(
+        host, port, is_master=True, wait_for_workers=False, master_listen_fd=listener.detach()
+    )
 
 
 FLUSH_S = 2.0  # how long the processes together may take to flush their spans when the job ends
@@ -155,7 +168,8 @@ class ColocatedJob:
         self._actors: list[Any] = []  # Ray actors this job started: ranks, then the engine
         self._local_workers: list[RankWorker] = []  # ranks in this process (--ranks 1)
         self._broadcast = config.weight_sync is WeightSync.BROADCAST
-        self._store: torch.distributed.TCPStore | None = rendezvous_store()
+        self._store_host = driver_ip(config.ray_address)
+        self._store: torch.distributed.TCPStore | None = rendezvous_store(self._store_host)
         self._port = int(self._store.port)
         try:
             # One trace for the start-up, so the engine's first release has a parent.
@@ -215,7 +229,7 @@ class ColocatedJob:
             self._close_engine = sglang.close
             sglang.connect()
         port = self._port
-        if cfg.ranks == 1:
+        if cfg.ranks == 1 and cfg.ray_address is None:
             # One process: the driver's tracer provider serves the rank and the engine too.
             threads = torch.get_num_threads()
             worker = RankWorker(0, 1, port, grpo.model, grpo.clip_eps, threads=threads, device=cfg.device)
@@ -237,10 +251,13 @@ class ColocatedJob:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from orchestrator.ranks import start_ray
+        from orchestrator.ray_cluster import connect
 
         cfg, grpo = self.config, self.config.grpo
-        self._shutdown = start_ray(cfg.ranks)
+        cluster = connect(cfg.ray_address, cpus=cfg.ranks + 1, runtime_env={"env_vars": {"TORCHDYNAMO_DISABLE": "1"}})
+        self._shutdown = cluster.close
+        # One bundle per rank (and the engine's): PACK keeps them on one node where they fit and
+        # spreads them over the cluster's nodes where they do not.
         group = placement_group([{"CPU": 1}] * (cfg.ranks + engine_bundle), strategy="PACK")
         ray.get(group.ready(), timeout=cfg.rank_timeout_s)
 
@@ -251,7 +268,14 @@ class ColocatedJob:
         worker_cls = remote_class(RankWorker)
         workers = [
             worker_cls.options(**placed(r)).remote(
-                r, cfg.ranks, port, grpo.model, grpo.clip_eps, own_process=True, trace_file=self._trace_file(f"rank{r}")
+                r,
+                cfg.ranks,
+                port,
+                grpo.model,
+                grpo.clip_eps,
+                own_process=True,
+                trace_file=self._trace_file(f"rank{r}"),
+                store_host=self._store_host,
             )
             for r in range(cfg.ranks)
         ]

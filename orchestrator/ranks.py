@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -117,6 +117,7 @@ class RankWorker(Traced):
         own_process: bool = False,
         trace_file: str | None = None,
         device: str = "cpu",
+        store_host: str = "127.0.0.1",  # where the store listens: the driver's IP as the cluster reaches it
     ) -> None:
         os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
         torch.set_num_threads(threads)  # ranks share the host's cores
@@ -133,7 +134,7 @@ class RankWorker(Traced):
             raise RuntimeError(f"rank {rank}: device {device}, but torch.cuda.is_available() is {not cuda}")
         self.rank, self.world_size, self.model, self.clip_eps = rank, world_size, model, clip_eps
         # The driver holds the rendezvous store, bound before any rank starts: no port to race for.
-        store = torch.distributed.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(minutes=5))
+        store = torch.distributed.TCPStore(store_host, port, is_master=False, timeout=timedelta(minutes=5))
         init_process_group(rank, world_size, port, "nccl" if cuda else "gloo", seed=model.seed, store=store)
         self.chunks, self.optimizer = build_gpt(model)
         self.trainer = MegatronTrainer(self.chunks, self.optimizer)
@@ -516,36 +517,3 @@ class EngineWorker(Traced):
         if name == "engine":  # not set yet: never recurse
             raise AttributeError(name)
         return getattr(self.engine, name)
-
-
-def start_ray(ranks: int) -> Callable[[], None]:
-    """A local Ray with one logical CPU per actor (ranks + engine); returns what stops it and
-    removes its session folder (Ray leaves `_temp_dir` behind)."""
-    import logging
-    import shutil
-    import tempfile
-
-    import ray
-
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    temp_dir = tempfile.mkdtemp(prefix="colocate-ray-")  # short: Ray's socket paths must fit in 107 bytes
-    try:
-        ray.init(
-            num_cpus=ranks + 1,
-            include_dashboard=False,
-            log_to_driver=False,
-            logging_level=logging.WARNING,
-            _temp_dir=temp_dir,
-            runtime_env={"env_vars": {"TORCHDYNAMO_DISABLE": "1"}},
-        )
-    except BaseException:
-        shutil.rmtree(temp_dir, ignore_errors=True)
-        raise
-
-    def shutdown() -> None:
-        try:
-            ray.shutdown()
-        finally:
-            shutil.rmtree(temp_dir, ignore_errors=True)
-
-    return shutdown
