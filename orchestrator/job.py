@@ -8,8 +8,11 @@ The trainer is real Megatron-core (DDP + DistributedOptimizer over gloo), the en
 Hugging Face Llama that receives the trained weights each step, and the policy learns a small
 verifiable task, which it could not if the weights did not arrive.
 
-On a GPU (`device="cuda"`) the rank trains over NCCL with torch_memory_saver regions. The engine
-is then either the same Llama on that GPU or running SGLang servers (`engine="sglang"`, one URL
+On GPUs (`device="cuda"`) each rank trains on a GPU of its own over NCCL, with torch_memory_saver
+regions. With several ranks, each is a Ray actor holding a whole GPU's bundle, beside an engine
+replica (the same Llama) in a process of its own on that GPU, which receives its rank's weights
+by CUDA IPC; a rollout is split between the replicas. With one rank, the engine is either the
+same Llama on that GPU or running SGLang servers (`engine="sglang"`, one URL
 each), which receive the weights by CUDA IPC from the rank's own memory, or, off the trainer's
 GPUs (`weight_sync="broadcast"`), over a process group rank 0 hosts.
 """
@@ -29,27 +32,19 @@ import torch
 from opentelemetry import trace
 
 from orchestrator.config import Device, EngineKind, LifecycleConfig, WeightSync, url_problems
-from orchestrator.errors import ConfigError
+from orchestrator.errors import ConfigError, RankFailed
 from orchestrator.grpo import GRPOConfig, SyntheticTask, group_advantages
 from orchestrator.lifecycle import Lifecycle
 from orchestrator.listeners import Listener
-from orchestrator.protocols import RolloutEngine
-from orchestrator.ranks import (
-    RANK_TIMEOUT_S,
-    Batch,
-    BroadcastTransport,
-    EngineClient,
-    EngineWorker,
-    RankGroup,
-    Ranks,
-    RankWorker,
-    WorkerTransport,
-    control,
-    remote_class,
-)
-from orchestrator.report import ReportListener, RunReport
+from orchestrator.protocols import RolloutEngine, WeightTransport
+from orchestrator.report import DeviceMemoryListener, ReportListener, RunReport
 from orchestrator.tracing import exporters_requested
 from orchestrator.transport import Named
+from orchestrator.workers.engine_replica import EngineReplica
+from orchestrator.workers.fanout import BroadcastPush, DistributedTrainer, RankZeroPush, ReplicaIpcPush, ReplicaSet
+from orchestrator.workers.pool import RANK_TIMEOUT_S, WorkerPool, control, remote_class
+from orchestrator.workers.traced import Traced
+from orchestrator.workers.trainer_rank import Batch, TrainerRank
 from states import Mode, Phase
 
 
@@ -94,10 +89,12 @@ class RunConfig:
             problems.append("--weight-sync broadcast is for --engine sglang")
         if self.device is Device.CUDA and not torch.cuda.is_available():
             problems.append("--device cuda: no CUDA device is visible to this process")
-        if self.device is Device.CUDA and self.ranks > 1:
+        if self.device is Device.CUDA and torch.cuda.is_available() and self.ranks > torch.cuda.device_count():
             problems.append(
-                f"--device cuda runs one rank (got --ranks {self.ranks}): several GPU ranks are not built yet"
+                f"--device cuda --ranks {self.ranks}: one rank per GPU, and {torch.cuda.device_count()} GPU(s) are visible"
             )
+        if self.device is Device.CUDA and self.ranks > 1 and self.engine is EngineKind.SGLANG:
+            problems.append("--device cuda --ranks N > 1 runs the transformers engine (a replica per GPU), not sglang")
         if self.steps < 1:
             problems.append(f"--steps must be at least 1, got {self.steps}")
         if self.ranks < 1:
@@ -153,7 +150,7 @@ class ColocatedJob:
         self._shutdown: Callable[[], None] = lambda: None
         self._close_engine: Callable[[], None] = lambda: None
         self._actors: list[Any] = []  # Ray actors this job started: ranks, then the engine
-        self._local_workers: list[RankWorker] = []  # ranks in this process (--ranks 1)
+        self._local_workers: list[TrainerRank] = []  # ranks in this process (--ranks 1)
         self._broadcast = config.weight_sync is WeightSync.BROADCAST
         self._store: torch.distributed.TCPStore | None = rendezvous_store()
         self._port = int(self._store.port)
@@ -169,35 +166,42 @@ class ColocatedJob:
     def _build(self, listeners: Sequence[Listener]) -> None:
         config = self.config
         ranks, self.engine = self._start()
-        self.group = RankGroup(ranks)
+        self.trainer = DistributedTrainer(ranks)
         self.report = RunReport(mode=config.mode.value, ranks=config.ranks)
+        if config.device is Device.CUDA:
+            self.report.gpu_total_bytes = [total for _, total in self.trainer.device_memory()]
+            listeners = [DeviceMemoryListener(self.report, self.trainer), *listeners]
         # The config guards judge the Megatron flags the ranks really built with.
         lifecycle_config = LifecycleConfig(
-            mode=config.mode, verify_cycles=config.verify_cycles, setup=self.group.setup()
+            mode=config.mode, verify_cycles=config.verify_cycles, setup=self.trainer.setup()
         )
         self.lifecycle = Lifecycle(
             config=lifecycle_config,
-            trainer=self.group,
-            regions=self.group,
+            trainer=self.trainer,
+            regions=self.trainer,
             engine=self.engine,
-            transport=(
-                BroadcastTransport(ranks, config.bucket_bytes)
-                if self._broadcast
-                else WorkerTransport(ranks, self.engine, config.bucket_bytes)
-            ),
+            transport=self._transport(ranks),
             listeners=[ReportListener(self.report), *listeners],
         )
         layout = self.lifecycle.snapshot().layout
         self.report.param_bytes_bf16_per_rank = layout.param_bytes
 
-    def _engine_args(self) -> dict[str, Any]:
+    def _transport(self, ranks: WorkerPool[TrainerRank]) -> WeightTransport:
+        bucket = self.config.bucket_bytes
+        if self._broadcast:
+            return BroadcastPush(ranks, bucket)
+        if isinstance(self.engine, ReplicaSet) and len(self.engine.replicas) > 1:
+            return ReplicaIpcPush(ranks, self.engine, bucket)
+        return RankZeroPush(ranks, self.engine, bucket)
+
+    def _engine_args(self, replicas: int) -> dict[str, Any]:
         grpo = self.config.grpo
-        return {"max_batch": grpo.prompts_per_step * grpo.group_size, "max_len": grpo.max_len}
+        return {"max_batch": grpo.prompts_per_step * grpo.group_size // replicas, "max_len": grpo.max_len}
 
     def _trace_file(self, role: str) -> str | None:
         return str(self.trace_dir / f"{role}.otlp.jsonl") if self.trace_dir is not None else None
 
-    def _start(self) -> tuple[Ranks, JobEngine]:
+    def _start(self) -> tuple[WorkerPool[TrainerRank], JobEngine]:
         cfg, grpo = self.config, self.config.grpo
         if cfg.device is Device.CPU:
             os.environ["CUDA_VISIBLE_DEVICES"] = ""  # this process and its Ray actors: ranks never see a GPU
@@ -218,21 +222,26 @@ class ColocatedJob:
         if cfg.ranks == 1:
             # One process: the driver's tracer provider serves the rank and the engine too.
             threads = torch.get_num_threads()
-            worker = RankWorker(0, 1, port, grpo.model, grpo.clip_eps, threads=threads, device=cfg.device)
+            worker = TrainerRank(0, 1, port, grpo.model, grpo.clip_eps, threads=threads, device=cfg.device)
             self._local_workers.append(worker)
-            ranks = Ranks([worker], remote=False)
-            engine = sglang or EngineClient(EngineWorker(grpo.model, **self._engine_args()), remote=False)
+            ranks: WorkerPool[TrainerRank] = WorkerPool([worker], label="rank", remote=False)
+            replica = EngineReplica(grpo.model, **self._engine_args(1))
+            engine = sglang or ReplicaSet(WorkerPool([replica], label="engine", remote=False))
         else:
             ranks, placed = self._start_ray(port, engine_bundle=sglang is None)
-            engine = sglang or self._engine_actor(placed(cfg.ranks))
+            engine = sglang or self._engine_actors(placed)
         if self._broadcast and sglang is not None:  # rank 0 hosts the servers' weight-update group
             tp_sizes = [e.tp_size for e in sglang.engines]
-            ranks.call("join_weight_group", list(cfg.engine_urls), tp_sizes, _free_port(), only=0)
+            ranks.one(0, TrainerRank.join_weight_group, list(cfg.engine_urls), tp_sizes, _free_port())
         return ranks, engine
 
-    def _start_ray(self, port: int, *, engine_bundle: bool) -> tuple[Ranks, Callable[[int], dict[str, Any]]]:
-        """Ranks as Ray actors in one placement group (one bundle each, and one for the transformers
-        engine if `engine_bundle`); returns them and the actor options for bundle `i`."""
+    def _start_ray(
+        self, port: int, *, engine_bundle: bool
+    ) -> tuple[WorkerPool[TrainerRank], Callable[[int], dict[str, Any]]]:
+        """Ranks as Ray actors in one placement group; returns them and the actor options for
+        bundle `i`. On GPUs a bundle is one GPU, shared by its rank and its engine replica (half
+        of its CPU and GPU each, so Ray places both there); on the CPU each rank has a bundle,
+        and the engine one more if `engine_bundle`."""
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -240,38 +249,52 @@ class ColocatedJob:
         from orchestrator.ranks import start_ray
 
         cfg, grpo = self.config, self.config.grpo
+        cuda = cfg.device is Device.CUDA
         self._shutdown = start_ray(cfg.ranks)
-        group = placement_group([{"CPU": 1}] * (cfg.ranks + engine_bundle), strategy="PACK")
+        bundles = [{"CPU": 1, "GPU": 1}] * cfg.ranks if cuda else [{"CPU": 1}] * (cfg.ranks + engine_bundle)
+        group = placement_group(bundles, strategy="PACK")
         ray.get(group.ready(), timeout=cfg.rank_timeout_s)
 
         def placed(index: int) -> dict[str, Any]:
             strategy = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=index)
-            return {"num_cpus": 1, "scheduling_strategy": strategy, "max_restarts": 0}
+            share = {"num_cpus": 0.5, "num_gpus": 0.5} if cuda else {"num_cpus": 1}
+            return {**share, "scheduling_strategy": strategy, "max_restarts": 0}
 
-        worker_cls = remote_class(RankWorker)
+        rank_cls = remote_class(TrainerRank)
         workers = [
-            worker_cls.options(**placed(r)).remote(
-                r, cfg.ranks, port, grpo.model, grpo.clip_eps, own_process=True, trace_file=self._trace_file(f"rank{r}")
+            rank_cls.options(**placed(r)).remote(
+                r, cfg.ranks, port, grpo.model, grpo.clip_eps, own_process=True,
+                trace_file=self._trace_file(f"rank{r}"), device=cfg.device.value,
             )
             for r in range(cfg.ranks)
-        ]
+        ]  # fmt: skip
         self._actors += workers
-        ranks = Ranks(workers, remote=True, timeout=cfg.rank_timeout_s)
+        ranks: WorkerPool[TrainerRank] = WorkerPool(workers, label="rank", remote=True, timeout=cfg.rank_timeout_s)
         ranks.start()
         return ranks, placed
 
-    def _engine_actor(self, options: dict[str, Any]) -> EngineClient:
-        actor = (
-            remote_class(EngineWorker)
-            .options(**options)
-            .remote(
-                self.config.grpo.model, **self._engine_args(), own_process=True, trace_file=self._trace_file("engine")
+    def _engine_actors(self, placed: Callable[[int], dict[str, Any]]) -> ReplicaSet:
+        """On GPUs, a replica in each rank's bundle; on the CPU, one engine in the last bundle."""
+        cfg = self.config
+        count = cfg.ranks if cfg.device is Device.CUDA else 1
+        bundle = (lambda i: i) if count > 1 else (lambda i: cfg.ranks if cfg.device is Device.CPU else 0)
+        replica_cls = remote_class(EngineReplica)
+        actors = [
+            replica_cls.options(**placed(bundle(i))).remote(
+                cfg.grpo.model, **self._engine_args(count), index=i, replicas=count, own_process=True,
+                trace_file=self._trace_file("engine" if count == 1 else f"engine{i}"),
             )
+            for i in range(count)
+        ]  # fmt: skip
+        self._actors += actors
+        replicas: WorkerPool[EngineReplica] = WorkerPool(
+            actors, label="engine", remote=True, timeout=cfg.rank_timeout_s
         )
-        self._actors.append(actor)
-        client = EngineClient(actor, remote=True, timeout=self.config.rank_timeout_s)
-        client.start()
-        return client
+        try:
+            replicas.start()
+        except Exception as exc:
+            raise RankFailed("engine", "start", exc) from exc
+        return ReplicaSet(replicas)
 
     def run_step(self) -> StepOutcome:
         """One colocated step: sync the trained weights, roll out, restore, train on the rollout."""
@@ -287,8 +310,8 @@ class ColocatedJob:
             lc.drop_params()
             batch, reward = lc.rollout(self._rollout)
             lc.restore()
-            loss = lc.train(lambda: self.group.train(batch))
-            pinned = self.group.host_pinned_bytes()
+            loss = lc.train(lambda: self.trainer.train(batch))
+            pinned = self.trainer.host_pinned_bytes()
         current = self.report.steps[-1]
         current.reward_mean, current.loss, current.engine_matches_trainer = reward, loss, matches
         if matches is not None:
@@ -313,7 +336,7 @@ class ColocatedJob:
         engine = self.engine.digests()
         if engine is None:
             return None
-        return bool(engine == self.group.ranks.call("converted_digests", only=0)[0])
+        return bool(engine == self.trainer.converted_digests())
 
     def _rollout(self) -> tuple[Batch, float]:
         grpo = self.config.grpo
@@ -334,7 +357,7 @@ class ColocatedJob:
                 import ray
 
                 if self.trace_dir is not None or exporters_requested():
-                    refs = [control(actor, "flush_traces") for actor in self._actors]
+                    refs = [control(actor, Traced.flush_traces) for actor in self._actors]
                     ray.wait(refs, num_returns=len(refs), timeout=FLUSH_S)
                 for actor in self._actors:  # SIGKILL: a stopped process obeys it too
                     with contextlib.suppress(Exception):

@@ -87,7 +87,7 @@ def test_a_killed_rank_ends_the_run_with_a_clear_error(tmp_path: Path) -> None:
             time.sleep(1)
             for p in psutil.Process(proc.pid).children(recursive=True):
                 with contextlib.suppress(psutil.Error):
-                    if "RankWorker" in " ".join(p.cmdline()):
+                    if "TrainerRank" in " ".join(p.cmdline()):
                         victim = p
         assert victim is not None, "no rank actor started"
         time.sleep(15)  # let it get into the steps
