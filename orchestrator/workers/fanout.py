@@ -150,14 +150,15 @@ class RankZeroPush:
 
 class ReplicaIpcPush:
     """WeightTransport: every rank pushes its converted weights into the replica on its GPU by
-    CUDA IPC, through its staging buffer (`workers.staging`), all ranks at once."""
+    CUDA IPC, through its staging buffer (`workers.staging`), all ranks at once. The buffer holds
+    `bucket_bytes` or the largest tensor, whichever is more, and stays allocated for the run."""
 
     def __init__(self, ranks: WorkerPool[TrainerRank], replicas: ReplicaSet, bucket_bytes: int) -> None:
         self.ranks, self.replicas, self.bucket_bytes = ranks, replicas, bucket_bytes
         replicas.attach_staging(ranks.all(TrainerRank.share_staging, bucket_bytes))
 
     def push(self, version: int) -> TransferReport:
-        return _total(self.ranks.all(TrainerRank.push_to_replica, self.replicas, version, self.bucket_bytes))
+        return _total(self.ranks.all(TrainerRank.push_to_replica, self.replicas, version))
 
 
 class BroadcastPush:

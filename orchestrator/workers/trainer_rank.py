@@ -177,13 +177,14 @@ class TrainerRank(Traced):
         self._staging = StagingBuffer(max(bucket_bytes, largest))
         return self._staging.handle()
 
-    def push_to_replica(self, replicas: ReplicaSet, version: int, bucket_bytes: int) -> TransferReport:
+    def push_to_replica(self, replicas: ReplicaSet, version: int) -> TransferReport:
         """Every (converted) weight into the engine replica on this rank's GPU, through the
-        staging buffer: each rank holds every weight (DP), and its replica reads them by CUDA IPC."""
+        staging buffer: each rank holds every weight (DP), and its replica reads them by CUDA IPC.
+        A bucket is as large as the buffer: each one costs a call to the replica."""
         if self._staging is None:
             raise RuntimeError(f"rank {self.rank}: push_to_replica before share_staging")
         sink = self._staging.sink(replicas, self.rank)
-        return push_in_buckets(self.converted(), sink, version, bucket_bytes=bucket_bytes)
+        return push_in_buckets(self.converted(), sink, version, bucket_bytes=self._staging.buffer.numel())
 
     def join_weight_group(self, urls: Sequence[str], tp_sizes: Sequence[int], port: int) -> None:
         """Host SGLang's weight-update group for servers off this rank's GPU (rank 0 of it)."""
