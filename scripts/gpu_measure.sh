@@ -3,7 +3,7 @@
 #
 #   scripts/gpu_measure.sh [all|tests|runs|bench]     (default: all; run from the repository root)
 #
-# tests: the GPU tests (tests/gpu, marked gpu)            -> gpu_tests.json
+# tests: the GPU tests (tests/gpu, marked gpu; TESTS=path picks some) -> gpu_tests.json
 # runs:  colocate run --device cuda --ranks 2, tiny and llama-1b  -> run_tiny.json, run_llama-1b.json
 # bench: benchmarks/restore.py --ranks 2 and update_weights.py at llama-1b -> restore.json, update_weights.json
 # Everything's output also goes to $OUT/<part>.log.
@@ -18,7 +18,7 @@ TINY_STEPS=${TINY_STEPS:-30}
 BIG_STEPS=${BIG_STEPS:-12}
 
 tests() {
-  timeout "${TEST_TIMEOUT:-480}" $PY -m pytest -q -p no:cacheprovider -m gpu tests/gpu -rA -s \
+  timeout "${TEST_TIMEOUT:-480}" $PY -m pytest -q -p no:cacheprovider -m gpu ${TESTS:-tests/gpu} -rA -s \
     --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/tests.log" | tail -40
   $PY - "$OUT/gpu_tests.xml" "$OUT/gpu_tests.json" <<'PYEOF'
 import json, sys, xml.etree.ElementTree as ET
