@@ -82,7 +82,7 @@ class EngineReplica(Traced):
         return written
 
     # Serving.
-    def generate_share(
+    def generate(
         self, prompts: torch.Tensor, *, max_new_tokens: int, temperature: float, seed: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """This replica's contiguous share of the rows (replica i of n: the i-th n-th), sampled

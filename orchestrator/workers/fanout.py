@@ -117,7 +117,7 @@ class ReplicaSet:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each replica samples its share of the rows at once; the shares joined in order."""
         shares = self.replicas.all(
-            EngineReplica.generate_share, prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed
+            EngineReplica.generate, prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed
         )
         return torch.cat([c for c, _ in shares]), torch.cat([lp for _, lp in shares])
 
