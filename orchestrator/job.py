@@ -26,13 +26,13 @@ import socket
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from opentelemetry import trace
 
 from orchestrator.config import Device, EngineKind, LifecycleConfig, WeightSync, url_problems
-from orchestrator.errors import ConfigError, RankFailed
+from orchestrator.errors import ConfigError
 from orchestrator.grpo import GRPOConfig, SyntheticTask, group_advantages
 from orchestrator.lifecycle import Lifecycle
 from orchestrator.listeners import Listener
@@ -42,8 +42,8 @@ from orchestrator.tracing import exporters_requested
 from orchestrator.transport import Named
 from orchestrator.workers.engine_replica import EngineReplica
 from orchestrator.workers.fanout import BroadcastPush, DistributedTrainer, RankZeroPush, ReplicaIpcPush, ReplicaSet
-from orchestrator.workers.pool import RANK_TIMEOUT_S, WorkerPool, control, remote_class
-from orchestrator.workers.traced import Traced
+from orchestrator.workers.placement import RayPlacement
+from orchestrator.workers.pool import RANK_TIMEOUT_S, WorkerPool
 from orchestrator.workers.trainer_rank import Batch, TrainerRank
 from states import Mode, Phase
 
@@ -136,9 +136,6 @@ def rendezvous_store() -> torch.distributed.TCPStore:
     return torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
 
-FLUSH_S = 2.0  # how long the processes together may take to flush their spans when the job ends
-
-
 class ColocatedJob:
     """Builds the ranks, the engine and the lifecycle; `run_step()` runs one full cycle."""
 
@@ -147,9 +144,8 @@ class ColocatedJob:
         self.trace_dir = trace_dir  # where rank and engine processes write their spans
         self.task = SyntheticTask(config.grpo.task)
         self._generator = torch.Generator().manual_seed(config.seed)
-        self._shutdown: Callable[[], None] = lambda: None
         self._close_engine: Callable[[], None] = lambda: None
-        self._actors: list[Any] = []  # Ray actors this job started: ranks, then the engine
+        self._ray: RayPlacement | None = None  # with --ranks > 1: Ray and the actors it placed
         self._local_workers: list[TrainerRank] = []  # ranks in this process (--ranks 1)
         self._broadcast = config.weight_sync is WeightSync.BROADCAST
         self._store: torch.distributed.TCPStore | None = rendezvous_store()
@@ -194,10 +190,6 @@ class ColocatedJob:
             return ReplicaIpcPush(ranks, self.engine, bucket)
         return RankZeroPush(ranks, self.engine, bucket)
 
-    def _engine_args(self, replicas: int) -> dict[str, Any]:
-        grpo = self.config.grpo
-        return {"max_batch": grpo.prompts_per_step * grpo.group_size // replicas, "max_len": grpo.max_len}
-
     def _trace_file(self, role: str) -> str | None:
         return str(self.trace_dir / f"{role}.otlp.jsonl") if self.trace_dir is not None else None
 
@@ -225,76 +217,22 @@ class ColocatedJob:
             worker = TrainerRank(0, 1, port, grpo.model, grpo.clip_eps, threads=threads, device=cfg.device)
             self._local_workers.append(worker)
             ranks: WorkerPool[TrainerRank] = WorkerPool([worker], label="rank", remote=False)
-            replica = EngineReplica(grpo.model, **self._engine_args(1))
+            rows = grpo.prompts_per_step * grpo.group_size
+            replica = EngineReplica(grpo.model, max_batch=rows, max_len=grpo.max_len)
             engine = sglang or ReplicaSet(WorkerPool([replica], label="engine", remote=False))
         else:
-            ranks, placed = self._start_ray(port, engine_bundle=sglang is None)
-            engine = sglang or self._engine_actors(placed)
+            self._ray = RayPlacement(
+                ranks=cfg.ranks, cuda=cfg.device is Device.CUDA, engine_bundle=sglang is None,
+                timeout=cfg.rank_timeout_s, trace_file=self._trace_file,
+            )  # fmt: skip
+            ranks = self._ray.start_ranks(port, grpo.model, grpo.clip_eps)
+            engine = sglang or self._ray.start_engine(
+                grpo.model, rows=grpo.prompts_per_step * grpo.group_size, max_len=grpo.max_len
+            )
         if self._broadcast and sglang is not None:  # rank 0 hosts the servers' weight-update group
             tp_sizes = [e.tp_size for e in sglang.engines]
             ranks.one(0, TrainerRank.join_weight_group, list(cfg.engine_urls), tp_sizes, _free_port())
         return ranks, engine
-
-    def _start_ray(
-        self, port: int, *, engine_bundle: bool
-    ) -> tuple[WorkerPool[TrainerRank], Callable[[int], dict[str, Any]]]:
-        """Ranks as Ray actors in one placement group; returns them and the actor options for
-        bundle `i`. On GPUs a bundle is one GPU, shared by its rank and its engine replica (half
-        of its CPU and GPU each, so Ray places both there); on the CPU each rank has a bundle,
-        and the engine one more if `engine_bundle`."""
-        import ray
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from orchestrator.ranks import start_ray
-
-        cfg, grpo = self.config, self.config.grpo
-        cuda = cfg.device is Device.CUDA
-        self._shutdown = start_ray(cfg.ranks)
-        bundles = [{"CPU": 1, "GPU": 1}] * cfg.ranks if cuda else [{"CPU": 1}] * (cfg.ranks + engine_bundle)
-        group = placement_group(bundles, strategy="PACK")
-        ray.get(group.ready(), timeout=cfg.rank_timeout_s)
-
-        def placed(index: int) -> dict[str, Any]:
-            strategy = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=index)
-            share = {"num_cpus": 0.5, "num_gpus": 0.5} if cuda else {"num_cpus": 1}
-            return {**share, "scheduling_strategy": strategy, "max_restarts": 0}
-
-        rank_cls = remote_class(TrainerRank)
-        workers = [
-            rank_cls.options(**placed(r)).remote(
-                r, cfg.ranks, port, grpo.model, grpo.clip_eps, own_process=True,
-                trace_file=self._trace_file(f"rank{r}"), device=cfg.device.value,
-            )
-            for r in range(cfg.ranks)
-        ]  # fmt: skip
-        self._actors += workers
-        ranks: WorkerPool[TrainerRank] = WorkerPool(workers, label="rank", remote=True, timeout=cfg.rank_timeout_s)
-        ranks.start()
-        return ranks, placed
-
-    def _engine_actors(self, placed: Callable[[int], dict[str, Any]]) -> ReplicaSet:
-        """On GPUs, a replica in each rank's bundle; on the CPU, one engine in the last bundle."""
-        cfg = self.config
-        count = cfg.ranks if cfg.device is Device.CUDA else 1
-        bundle = (lambda i: i) if count > 1 else (lambda i: cfg.ranks if cfg.device is Device.CPU else 0)
-        replica_cls = remote_class(EngineReplica)
-        actors = [
-            replica_cls.options(**placed(bundle(i))).remote(
-                cfg.grpo.model, **self._engine_args(count), index=i, replicas=count, own_process=True,
-                trace_file=self._trace_file("engine" if count == 1 else f"engine{i}"),
-            )
-            for i in range(count)
-        ]  # fmt: skip
-        self._actors += actors
-        replicas: WorkerPool[EngineReplica] = WorkerPool(
-            actors, label="engine", remote=True, timeout=cfg.rank_timeout_s
-        )
-        try:
-            replicas.start()
-        except Exception as exc:
-            raise RankFailed("engine", "start", exc) from exc
-        return ReplicaSet(replicas)
 
     def run_step(self) -> StepOutcome:
         """One colocated step: sync the trained weights, roll out, restore, train on the rollout."""
@@ -350,23 +288,15 @@ class ColocatedJob:
         return Batch(prompts, completions, logprobs, advantages), float(rewards.mean())
 
     def close(self) -> None:
-        """Flush the spans of every process that has some to give, within `FLUSH_S` in all (a
-        dead or stopped one has none), then end the actors, Ray and the rendezvous store."""
+        """End the actors (their spans flushed first), Ray, the in-process ranks, the SGLang
+        connections and the rendezvous store, whatever state they are in."""
         try:
-            if self._actors:
-                import ray
-
-                if self.trace_dir is not None or exporters_requested():
-                    refs = [control(actor, Traced.flush_traces) for actor in self._actors]
-                    ray.wait(refs, num_returns=len(refs), timeout=FLUSH_S)
-                for actor in self._actors:  # SIGKILL: a stopped process obeys it too
-                    with contextlib.suppress(Exception):
-                        ray.kill(actor, no_restart=True)
+            if self._ray is not None:
+                self._ray.close(flush=self.trace_dir is not None or bool(exporters_requested()))
         finally:
-            self._actors = []
+            self._ray = None
             for worker in self._local_workers:
                 worker.close()
             self._local_workers = []
-            self._shutdown()
             self._close_engine()
             self._store = None  # the port goes back once no rank needs it

@@ -8,4 +8,7 @@
 - `fanout`: the driver's view of them as the lifecycle's Protocols: `DistributedTrainer` (Trainer
   and MemoryRegions over every rank), `ReplicaSet` (one RolloutEngine over every replica) and the
   weight transports.
+- `placement.RayPlacement`: Ray, the placement group (a bundle per GPU, shared by a rank and its
+  replica), and the actors in it.
+- `staging`: the buffer a rank's weights cross to its replica by CUDA IPC.
 """
