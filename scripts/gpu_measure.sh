@@ -4,7 +4,7 @@
 #   scripts/gpu_measure.sh [all|tests|runs|bench]     (default: all; run from the repository root)
 #
 # tests: the GPU tests (tests/gpu, marked gpu; TESTS=path picks some) -> gpu_tests.json
-# runs:  colocate run --device cuda --ranks 2, tiny and llama-1b  -> run_tiny.json, run_llama-1b.json
+# runs:  colocate run --device cuda --ranks 2, tiny and llama-1b (MODELS=... picks) -> run_<model>.json
 # bench: benchmarks/restore.py --ranks 2 and update_weights.py at llama-1b -> restore.json, update_weights.json
 # Everything's output also goes to $OUT/<part>.log.
 set -uo pipefail
@@ -44,7 +44,7 @@ PYEOF
 }
 
 runs() {
-  for model in tiny llama-1b; do
+  for model in ${MODELS:-tiny llama-1b}; do
     steps=$([ "$model" = tiny ] && echo "$TINY_STEPS" || echo "$BIG_STEPS")
     timeout "${RUN_TIMEOUT:-300}" $PY -m orchestrator.cli run --device cuda --ranks 2 --model "$model" \
       --steps "$steps" --report "$OUT/run_$model.json" 2>&1 | tee -a "$OUT/runs.log" | tail -30
