@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from orchestrator.listeners import Listener, TransitionRecord
-from states import Event
+from states import Event, Phase
 
 
 @dataclass
@@ -96,6 +96,8 @@ class DeviceMemoryListener(Listener):
         self.report, self.devices = report, devices
 
     def on_transition(self, record: TransitionRecord) -> None:
-        if self.report.steps:
+        # Not into FAULTED: a rank may be dead or hung then, and asking it would only wait out
+        # the rank timeout and log a second failure beside the one the fault names.
+        if self.report.steps and record.dst is not Phase.FAULTED:
             free = [f for f, _ in self.devices.device_memory()]
             self.report.steps[-1].gpu_free_bytes[record.dst.value] = free

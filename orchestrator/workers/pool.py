@@ -64,8 +64,8 @@ class WorkerPool(Generic[W]):
 
     Workers are objects in this process (`remote=False`) or Ray actors of their class. When a
     remote call fails, the worker named is the one at fault, not the first still busy: one whose
-    process died comes first, then one that is stopped or answers no probe (a hang), then the
-    first to raise. Workers blocked in a collective, waiting for that one, still answer probes.
+    process died comes first (the first call to fail, if several died), then one that is stopped
+    or answers no probe (a hang), then the first to raise. Workers blocked in a collective, waiting for that one, still answer probes.
     `label` names them in errors: "rank 1 (died)", "engine replica 0".
     """
 
@@ -150,7 +150,9 @@ class WorkerPool(Generic[W]):
             elif probe != "ok" or self._stopped(i):
                 hung.append(i)
         if died:
-            i, cause = died[0]
+            # The first call to fail, if its process died: a peer blocked in a collective with it
+            # may be torn down by NCCL a moment later, and died too by the time it is probed.
+            i, cause = next(((r, c) for r, c in died if first is not None and r == first[0]), died[0])
             return RankFailed(f"{self._name(i)} (died)", method, cause or RuntimeError("died"))
         if hung:
             i = min(hung, key=lambda r: (not self._stopped(r), r))
