@@ -35,7 +35,7 @@ class Slot:
 
     @property
     def nbytes(self) -> int:
-        return torch.Size(self.shape).numel() * torch.empty((), dtype=self.dtype).element_size()
+        return torch.Size(self.shape).numel() * self.dtype.itemsize
 
     def view(self, buffer: torch.Tensor) -> torch.Tensor:
         return buffer[self.offset : self.offset + self.nbytes].view(self.dtype).view(self.shape)
