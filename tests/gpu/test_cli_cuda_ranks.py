@@ -7,11 +7,14 @@ trace per step spans both ranks and both replicas, and a killed rank is named wi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -89,38 +92,44 @@ def test_every_step_is_one_trace_across_both_ranks_and_both_replicas(finished: t
     assert sum(1 for processes in processes_per_trace(trace).values() if processes == full) == STEPS
 
 
-def _pid_of(parent: int, actor: str, within: float = 300) -> int:
+def _rank_process(temp: str, within: float = 300) -> int:
+    """A rank actor's process of the run whose TMPDIR is `temp` (Ray's processes need not be the
+    run's children: a detached `ray start` is not)."""
     import psutil
 
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
-        for child in psutil.Process(parent).children(recursive=True):
-            try:
-                if actor in " ".join(child.cmdline()):
-                    return child.pid
-            except psutil.Error:
-                continue
+        for p in psutil.process_iter(["cmdline", "environ"]):
+            with contextlib.suppress(psutil.Error):
+                ours = (p.info["environ"] or {}).get("TMPDIR") == temp
+                if ours and "TrainerRank" in " ".join(p.info["cmdline"] or []):  # Ray titles it by its class
+                    return int(p.pid)
         time.sleep(0.5)
-    raise AssertionError(f"no process of {actor} within {within} s")
+    raise AssertionError(f"no rank process within {within} s")
 
 
 def test_a_killed_rank_is_named_within_the_bound(tmp_path: Path) -> None:
     pytest.importorskip("torch_memory_saver")
-    report = tmp_path / "report.json"
+    report, log = tmp_path / "report.json", tmp_path / "log.jsonl"
+    temp = tempfile.mkdtemp(prefix="cr-", dir="/tmp")  # short: Ray's socket paths must fit
     proc = subprocess.Popen(
         colocate("run", "--device", "cuda", "--ranks", "2", "--steps", "500",
-                 "--rank-timeout", str(RANK_TIMEOUT), "--report", str(report)),
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                 "--rank-timeout", str(RANK_TIMEOUT), "--report", str(report), "--log", str(log)),
+        cwd=ROOT, env={**os.environ, "TMPDIR": temp}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        victim = _pid_of(proc.pid, "TrainerRank")  # Ray titles an actor's process by its class
-        time.sleep(20)  # into the steps
+        victim = _rank_process(temp)
+        deadline = time.monotonic() + 300
+        while '"step": 2' not in (log.read_text() if log.exists() else ""):  # into the steps
+            assert proc.poll() is None and time.monotonic() < deadline, "no second step started"
+            time.sleep(0.5)
         os.kill(victim, signal.SIGKILL)
         killed = time.monotonic()
         _, stderr = proc.communicate(timeout=BOUND + 60)
         exited = time.monotonic()
     finally:
         proc.kill()
+        shutil.rmtree(temp, ignore_errors=True)
     print(f"kill -> exit: {exited - killed:.1f} s")
     assert proc.returncode == 1, stderr
     named = re.findall(r"rank (\d) \(died\) failed in", stderr)
