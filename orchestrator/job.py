@@ -217,9 +217,7 @@ class ColocatedJob:
             worker = TrainerRank(0, 1, port, grpo.model, grpo.clip_eps, threads=threads, device=cfg.device)
             self._local_workers.append(worker)
             ranks: WorkerPool[TrainerRank] = WorkerPool([worker], label="rank", remote=False)
-            rows = grpo.prompts_per_step * grpo.group_size
-            replica = EngineReplica(grpo.model, max_batch=rows, max_len=grpo.max_len)
-            engine = sglang or ReplicaSet(WorkerPool([replica], label="engine", remote=False))
+            engine = sglang or self._local_engine()
         else:
             self._ray = RayPlacement(
                 ranks=cfg.ranks, cuda=cfg.device is Device.CUDA, engine_bundle=sglang is None,
@@ -233,6 +231,13 @@ class ColocatedJob:
             tp_sizes = [e.tp_size for e in sglang.engines]
             ranks.one(0, TrainerRank.join_weight_group, list(cfg.engine_urls), tp_sizes, _free_port())
         return ranks, engine
+
+    def _local_engine(self) -> ReplicaSet:
+        """The transformers engine in this process (`--ranks 1`)."""
+        grpo = self.config.grpo
+        rows = grpo.prompts_per_step * grpo.group_size
+        replica = EngineReplica(grpo.model, max_batch=rows, max_len=grpo.max_len)
+        return ReplicaSet(WorkerPool([replica], label="engine", remote=False))
 
     def run_step(self) -> StepOutcome:
         """One colocated step: sync the trained weights, roll out, restore, train on the rollout."""
