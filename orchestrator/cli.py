@@ -112,14 +112,25 @@ def run_command(
     rank_timeout: Annotated[
         float, typer.Option(help="Seconds any rank or the engine may take to answer a call (start-up: 300 at least).")
     ] = 120.0,
+    model: Annotated[
+        str, typer.Option(help="Model preset: tiny (CPU-size), qwen-0.5b or llama-1b (GPU-size, random init).")
+    ] = "tiny",
 ) -> None:
     """Run the colocated GRPO demo: Megatron-core ranks and a rollout engine, one full cycle per step."""
+    from orchestrator.grpo import GRPOConfig
     from orchestrator.job import RunConfig
+    from orchestrator.presets import preset
     from orchestrator.run import output_problems, run
 
     problems: list[str] = output_problems(report=report, log=log, trace_dir=trace_dir)
     try:
+        grpo = GRPOConfig(model=preset(model))
+    except ValueError as exc:
+        problems.append(f"--model: {exc}")
+        grpo = GRPOConfig()
+    try:
         config = RunConfig(
+            grpo=grpo,
             steps=steps,
             ranks=ranks if ranks is not None else (1 if device is Device.CUDA else 2),
             mode=Mode(mode.value),

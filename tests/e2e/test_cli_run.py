@@ -96,7 +96,7 @@ def test_a_killed_rank_ends_the_run_with_a_clear_error(tmp_path: Path) -> None:
             for p in psutil.process_iter(["cmdline", "environ"]):
                 with contextlib.suppress(psutil.Error):
                     ours = (p.info["environ"] or {}).get("TMPDIR") == temp
-                    if ours and "RankWorker" in " ".join(p.info["cmdline"] or []):
+                    if ours and "TrainerRank" in " ".join(p.info["cmdline"] or []):
                         victim = p
         assert victim is not None, "no rank actor started"
         while '"step": 1' not in (log.read_text() if log.exists() else ""):  # into the steps

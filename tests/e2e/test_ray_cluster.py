@@ -213,7 +213,7 @@ def test_attach_runs_on_the_users_cluster_and_leaves_it_up(
     actors = cluster.ask(
         "print(json.dumps(sorted((a['ActorClassName'], a['State']) for a in ray._private.state.actors().values())))"
     )
-    assert actors == [["EngineWorker", "DEAD"], ["RankWorker", "DEAD"], ["RankWorker", "DEAD"]]
+    assert actors == [["EngineReplica", "DEAD"], ["TrainerRank", "DEAD"], ["TrainerRank", "DEAD"]]
     # And the cluster is still up: the same GCS, a live node with all its CPUs free again.
     assert psutil.pid_exists(gcs[0]) and psutil.Process(gcs[0]).status() != psutil.STATUS_ZOMBIE
     nodes = cluster.ask("print(json.dumps([n['Alive'] for n in ray.nodes()]))")
