@@ -124,8 +124,8 @@ def hf_llama(model: Sequence[Any], trainer: MegatronTrainer) -> Converter:
             convert(name, tensor)
         except ValueError as error:
             problems.append(str(error))
-    if problems:
-        raise ConfigError(problems)
+    if problems:  # a model-wide problem (MoE, say) is raised by every tensor it touches: name it once
+        raise ConfigError(list(dict.fromkeys(problems)))
     return per_tensor(convert)
 
 

@@ -55,8 +55,9 @@ def test_setup_is_read_from_megatrons_configs_not_taken_on_trust(embed: dict[str
 def test_what_the_one_call_refuses_is_named_and_leaves_the_engine_untouched(embed: dict[str, Any]) -> None:
     assert "mode must be one of" in embed["bad_mode"] and "'rematerialise'" in embed["bad_mode"]
     assert "'no-update-weights' has no update_weights" in embed["no_update_weights"]
-    assert "decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.weight" in embed["moe"], embed["moe"]
-    assert "MoE tensors have no dense Llama counterpart" in embed["moe"]
+    # The conversion refuses a MoE model by its config, once, and names the family that has experts.
+    assert "no HF llama equivalent: num_experts=2" in embed["moe"], embed["moe"]
+    assert "use qwen3_moe" in embed["moe"] and embed["moe"].count("num_experts=2") == 1, embed["moe"]
     assert "decoder.layers.1.mlp.router.expert_bias: not rebuilt from the fp32 mains" in embed["uncovered"]
     for problem in ("normalization='LayerNorm'", "share_embeddings_and_output_weights=True"):
         assert problem in embed["not_llama"], embed["not_llama"]
