@@ -1,5 +1,8 @@
 """colocate's controller: the lifecycle, its adapters' Protocols, tracing, logging and the CLI."""
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from orchestrator.core.config import LifecycleConfig
 from orchestrator.core.lifecycle import Lifecycle
 from orchestrator.errors import (
@@ -16,8 +19,34 @@ from orchestrator.errors import (
     RestoreMismatch,
     StashMismatch,
 )
-from orchestrator.protocols import MemoryRegions, RolloutEngine, Trainer, TransferReport, WeightTransport
+from orchestrator.protocols import (
+    LoadsWeights,
+    MemoryRegions,
+    RolloutEngine,
+    Trainer,
+    TrainerControl,
+    TransferReport,
+    WeightTransport,
+)
 from orchestrator.telemetry.listeners import FanOut, Listener, TransitionRecord
+
+if TYPE_CHECKING:
+    from orchestrator.adapters.megatron.cpu import enable_cpu_path
+    from orchestrator.adapters.megatron.embed import colocate_megatron
+
+# Names whose modules import torch: loaded at first use, so `import orchestrator` (and
+# `colocate diagram`) needs neither torch nor megatron-core.
+_LAZY = {
+    "colocate_megatron": "orchestrator.adapters.megatron.embed",
+    "enable_cpu_path": "orchestrator.adapters.megatron.cpu",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'orchestrator' has no attribute {name!r}")
+
 
 __all__ = [
     "ActionFailed",
@@ -31,6 +60,7 @@ __all__ = [
     "LifecycleConfig",
     "LifecycleError",
     "Listener",
+    "LoadsWeights",
     "MemoryRegions",
     "RankFailed",
     "RecoveryRefused",
@@ -39,7 +69,10 @@ __all__ = [
     "RolloutEngine",
     "StashMismatch",
     "Trainer",
+    "TrainerControl",
     "TransferReport",
     "TransitionRecord",
     "WeightTransport",
+    "colocate_megatron",
+    "enable_cpu_path",
 ]

@@ -134,6 +134,18 @@ class RankFailed(LifecycleError):
         super().__init__(f"{who} failed in {method}: {type(cause).__name__}: {cause}")
 
 
+class RayUnreachable(LifecycleError):
+    """No Ray cluster could be joined at `address` (nothing listens there, it refused this driver's
+    token, or it is not Ray)."""
+
+    _fields = ("address", "cause", "hint")
+
+    def __init__(self, address: str, cause: BaseException, hint: str = "") -> None:
+        self.address, self.cause, self.hint = address, cause, hint
+        why = f"{type(cause).__name__}: {cause}" + (f" ({hint})" if hint else "")
+        super().__init__(f"cannot join the Ray cluster at {address}: {why}")
+
+
 class RestoreMismatch(LifecycleError):
     """Params restored after a drop are not bit-identical to those dropped."""
 

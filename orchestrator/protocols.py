@@ -13,7 +13,7 @@ Adapters report what they did and never swallow a failed call: the controller de
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypeAlias, runtime_checkable
@@ -53,11 +53,11 @@ class MemoryRegions(Protocol):
 
 
 @runtime_checkable
-class Trainer(Protocol):
-    """The training side: params in DDP buffers, fp32 mains and Adam state in the optimizer.
+class TrainerControl(Protocol):
+    """What the lifecycle calls on the training side: where params live, stash, rebuild, digests.
 
-    The tensors a sync reads are the weight transport's business: `layout()` says where each
-    lives, so the lifecycle can refuse a sync that would read dropped memory.
+    `Trainer` adds the tensors a weight sync reads. A trainer whose ranks live in other processes
+    (the job's rank group) implements only this: its transport reads inside each rank.
     """
 
     def layout(self) -> TrainerLayout:
@@ -86,6 +86,27 @@ class Trainer(Protocol):
 
     def host_pinned_bytes(self) -> int:
         """Pinned host bytes this rank holds for restores."""
+        ...
+
+
+@runtime_checkable
+class Trainer(TrainerControl, Protocol):
+    """The training side in this process: params in DDP buffers, fp32 mains and Adam state in the
+    optimizer, and the tensors a weight transport reads.
+
+    `layout()` says where each sync tensor lives, so the lifecycle can refuse a sync that would
+    read dropped memory.
+    """
+
+    def sync_tensors(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """Every tensor the engine needs, named as `layout().sync_sources` names it.
+
+        **Read-only.** Each tensor is a view of a resident param (valid until the param buffer
+        is dropped) or a copy; never the storage a restore reads back from (the extras'
+        backup). A transport must not write to them: a write to a view changes the live param
+        (a transport can tell: the view's `_version` moves), a write to a copy changes nothing.
+        Read them inside `update_weights` only, while the lifecycle holds the params resident.
+        """
         ...
 
 
@@ -123,6 +144,17 @@ class WeightUpdateSessions(Protocol):
     bucket and the flush; the session closes on failure too."""
 
     def weight_update_session(self) -> AbstractContextManager[None]: ...
+
+
+@runtime_checkable
+class LoadsWeights(Protocol):
+    """An engine that takes weights bucket by bucket (SGLang's `/update_weights_from_tensor`,
+    the transformers engine): engine names and layouts, one bucket per call. It serves
+    `version` once every weight has arrived at that version."""
+
+    def update_weights(self, named: Sequence[tuple[str, torch.Tensor]], version: int) -> int:
+        """Load one bucket; returns the bytes written. Reads the tensors, never writes them."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)

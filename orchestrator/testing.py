@@ -114,7 +114,7 @@ class InMemoryTrainer:
     def sync_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         yield from self.params.items()
         if self._extra_backup is not None:
-            yield "router.expert_bias", self._extra_backup
+            yield "router.expert_bias", self._extra_backup.clone()  # read-only: never the backup itself
 
     def host_pinned_bytes(self) -> int:
         backups = [*self._param_backup.values(), *([self._extra_backup] if self._extra_backup is not None else [])]

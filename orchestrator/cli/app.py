@@ -98,20 +98,39 @@ def run_command(
         WeightSync,
         typer.Option(help="SGLang: tensor (CUDA IPC, servers on the trainer's GPUs) or broadcast (servers off them)."),
     ] = WeightSync.TENSOR,
+    ray_address: Annotated[
+        str | None,
+        typer.Option(
+            envvar="RAY_ADDRESS",
+            metavar="HOST:PORT",
+            help="Run the ranks on this running Ray cluster (its GCS address); unset: a private one on loopback.",
+        ),
+    ] = None,
     report: Annotated[Path | None, typer.Option(help="Write the run report here, as JSON.")] = None,
     trace_dir: Annotated[Path | None, typer.Option(help="Write OTLP-JSON traces under this folder.")] = None,
     log: Annotated[Path | None, typer.Option(help="Write one JSON log line per transition here.")] = None,
     rank_timeout: Annotated[
         float, typer.Option(help="Seconds any rank or the engine may take to answer a call (start-up: 300 at least).")
     ] = 120.0,
+    model: Annotated[
+        str, typer.Option(help="Model preset: tiny (CPU-size), qwen-0.5b or llama-1b (GPU-size, random init).")
+    ] = "tiny",
 ) -> None:
     """Run the colocated GRPO demo: Megatron-core ranks and a rollout engine, one full cycle per step."""
+    from orchestrator.demo.grpo import GRPOConfig
     from orchestrator.demo.job import RunConfig
+    from orchestrator.demo.presets import preset
     from orchestrator.demo.run import output_problems, run
 
     problems: list[str] = output_problems(report=report, log=log, trace_dir=trace_dir)
     try:
+        grpo = GRPOConfig(model=preset(model))
+    except ValueError as exc:
+        problems.append(f"--model: {exc}")
+        grpo = GRPOConfig()
+    try:
         config = RunConfig(
+            grpo=grpo,
             steps=steps,
             ranks=ranks if ranks is not None else (1 if device is Device.CUDA else 2),
             mode=Mode(mode.value),
@@ -122,6 +141,7 @@ def run_command(
             engine=engine,
             engine_urls=tuple(engine_url or ()),
             weight_sync=weight_sync,
+            ray_address=ray_address or None,
         )
     except ConfigError as exc:
         problems += [str(v) for v in exc.violations]

@@ -17,7 +17,7 @@ from guards.bitexact import restore_bit_identical
 from orchestrator.core.config import LifecycleConfig
 from orchestrator.core.regions import RegionLedger
 from orchestrator.errors import EngineError, RecoveryRefused, RestoreMismatch
-from orchestrator.protocols import RolloutEngine, Trainer, WeightTransport, WeightUpdateSessions
+from orchestrator.protocols import RolloutEngine, TrainerControl, WeightTransport, WeightUpdateSessions
 from orchestrator.telemetry.listeners import TransitionRecord
 from states import EngineMemory, Region
 
@@ -53,7 +53,7 @@ class Actions:
         self,
         config: LifecycleConfig,
         known: Known,
-        trainer: Trainer,
+        trainer: TrainerControl,
         regions: RegionLedger,
         engine: RolloutEngine | None,
         transport: WeightTransport | None,

@@ -29,7 +29,7 @@ from orchestrator.errors import (
     IllegalTransition,
     LifecycleError,
 )
-from orchestrator.protocols import MemoryRegions, RolloutEngine, Trainer, WeightTransport
+from orchestrator.protocols import MemoryRegions, RolloutEngine, TrainerControl, WeightTransport
 from orchestrator.telemetry.listeners import FanOut, Listener, TransitionRecord
 from states import INITIAL, TABLE, Event, Mode, Phase, Snapshot, TrainerLayout, Transition
 
@@ -72,7 +72,7 @@ class Lifecycle:
         self,
         *,
         config: LifecycleConfig,
-        trainer: Trainer,
+        trainer: TrainerControl,
         regions: MemoryRegions,
         engine: RolloutEngine | None = None,
         transport: WeightTransport | None = None,

@@ -8,8 +8,11 @@ The trainer is real Megatron-core (DDP + DistributedOptimizer over gloo), the en
 Hugging Face Llama that receives the trained weights each step, and the policy learns a small
 verifiable task, which it could not if the weights did not arrive.
 
-On a GPU (`device="cuda"`) the rank trains over NCCL with torch_memory_saver regions. The engine
-is then either the same Llama on that GPU or running SGLang servers (`engine="sglang"`, one URL
+On GPUs (`device="cuda"`) each rank trains on a GPU of its own over NCCL, with torch_memory_saver
+regions. With several ranks, each is a Ray actor holding a whole GPU's bundle, beside an engine
+replica (the same Llama) in a process of its own on that GPU, which receives its rank's weights
+by CUDA IPC; a rollout is split between the replicas. With one rank, the engine is either the
+same Llama on that GPU or running SGLang servers (`engine="sglang"`, one URL
 each), which receive the weights by CUDA IPC from the rank's own memory, or, off the trainer's
 GPUs (`weight_sync="broadcast"`), over a process group rank 0 hosts.
 """
@@ -23,7 +26,6 @@ import socket
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 from opentelemetry import trace
@@ -31,22 +33,15 @@ from opentelemetry import trace
 from orchestrator.core.config import Device, EngineKind, LifecycleConfig, WeightSync
 from orchestrator.core.lifecycle import Lifecycle
 from orchestrator.demo.grpo import GRPOConfig, SyntheticTask, group_advantages
-from orchestrator.demo.ranks import (
-    RANK_TIMEOUT_S,
-    Batch,
-    BroadcastTransport,
-    EngineClient,
-    EngineWorker,
-    RankGroup,
-    Ranks,
-    RankWorker,
-    WorkerTransport,
-    control,
-    remote_class,
-)
-from orchestrator.demo.report import ReportListener, RunReport
+from orchestrator.demo.ray_cluster import address_problems, driver_ip
+from orchestrator.demo.report import DeviceMemoryListener, ReportListener, RunReport
+from orchestrator.demo.workers.engine_replica import EngineReplica
+from orchestrator.demo.workers.fanout import BroadcastPush, DistributedTrainer, RankZeroPush, ReplicaIpcPush, ReplicaSet
+from orchestrator.demo.workers.placement import RayPlacement
+from orchestrator.demo.workers.pool import RANK_TIMEOUT_S, WorkerPool
+from orchestrator.demo.workers.trainer_rank import Batch, TrainerRank
 from orchestrator.errors import ConfigError
-from orchestrator.protocols import JobEngine
+from orchestrator.protocols import JobEngine, WeightTransport
 from orchestrator.telemetry.listeners import Listener
 from orchestrator.telemetry.tracing import exporters_requested
 from states import Mode, Phase
@@ -78,6 +73,9 @@ class RunConfig:
     engine: EngineKind = EngineKind.TRANSFORMERS
     engine_urls: tuple[str, ...] = ()
     weight_sync: WeightSync = WeightSync.TENSOR
+    # A running Ray cluster's GCS address (HOST:PORT) to run the ranks on; None: a private cluster
+    # of the job's own, on loopback (`orchestrator.demo.ray_cluster`).
+    ray_address: str | None = None
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
 
     def __post_init__(self) -> None:
@@ -90,10 +88,14 @@ class RunConfig:
             problems.append("--weight-sync broadcast is for --engine sglang")
         if self.device is Device.CUDA and not torch.cuda.is_available():
             problems.append("--device cuda: no CUDA device is visible to this process")
-        if self.device is Device.CUDA and self.ranks > 1:
+        if self.device is Device.CUDA and torch.cuda.is_available() and self.ranks > torch.cuda.device_count():
             problems.append(
-                f"--device cuda runs one rank (got --ranks {self.ranks}): several GPU ranks are not built yet"
+                f"--device cuda --ranks {self.ranks}: one rank per GPU, and {torch.cuda.device_count()} GPU(s) are visible"
             )
+        if self.device is Device.CUDA and self.ranks > 1 and self.engine is EngineKind.SGLANG:
+            problems.append("--device cuda --ranks N > 1 runs the transformers engine (a replica per GPU), not sglang")
+        if self.ray_address is not None:
+            problems += address_problems(self.ray_address)
         if self.steps < 1:
             problems.append(f"--steps must be at least 1, got {self.steps}")
         if self.ranks < 1:
@@ -129,13 +131,17 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def rendezvous_store() -> torch.distributed.TCPStore:
-    """The ranks' rendezvous store, bound by the driver to a port the system picks and held for
-    the job's life: the port is taken before any rank hears of it, so nothing can race for it."""
-    return torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-
-
-FLUSH_S = 2.0  # how long the processes together may take to flush their spans when the job ends
+def rendezvous_store(host: str = "127.0.0.1") -> torch.distributed.TCPStore:
+    """The ranks' rendezvous store, bound by the driver to `host` and a port the system picks, and
+    held for the job's life: the port is taken before any rank hears of it, so nothing can race
+    for it. The socket is bound here and handed over because the store's own server would listen
+    on every interface, whatever host it is given."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.create_server((host, 0), family=family)
+    port = int(listener.getsockname()[1])
+    return torch.distributed.TCPStore(
+        host, port, is_master=True, wait_for_workers=False, master_listen_fd=listener.detach()
+    )
 
 
 class ColocatedJob:
@@ -146,12 +152,12 @@ class ColocatedJob:
         self.trace_dir = trace_dir  # where rank and engine processes write their spans
         self.task = SyntheticTask(config.grpo.task)
         self._generator = torch.Generator().manual_seed(config.seed)
-        self._shutdown: Callable[[], None] = lambda: None
         self._close_engine: Callable[[], None] = lambda: None
-        self._actors: list[Any] = []  # Ray actors this job started: ranks, then the engine
-        self._local_workers: list[RankWorker] = []  # ranks in this process (--ranks 1)
+        self._ray: RayPlacement | None = None  # with --ranks > 1: Ray and the actors it placed
+        self._local_workers: list[TrainerRank] = []  # ranks in this process (--ranks 1)
         self._broadcast = config.weight_sync is WeightSync.BROADCAST
-        self._store: torch.distributed.TCPStore | None = rendezvous_store()
+        self._store_host = driver_ip(config.ray_address)
+        self._store: torch.distributed.TCPStore | None = rendezvous_store(self._store_host)
         self._port = int(self._store.port)
         try:
             # One trace for the start-up, so the engine's first release has a parent.
@@ -165,35 +171,38 @@ class ColocatedJob:
     def _build(self, listeners: Sequence[Listener]) -> None:
         config = self.config
         ranks, self.engine = self._start()
-        self.group = RankGroup(ranks)
+        self.trainer = DistributedTrainer(ranks)
         self.report = RunReport(mode=config.mode.value, ranks=config.ranks)
+        if config.device is Device.CUDA:
+            self.report.gpu_total_bytes = [total for _, total in self.trainer.device_memory()]
+            listeners = [DeviceMemoryListener(self.report, self.trainer), *listeners]
         # The config guards judge the Megatron flags the ranks really built with.
         lifecycle_config = LifecycleConfig(
-            mode=config.mode, verify_cycles=config.verify_cycles, setup=self.group.setup()
+            mode=config.mode, verify_cycles=config.verify_cycles, setup=self.trainer.setup()
         )
         self.lifecycle = Lifecycle(
             config=lifecycle_config,
-            trainer=self.group,
-            regions=self.group,
+            trainer=self.trainer,
+            regions=self.trainer,
             engine=self.engine,
-            transport=(
-                BroadcastTransport(ranks, config.bucket_bytes)
-                if self._broadcast
-                else WorkerTransport(ranks, self.engine, config.bucket_bytes)
-            ),
+            transport=self._transport(ranks),
             listeners=[ReportListener(self.report), *listeners],
         )
         layout = self.lifecycle.snapshot().layout
         self.report.param_bytes_bf16_per_rank = layout.param_bytes
 
-    def _engine_args(self) -> dict[str, Any]:
-        grpo = self.config.grpo
-        return {"max_batch": grpo.prompts_per_step * grpo.group_size, "max_len": grpo.max_len}
+    def _transport(self, ranks: WorkerPool[TrainerRank]) -> WeightTransport:
+        bucket = self.config.bucket_bytes
+        if self._broadcast:
+            return BroadcastPush(ranks, bucket)
+        if isinstance(self.engine, ReplicaSet) and len(self.engine.replicas) > 1:
+            return ReplicaIpcPush(ranks, self.engine, bucket)
+        return RankZeroPush(ranks, self.engine, bucket)
 
     def _trace_file(self, role: str) -> str | None:
         return str(self.trace_dir / f"{role}.otlp.jsonl") if self.trace_dir is not None else None
 
-    def _start(self) -> tuple[Ranks, JobEngine]:
+    def _start(self) -> tuple[WorkerPool[TrainerRank], JobEngine]:
         cfg, grpo = self.config, self.config.grpo
         if cfg.device is Device.CPU:
             os.environ["CUDA_VISIBLE_DEVICES"] = ""  # this process and its Ray actors: ranks never see a GPU
@@ -211,63 +220,34 @@ class ColocatedJob:
             self._close_engine = sglang.close
             sglang.connect()
         port = self._port
-        if cfg.ranks == 1:
+        if cfg.ranks == 1 and cfg.ray_address is None:
             # One process: the driver's tracer provider serves the rank and the engine too.
             threads = torch.get_num_threads()
-            worker = RankWorker(0, 1, port, grpo.model, grpo.clip_eps, threads=threads, device=cfg.device)
+            worker = TrainerRank(0, 1, port, grpo.model, grpo.clip_eps, threads=threads, device=cfg.device)
             self._local_workers.append(worker)
-            ranks = Ranks([worker], remote=False)
-            engine = sglang or EngineClient(EngineWorker(grpo.model, **self._engine_args()), remote=False)
+            ranks: WorkerPool[TrainerRank] = WorkerPool([worker], label="rank", remote=False)
+            engine = sglang or self._local_engine()
         else:
-            ranks, placed = self._start_ray(port, engine_bundle=sglang is None)
-            engine = sglang or self._engine_actor(placed(cfg.ranks))
+            self._ray = RayPlacement(
+                ranks=cfg.ranks, cuda=cfg.device is Device.CUDA, engine_bundle=sglang is None,
+                timeout=cfg.rank_timeout_s, trace_file=self._trace_file,
+                address=cfg.ray_address, store_host=self._store_host,
+            )  # fmt: skip
+            ranks = self._ray.start_ranks(port, grpo.model, grpo.clip_eps)
+            engine = sglang or self._ray.start_engine(
+                grpo.model, rows=grpo.prompts_per_step * grpo.group_size, max_len=grpo.max_len
+            )
         if self._broadcast and sglang is not None:  # rank 0 hosts the servers' weight-update group
             tp_sizes = [e.tp_size for e in sglang.engines]
-            ranks.call("join_weight_group", list(cfg.engine_urls), tp_sizes, _free_port(), only=0)
+            ranks.one(0, TrainerRank.join_weight_group, list(cfg.engine_urls), tp_sizes, _free_port())
         return ranks, engine
 
-    def _start_ray(self, port: int, *, engine_bundle: bool) -> tuple[Ranks, Callable[[int], dict[str, Any]]]:
-        """Ranks as Ray actors in one placement group (one bundle each, and one for the transformers
-        engine if `engine_bundle`); returns them and the actor options for bundle `i`."""
-        import ray
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from orchestrator.demo.ranks import start_ray
-
-        cfg, grpo = self.config, self.config.grpo
-        self._shutdown = start_ray(cfg.ranks)
-        group = placement_group([{"CPU": 1}] * (cfg.ranks + engine_bundle), strategy="PACK")
-        ray.get(group.ready(), timeout=cfg.rank_timeout_s)
-
-        def placed(index: int) -> dict[str, Any]:
-            strategy = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=index)
-            return {"num_cpus": 1, "scheduling_strategy": strategy, "max_restarts": 0}
-
-        worker_cls = remote_class(RankWorker)
-        workers = [
-            worker_cls.options(**placed(r)).remote(
-                r, cfg.ranks, port, grpo.model, grpo.clip_eps, own_process=True, trace_file=self._trace_file(f"rank{r}")
-            )
-            for r in range(cfg.ranks)
-        ]
-        self._actors += workers
-        ranks = Ranks(workers, remote=True, timeout=cfg.rank_timeout_s)
-        ranks.start()
-        return ranks, placed
-
-    def _engine_actor(self, options: dict[str, Any]) -> EngineClient:
-        actor = (
-            remote_class(EngineWorker)
-            .options(**options)
-            .remote(
-                self.config.grpo.model, **self._engine_args(), own_process=True, trace_file=self._trace_file("engine")
-            )
-        )
-        self._actors.append(actor)
-        client = EngineClient(actor, remote=True, timeout=self.config.rank_timeout_s)
-        client.start()
-        return client
+    def _local_engine(self) -> ReplicaSet:
+        """The transformers engine in this process (`--ranks 1`)."""
+        grpo = self.config.grpo
+        rows = grpo.prompts_per_step * grpo.group_size
+        replica = EngineReplica(grpo.model, max_batch=rows, max_len=grpo.max_len)
+        return ReplicaSet(WorkerPool([replica], label="engine", remote=False))
 
     def run_step(self) -> StepOutcome:
         """One colocated step: sync the trained weights, roll out, restore, train on the rollout."""
@@ -283,8 +263,8 @@ class ColocatedJob:
             lc.drop_params()
             batch, reward = lc.rollout(self._rollout)
             lc.restore()
-            loss = lc.train(lambda: self.group.train(batch))
-            pinned = self.group.host_pinned_bytes()
+            loss = lc.train(lambda: self.trainer.train(batch))
+            pinned = self.trainer.host_pinned_bytes()
         current = self.report.steps[-1]
         current.reward_mean, current.loss, current.engine_matches_trainer = reward, loss, matches
         if matches is not None:
@@ -309,7 +289,7 @@ class ColocatedJob:
         engine = self.engine.digests()
         if engine is None:
             return None
-        return bool(engine == self.group.ranks.call("converted_digests", only=0)[0])
+        return bool(engine == self.trainer.converted_digests())
 
     def _rollout(self) -> tuple[Batch, float]:
         grpo = self.config.grpo
@@ -323,23 +303,15 @@ class ColocatedJob:
         return Batch(prompts, completions, logprobs, advantages), float(rewards.mean())
 
     def close(self) -> None:
-        """Flush the spans of every process that has some to give, within `FLUSH_S` in all (a
-        dead or stopped one has none), then end the actors, Ray and the rendezvous store."""
+        """End the actors (their spans flushed first), Ray, the in-process ranks, the SGLang
+        connections and the rendezvous store, whatever state they are in."""
         try:
-            if self._actors:
-                import ray
-
-                if self.trace_dir is not None or exporters_requested():
-                    refs = [control(actor, "flush_traces") for actor in self._actors]
-                    ray.wait(refs, num_returns=len(refs), timeout=FLUSH_S)
-                for actor in self._actors:  # SIGKILL: a stopped process obeys it too
-                    with contextlib.suppress(Exception):
-                        ray.kill(actor, no_restart=True)
+            if self._ray is not None:
+                self._ray.close(flush=self.trace_dir is not None or bool(exporters_requested()))
         finally:
-            self._actors = []
+            self._ray = None
             for worker in self._local_workers:
                 worker.close()
             self._local_workers = []
-            self._shutdown()
             self._close_engine()
             self._store = None  # the port goes back once no rank needs it

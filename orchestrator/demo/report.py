@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from orchestrator.telemetry.listeners import Listener, TransitionRecord
-from states import Event
+from states import Event, Phase
 
 
 @dataclass
@@ -22,6 +22,8 @@ class StepReport:
     loss: float | None = None
     engine_matches_trainer: bool | None = None
     bytes_freed_at_drop: int = 0
+    # GPU runs: each GPU's free bytes (cudaMemGetInfo, in rank order) on entering each phase
+    gpu_free_bytes: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -35,6 +37,7 @@ class RunReport:
     trace_file: str | None = None
     error: str | None = None
     interrupted: bool = False  # stopped by Ctrl-C (SIGINT): the steps before it are kept
+    gpu_total_bytes: list[int] = field(default_factory=list)  # GPU runs: each rank's GPU, in rank order
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -77,3 +80,24 @@ class ReportListener(Listener):
         elif record.event is Event.RESTORE:
             verified = attributes.get("colocate.restore_verified")
             step.restore_verified = None if verified is None else bool(verified)
+
+
+class DeviceMemory(Protocol):
+    def device_memory(self) -> list[tuple[int, int]]:
+        """(free, total) bytes of each rank's GPU, in rank order."""
+        ...
+
+
+class DeviceMemoryListener(Listener):
+    """On GPUs: each GPU's free memory on entering each phase, read by the rank on that GPU
+    after the transition's action, so the lifecycle's memory order can be checked per GPU."""
+
+    def __init__(self, report: RunReport, devices: DeviceMemory) -> None:
+        self.report, self.devices = report, devices
+
+    def on_transition(self, record: TransitionRecord) -> None:
+        # Not into FAULTED: a rank may be dead or hung then, and asking it would only wait out
+        # the rank timeout and log a second failure beside the one the fault names.
+        if self.report.steps and record.dst is not Phase.FAULTED:
+            free = [f for f, _ in self.devices.device_memory()]
+            self.report.steps[-1].gpu_free_bytes[record.dst.value] = free

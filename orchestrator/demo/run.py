@@ -56,6 +56,8 @@ def summary(report: RunReport, seconds: float) -> Table:
     freed = [s.bytes_freed_at_drop for s in report.steps if s.bytes_freed_at_drop]
     if freed:
         table.add_row("freed at drop, all ranks", f"{freed[-1]:,} bytes")
+    for row in _gpu_rows(report):
+        table.add_row(*row)
     verified = [s.restore_verified for s in report.steps if s.restore_verified is not None]
     table.add_row("restores verified bit-identical", f"{sum(verified)} of {len(verified)} checked")
     matches = report.engine_matches_trainer
@@ -66,6 +68,18 @@ def summary(report: RunReport, seconds: float) -> Table:
     if report.trace_file:
         table.add_row("trace file", report.trace_file)
     return table
+
+
+def _gpu_rows(report: RunReport) -> list[tuple[str, str]]:
+    """GPU runs: each GPU's free memory on entering each phase of the last full step, in GiB."""
+    steps = [s for s in report.steps if s.gpu_free_bytes and s.loss is not None]
+    if not steps:
+        return []
+    gib = 1 << 30
+    return [
+        (f"GPU free at {phase}, GiB", " / ".join(f"{b / gib:.2f}" for b in free))
+        for phase, free in steps[-1].gpu_free_bytes.items()
+    ]
 
 
 def _file_problem(option: str, path: Path) -> str | None:

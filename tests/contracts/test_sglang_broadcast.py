@@ -20,7 +20,7 @@ import pytest
 import requests
 import torch
 
-from tests.cli import ROOT
+from tests.support.cli import ROOT
 from tests.support.sglang_server import SGLangStandIn, tensor_checksum
 from tests.support.sglang_weights import WEIGHTS, tensors
 

@@ -1,7 +1,7 @@
 """Every request colocate makes, judged by sglang 0.5.23's own code (the contract tier).
 
 Runs only where sglang imports: `scripts/sglang-contract-tier.sh` makes that environment and runs
-this file; elsewhere it is skipped. `tests/contracts/sglang_tier.py` says which of SGLang's code
+this file; elsewhere it is skipped. `tests/support/sglang_tier.py` says which of SGLang's code
 runs (its HTTP app, request classes, sampling-param checks, the scheduler's weight-update manager
 and flush) and what is replaced (the model runner, the ZMQ hop, the batches, torch_memory_saver).
 
@@ -24,7 +24,7 @@ if importlib.util.find_spec("sglang") is None:
 from orchestrator.adapters.engines.sglang import SGLangGroup
 from orchestrator.errors import EngineError
 from states import EngineMemory
-from tests.contracts import sglang_tier as tier
+from tests.support import sglang_tier as tier
 
 pytestmark = pytest.mark.timeout(120)
 

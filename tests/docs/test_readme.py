@@ -1,7 +1,8 @@
 """The README tells the truth: its set-up, its example, its CPU commands, its flags, its numbers.
 
 - The two set-up commands make a virtual environment, and `.ci/run` runs the test one verbatim.
-- The Python example is `examples/embed.py`, byte for byte, and it runs (its shell block).
+- The Python examples are `examples/embed.py` and `examples/megatron_loop.py`, byte for byte; the first
+  runs here (its shell block), the second in tests/e2e.
 - Every other shell block either runs here (in a scratch folder, verbatim) or needs a GPU/SGLang.
 - Every flag the README gives a `colocate` command exists in that command's `--help`, with a value
   its choices allow; flags of the benchmarks and of pip are checked against their own `--help`.
@@ -76,10 +77,12 @@ def test_the_two_setup_commands_make_a_venv_and_ci_runs_the_test_one() -> None:
 # ---- the example ------------------------------------------------------------------------------
 
 
-def test_the_python_example_is_the_example_file() -> None:
-    marked = README.split("<!-- examples/embed.py, verbatim -->", 1)[1]
-    lang, example = fenced(marked)[0]
-    assert lang == "python" and example == (ROOT / "examples" / "embed.py").read_text()
+def test_the_python_examples_are_the_example_files() -> None:
+    quoted = re.findall(r"<!-- (examples/\w+\.py), verbatim -->", README)
+    assert {"examples/embed.py", "examples/megatron_loop.py"} <= set(quoted)
+    for path in quoted:
+        lang, example = fenced(README.split(f"<!-- {path}, verbatim -->", 1)[1])[0]
+        assert lang == "python" and example == (ROOT / path).read_text(), f"the README's {path} is not the file"
     for _, fragment in (block for block in fenced(README) if block[0] == "python"):
         compile(fragment, "README.md", "exec")  # the other Python blocks are fragments: they parse
 

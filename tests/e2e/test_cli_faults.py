@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli import ROOT, colocate
+from tests.support.cli import ROOT, colocate
 
 psutil = pytest.importorskip("psutil")
 pytest.importorskip("megatron.core")
@@ -117,7 +117,7 @@ def leftovers(run: Run, pids: list[int]) -> list[str]:
 def test_a_killed_rank_is_named_and_ends_the_run_at_once(start) -> None:  # type: ignore[no-untyped-def]
     run = start()
     run.wait_for_step(2)
-    victim, other = run.pid_of("RankWorker(rank=1)"), run.pid_of("RankWorker(rank=0)")
+    victim, other = run.pid_of("TrainerRank(rank=1)"), run.pid_of("TrainerRank(rank=0)")
     os.kill(victim, signal.SIGKILL)
     killed = time.monotonic()
     exited, stderr = run.finish()
@@ -135,7 +135,7 @@ def test_a_killed_rank_is_named_and_ends_the_run_at_once(start) -> None:  # type
 def test_a_stopped_rank_is_named_within_the_timeout(start) -> None:  # type: ignore[no-untyped-def]
     run = start()
     run.wait_for_step(2)
-    victim, other = run.pid_of("RankWorker(rank=1)"), run.pid_of("RankWorker(rank=0)")
+    victim, other = run.pid_of("TrainerRank(rank=1)"), run.pid_of("TrainerRank(rank=0)")
     try:
         os.kill(victim, signal.SIGSTOP)
         stopped = time.monotonic()
@@ -156,7 +156,7 @@ def test_ctrl_c_keeps_the_steps_done_in_a_report_marked_interrupted(start, tmp_p
     traces = tmp_path / "traces"
     run = start("--trace-dir", str(traces))
     run.wait_for_step(3)
-    ranks = [run.pid_of(f"RankWorker(rank={r})") for r in (0, 1)]
+    ranks = [run.pid_of(f"TrainerRank(rank={r})") for r in (0, 1)]
     run.proc.send_signal(signal.SIGINT)  # `kill -INT`: the driver only
     _, stderr = run.finish()
     assert run.proc.returncode == 130, stderr

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli import ROOT, colocate
+from tests.support.cli import ROOT, colocate
 
 
 def run_in(temp: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -40,6 +40,10 @@ CASES = {
     "rank timeout nan": (lambda d: ["--rank-timeout", "nan"], "--rank-timeout must be a positive number"),
     "rank timeout inf": (lambda d: ["--rank-timeout", "inf"], "--rank-timeout must be a positive number"),
     "rank timeout negative": (lambda d: ["--rank-timeout", "-1"], "--rank-timeout must be a positive number"),
+    "unknown model": (
+        lambda d: ["--model", "gpt-5"],
+        "--model: unknown model preset 'gpt-5'; known: tiny, qwen-0.5b, llama-1b",
+    ),
     "seed negative": (lambda d: ["--seed", "-3"], "--seed must be >= 0"),
 }
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.cli import CYCLE, run, sglang_stand_ins
+from tests.support.cli import CYCLE, run, sglang_stand_ins
 
 pytest.importorskip("megatron.core")
 pytest.importorskip("transformers")

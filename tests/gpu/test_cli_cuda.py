@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.cli import CYCLE, run, sglang_stand_ins
+from tests.support.cli import CYCLE, run, sglang_stand_ins
 
 pytestmark = [
     pytest.mark.gpu,

@@ -37,3 +37,22 @@ def test_pause_returns_device_memory_and_keeps_addresses(rank: dict, mode: str) 
     for cycle in rank[mode]:
         assert cycle["same_address"], "torch_memory_saver resumes at the same virtual address"
         assert cycle["bytes_freed"] >= cycle["param_buffer_bytes"], cycle
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["dp2", "ep2"])
+def two_ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """The same scenario on two GPUs over NCCL: DP = 2, then EP = 2 (experts in their own buffers)."""
+    pytest.importorskip("torch_memory_saver")
+    if torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 GPUs, {torch.cuda.device_count()} visible")
+    from tests.support.megatron_ranks import run_ranks
+
+    return run_ranks("cycles", 2, tmp_path_factory.mktemp("gpu2"), ep=request.param)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_two_ranks_restore_bit_identical_at_the_same_addresses(two_ranks: list[dict], mode: str) -> None:
+    for rank in two_ranks:
+        assert [c["bit_identical"] for c in rank[mode]] == [True] * 3, [c["reason"] for c in rank[mode]]
+        assert all(c["same_address"] for c in rank[mode])
+        assert all(c["bytes_freed"] >= c["param_buffer_bytes"] for c in rank[mode])

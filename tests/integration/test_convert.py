@@ -1,4 +1,4 @@
-"""Megatron-core GPT → HF Llama: the name and shape rules (fast), then the real thing (slow): a
+"""Megatron-core GPT → HF: the name and shape rules of each family (fast), then the real thing (slow): a
 megatron-core GPT at world size 1 in a spawned gloo process, its params converted and loaded into
 `TransformersEngine`, whose logits must match Megatron's within bf16 tolerance, while each classic
 mapping mistake must not.
@@ -19,7 +19,16 @@ pytest.importorskip("transformers")
 
 from orchestrator.adapters.digest import sha256_digests
 from orchestrator.adapters.engines.transformers import TransformersEngine
-from orchestrator.adapters.megatron.convert import convert, hf_llama_config, hf_names, to_hf
+from orchestrator.adapters.megatron.convert import (
+    Family,
+    ModelSpec,
+    convert,
+    hf_buckets,
+    hf_config,
+    hf_llama_config,
+    hf_names,
+    to_hf,
+)
 from orchestrator.adapters.megatron.gpt import TinyGPTConfig
 
 # GQA with 4 heads per group (so a split that ignores the grouping moves heads), and a theta
@@ -138,6 +147,98 @@ def test_te_fused_norm_names_map_to_the_same_norms() -> None:
     assert to_hf("decoder.layers.0.mlp.linear_fc1.layer_norm_weight", norm, GQA)[0][0] == (
         "model.layers.0.post_attention_layernorm.weight"
     )
+
+
+# ---- the families: Qwen3's q/k norm, Qwen3-MoE's router and experts ---------------------------------
+
+MOE = ModelSpec(
+    family=Family.QWEN3_MOE,
+    vocab_size=128,
+    hidden_size=64,
+    num_layers=2,
+    num_attention_heads=4,
+    num_query_groups=2,
+    head_dim=16,
+    ffn_hidden_size=128,
+    max_position_embeddings=32,
+    rotary_base=500000.0,
+    qk_layernorm=True,
+    num_experts=4,
+    moe_ffn_hidden_size=32,
+    moe_router_topk=2,
+    moe_layers=(1,),
+)
+QWEN3 = ModelSpec(**{**MOE.to_dict(), "family": Family.QWEN3, "num_experts": 0, "moe_layers": ()})
+
+
+@pytest.mark.parametrize("spec", [ModelSpec.from_tiny(GQA), QWEN3, MOE], ids=lambda s: s.family.value)
+def test_hf_names_are_what_transformers_saves(spec: ModelSpec, tmp_path: Path) -> None:
+    """The checkpoint names an engine loads: transformers' own `save_pretrained` writes them
+    (for Qwen3-MoE it un-fuses its experts into exactly these)."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_config(hf_config(spec)).save_pretrained(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as saved:
+        assert sorted(saved.keys()) == sorted(hf_names(spec))
+
+
+def test_qk_norms_map_to_qwen3s() -> None:
+    norm = torch.ones(16)
+    for spec in (QWEN3, MOE):
+        ((name, _),) = to_hf("decoder.layers.1.self_attention.k_layernorm.weight", norm, spec)
+        assert name == "model.layers.1.self_attn.k_norm.weight"
+
+
+def test_router_and_experts_map_to_qwen3_moes() -> None:
+    fc1 = torch.arange(64, dtype=torch.float32)[:, None].expand(-1, 64)
+    (gate_name, gate), (up_name, up) = to_hf("decoder.layers.1.mlp.experts.local_experts.3.linear_fc1.weight", fc1, MOE)
+    assert (gate_name, up_name) == (
+        "model.layers.1.mlp.experts.3.gate_proj.weight",
+        "model.layers.1.mlp.experts.3.up_proj.weight",
+    )
+    assert gate[:, 0].tolist() == list(range(32)) and up[0, 0] == 32
+    ((router, _),) = to_hf("decoder.layers.1.mlp.router.weight", torch.zeros(4, 64), MOE)
+    assert router == "model.layers.1.mlp.gate.weight"
+    ((down, _),) = to_hf("decoder.layers.1.mlp.experts.local_experts.0.linear_fc2.weight", torch.zeros(64, 32), MOE)
+    assert down == "model.layers.1.mlp.experts.0.down_proj.weight"
+
+
+@pytest.mark.parametrize(
+    ("name", "shape", "why"),
+    [
+        ("decoder.layers.1.mlp.router.expert_bias", (4,), "no expert bias"),
+        (
+            "decoder.layers.1.mlp.experts.local_experts.4.linear_fc2.weight",
+            (64, 32),
+            "expert 4 is beyond num_experts=4",
+        ),
+        ("decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight", (64, 32), "layer 0 is a dense layer"),
+        ("decoder.layers.1.mlp.linear_fc1.weight", (256, 64), "layer 1 is an MoE layer"),
+    ],
+)
+def test_moe_tensors_out_of_place_are_refused_by_name(name: str, shape: tuple[int, ...], why: str) -> None:
+    with pytest.raises(ValueError, match=f"{name!r}.*{why}"):
+        to_hf(name, torch.zeros(shape), MOE)
+
+
+@pytest.mark.parametrize(
+    ("family", "change", "why"),
+    [
+        (Family.LLAMA, {"num_experts": 0, "moe_layers": ()}, "qk_layernorm .Llama has no q/k norm"),
+        (Family.QWEN3, {"qk_layernorm": True}, "num_experts=4 .the qwen3 family is dense"),
+        (Family.QWEN3_MOE, {"expert_bias": True}, "Qwen3-MoE's router has no expert bias"),
+        (Family.QWEN3_MOE, {"qk_layernorm": False}, "no qk_layernorm"),
+    ],
+)
+def test_a_model_the_family_cannot_compute_is_refused(family: Family, change: dict[str, Any], why: str) -> None:
+    with pytest.raises(ValueError, match=f"no HF {family.value} equivalent: .*{why}"):
+        ModelSpec(**{**MOE.to_dict(), **change, "family": family})
+
+
+def test_a_bucket_budget_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="bucket_bytes must be positive, not 0"):
+        next(hf_buckets([], family="llama", bucket_bytes=0))
 
 
 # ---- the real Megatron GPT (slow) ---------------------------------------------------------------

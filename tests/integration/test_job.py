@@ -18,6 +18,7 @@ pytest.importorskip("megatron.core")
 pytest.importorskip("transformers")
 
 from orchestrator.demo.job import ColocatedJob, RunConfig, rendezvous_store
+from orchestrator.errors import RankFailed
 from orchestrator.telemetry.listeners import Listener, TransitionRecord
 from orchestrator.telemetry.tracing import TracingListener
 from states import Event, Phase
@@ -33,7 +34,9 @@ class CorruptAfterSync(Listener):
 
     def on_transition(self, record: TransitionRecord) -> None:
         if record.event is Event.UPDATE_WEIGHTS and record.step == self.step:
-            weight = self.job[0].engine.target.engine.model.get_parameter("model.layers.0.mlp.down_proj.weight")
+            weight = (
+                self.job[0].engine.replicas.workers[0].engine.model.get_parameter("model.layers.0.mlp.down_proj.weight")
+            )
             weight.data.view(torch.int16).view(-1)[3] ^= 1
 
 
@@ -59,14 +62,14 @@ def test_a_failure_between_transitions_leaves_the_lifecycle_faulted_with_its_cau
     def digests() -> dict[str, str]:
         raise gone
 
-    job.engine.target.engine.digests = digests  # the in-process engine's own method
+    job.engine.replicas.workers[0].engine.digests = digests  # the in-process engine's own method
     try:
-        with pytest.raises(ConnectionError):
+        with pytest.raises(RankFailed, match="engine failed in digests: ConnectionError"):
             job.run_step()
     finally:
         job.close()
     assert job.lifecycle.phase is Phase.FAULTED
-    assert job.lifecycle.fault_cause is gone
+    assert isinstance(job.lifecycle.fault_cause, RankFailed) and job.lifecycle.fault_cause.cause is gone
     assert job.report.steps[-1].phases[-2:] == ["WEIGHTS_SYNCED", "FAULTED"]
 
 

@@ -30,7 +30,10 @@ def test_every_engine_problem_is_named_at_once() -> None:
         ({"engine": EngineKind.SGLANG}, "needs at least one --engine-url"),
         ({"engine_urls": ("http://a:1",)}, "--engine-url is for --engine sglang"),
         ({"weight_sync": WeightSync.BROADCAST}, "--weight-sync broadcast is for --engine sglang"),
-        ({"device": Device.CUDA, "ranks": 2}, "--device cuda runs one rank (got --ranks 2)"),
+        (
+            {"device": Device.CUDA, "ranks": 2, "engine": EngineKind.SGLANG, "engine_urls": ("http://a:1",)},
+            "--device cuda --ranks N > 1 runs the transformers engine",
+        ),
     ],
 )
 def test_refused_combinations(fields: dict[str, object], problem: str) -> None:
@@ -40,6 +43,15 @@ def test_refused_combinations(fields: dict[str, object], problem: str) -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is visible")
 def test_cuda_without_a_device_is_refused() -> None:
     assert "no CUDA device is visible" in "\n".join(problems(device=Device.CUDA, ranks=1))
+
+
+def test_more_gpu_ranks_than_gpus_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert "--device cuda --ranks 2: one rank per GPU, and 1 GPU(s) are visible" in "\n".join(
+        problems(device=Device.CUDA, ranks=2)
+    )
+    RunConfig(device=Device.CUDA, ranks=1)
 
 
 def test_the_defaults_and_an_sglang_config_are_accepted() -> None:

@@ -192,12 +192,16 @@ class TransformersEngine:
         self._check_bucket(named)
         if self._loading != version:
             self._loading, self._missing = version, set(self._params)
-        written = 0
+        targets: list[torch.Tensor] = [self._params[name] for name, _ in named]
+        sources = [tensor for _, tensor in named]
         with torch.no_grad():
-            for name, tensor in named:
-                self._params[name].copy_(tensor)
-                written += self._param_bytes[name]
-                self._missing.discard(name)
+            if all(t.dtype == s.dtype and t.device == s.device for t, s in zip(targets, sources, strict=True)):
+                torch._foreach_copy_(targets, sources)  # one multi-tensor launch, not one per tensor
+            else:
+                for target, source in zip(targets, sources, strict=True):
+                    target.copy_(source)
+        written = sum(self._param_bytes[name] for name, _ in named)
+        self._missing.difference_update(name for name, _ in named)
         self.cache_stale = True
         if not self._missing:
             self._version, self._loading = version, None

@@ -7,7 +7,8 @@ megatron-core assumes CUDA in four ways on the GPT / DDP / distributed-optimizer
    both are redirected per module: the megatron modules listed in ``_DEVICE_MODULES`` get a view
    of ``torch`` as their global ``torch``, whose ``cuda.current_device()`` is the CPU and whose
    factories map a CUDA device to the CPU. Global ``torch`` and every other module are untouched.
-   The list covers train, finalize, step, cast and all-gather (EP 1 and 2); another path that
+   The list covers train, finalize, step, cast and all-gather (EP 1 and 2), and Megatron's pipeline
+   schedules (TP, PP 2); another path that
    fails with "Torch not compiled with CUDA enabled" needs its module added.
 3. ``Tensor.type()`` compared with ``"torch.cuda.BFloat16Tensor"`` etc., to sort params into
    float16 and fp32 groups (``DistributedOptimizer.__init__``) and in an assert of the grad clipper.
@@ -47,6 +48,8 @@ _DEVICE_MODULES = (  # each one was seen to fail without the view (ablation, 0.1
     "megatron.core.tensor_parallel.mappings",
     "megatron.core.transformer.moe.router",
     "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.pipeline_parallel.schedules",  # PP > 1: the token count, the p2p shapes
+    "megatron.core.pipeline_parallel.p2p_communication",
     "megatron.core.transformer.utils",
     "megatron.core.utils",
 )
@@ -70,6 +73,7 @@ class _CudaView(types.ModuleType):
     current_device = staticmethod(lambda: _CPU)
     get_rng_state = staticmethod(lambda device="cuda": torch.get_rng_state())
     manual_seed = staticmethod(lambda seed: torch.manual_seed(seed))
+    synchronize = staticmethod(lambda device=None: None)  # CPU ops finish before they return
 
     def __getattr__(self, name: str) -> Any:
         return getattr(torch.cuda, name)

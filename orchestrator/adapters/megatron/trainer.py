@@ -26,7 +26,7 @@ import torch
 from orchestrator.adapters.digest import DIGESTS, DigestMethod
 from orchestrator.adapters.megatron.fast_cast import MainParamCast
 from orchestrator.adapters.transport.bucketed import nbytes
-from orchestrator.errors import StashMismatch
+from orchestrator.errors import ConfigError, StashMismatch
 from orchestrator.telemetry.tracing import process_span
 from states import Mode, Source, TrainerLayout, TrainingSetup
 
@@ -42,9 +42,33 @@ class Extra(StrEnum):
 ALL_EXTRAS = frozenset(Extra)
 
 
+# TrainingSetup fields that Megatron's own configs decide: read, never taken from the caller.
+MEGATRON_HOLDS = frozenset(
+    {
+        "distributed_optimizer",
+        "overlap_param_gather",
+        "optimizer_disabled",
+        "precision_aware_optimizer",
+        "optimizer_cpu_offload",
+    }
+)
+
+
 def megatron_setup(chunks: Sequence[Any], optimizer: Any, **flags: bool) -> TrainingSetup:
     """The `TrainingSetup` facts Megatron's own configs hold; `flags` give the trainer's others
-    (colocate, offload_train, lora, keep_old_actor, ...)."""
+    (colocate, offload_train, compute_advantages, lora, keep_old_actor, debug_train_only).
+
+    Raises ConfigError, naming them, for flags that Megatron's configs hold (the DDP config and
+    the optimizer config are the truth; change them, not the setup) and for unknown flags.
+    """
+    problems = [
+        f"{name}: read from Megatron's DDP and optimizer configs, not given"
+        for name in sorted(flags.keys() & MEGATRON_HOLDS)
+    ]
+    known = set(TrainingSetup.__dataclass_fields__)
+    problems += [f"{name}: not a TrainingSetup flag" for name in sorted(flags.keys() - known)]
+    if problems:
+        raise ConfigError(problems)
     ddp = [chunk.ddp_config for chunk in chunks]
     configs = [o.config for o in getattr(optimizer, "chained_optimizers", [optimizer]) if o is not None]
     return TrainingSetup(
@@ -219,9 +243,15 @@ class MegatronTrainer:
             return self._digest({**self._params, **self._extras})
 
     def sync_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Read-only (the Trainer Protocol): params are views of the resident param buffer;
+        extras are copies of their backup, made here, so that a transport writing to what it
+        was handed cannot change what the next restore copies back."""
         for name, source in self._sources.items():
             if source is Source.EXTRAS:
-                yield name, self._extra_backup[name]
+                backup = self._extra_backup.get(name)
+                if backup is None:
+                    raise LookupError(f"{name} is an extra with no backup yet: stash first (pause_grads does)")
+                yield name, backup.clone()
             elif source is Source.PARAM_BUFFER:
                 yield name, self._params[name].detach()
             else:
@@ -229,6 +259,14 @@ class MegatronTrainer:
 
     def host_pinned_bytes(self) -> int:
         return sum(nbytes(t) for t in (*self._extra_backup.values(), *self._param_backup))
+
+    def sync_shapes(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The sync tensors' names, shapes and dtypes, as tensors on the meta device: to check a
+        conversion before anything is stashed, paused or sent."""
+        tensors = {**self._params, **self._extras}
+        for name in self._sources:
+            if name in tensors:  # an uncovered buffer is no sync tensor: the lifecycle refuses it at init
+                yield name, torch.empty(tensors[name].shape, dtype=tensors[name].dtype, device="meta")
 
     # ---- the steps of a rematerialize restore, timed apart by the benchmark -----------------
 

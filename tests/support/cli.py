@@ -9,7 +9,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CYCLE = ["TRAIN", "GRADS_PAUSED", "WEIGHTS_SYNCED", "PARAMS_DROPPED", "ROLLOUT", "TRAIN"]
 
 

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Every GPU measurement of issue 14 on one 2-GPU machine, each written as JSON under $OUT.
+#
+#   scripts/gpu_measure.sh [all|tests|runs|bench]     (default: all; run from the repository root)
+#
+# tests: the GPU tests (tests/gpu, marked gpu; TESTS=path picks some) -> gpu_tests.json
+# runs:  colocate run --device cuda --ranks 2, tiny and llama-1b (MODELS=... picks) -> run_<model>.json
+# bench: benchmarks/restore.py --ranks 2 and update_weights.py at llama-1b -> restore.json, update_weights.json
+# Everything's output also goes to $OUT/<part>.log.
+set -uo pipefail
+OUT=${OUT:?set OUT to the folder for the results}
+PART=${1:-all}
+# NVLink multicast stays off: a program that uses it can take the host's GPUs out of service.
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 TORCHDYNAMO_DISABLE=1
+PY=${PYTHON:-python3}
+TINY_STEPS=${TINY_STEPS:-30}
+BIG_STEPS=${BIG_STEPS:-12}
+
+tests() {
+  timeout "${TEST_TIMEOUT:-480}" $PY -m pytest -q -p no:cacheprovider -m gpu ${TESTS:-tests/gpu} -rA -s \
+    --junitxml="$OUT/gpu_tests.xml" 2>&1 | tee "$OUT/tests.log" | tail -40
+  $PY - "$OUT/gpu_tests.xml" "$OUT/gpu_tests.json" <<'PYEOF'
+import json, sys, xml.etree.ElementTree as ET
+root = ET.parse(sys.argv[1]).getroot()
+cases = []
+for case in root.iter("testcase"):
+    outcome = "passed"
+    for kind in ("failure", "error", "skipped"):
+        node = case.find(kind)
+        if node is not None:
+            outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[kind]
+            detail = (node.get("message") or "")[:500]
+            break
+    else:
+        detail = ""
+    cases.append({"test": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
+                  "seconds": float(case.get("time", 0)), "detail": detail})
+counts = {k: sum(c["outcome"] == k for c in cases) for k in ("passed", "failed", "error", "skipped")}
+json.dump({"counts": counts, "cases": cases}, open(sys.argv[2], "w"), indent=1)
+print(counts)
+PYEOF
+  rm -f "$OUT/gpu_tests.xml"
+}
+
+runs() {
+  for model in ${MODELS:-tiny llama-1b}; do
+    steps=$([ "$model" = tiny ] && echo "$TINY_STEPS" || echo "$BIG_STEPS")
+    timeout "${RUN_TIMEOUT:-300}" $PY -m orchestrator.cli run --device cuda --ranks 2 --model "$model" \
+      --steps "$steps" --report "$OUT/run_$model.json" 2>&1 | tee -a "$OUT/runs.log" | tail -30
+  done
+}
+
+bench() {
+  timeout "${BENCH_TIMEOUT:-300}" $PY benchmarks/restore.py --ranks 2 --preset llama-1b --json \
+    > "$OUT/restore.json" 2> >(tee -a "$OUT/bench.log" | tail -20 >&2)
+  timeout "${BENCH_TIMEOUT:-300}" $PY benchmarks/update_weights.py --preset llama-1b \
+    --buckets-mib 64 256 1024 4096 --json > "$OUT/update_weights.json" 2> >(tee -a "$OUT/bench.log" | tail -20 >&2)
+  tail -c 3000 "$OUT/restore.json" "$OUT/update_weights.json"
+}
+
+case "$PART" in
+  all) tests; runs; bench ;;
+  tests) tests ;;
+  runs) runs ;;
+  bench) bench ;;
+  *) echo "unknown part $PART: all, tests, runs or bench" >&2; exit 2 ;;
+esac

@@ -1,0 +1,438 @@
+"""Megatron-core GPTs at TP=2, PP=2 and EP=2, trained a few steps, synced through `hf_buckets` and
+loaded into transformers' own LlamaForCausalLM, Qwen3ForCausalLM and Qwen3MoeForCausalLM: their
+logits must match Megatron's (computed across the pipeline stages by Megatron's own schedule)
+within bf16 tolerance.
+
+Each layout is one spawn of gloo ranks on the CPU path that builds, trains and syncs all three
+families in turn; the tests then compare per family. The ranks also measure the sync's peak extra
+memory (the bytes of the tensors it makes that are alive at once) against the bucket budget.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import traceback
+import weakref
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+pytest.importorskip("transformers")
+pytest.importorskip("megatron.core")
+
+from orchestrator.adapters.megatron.convert import Family, ModelSpec, hf_config, hf_names
+from tests.support.spawn import spawn_ranks
+
+SEQ, BATCH, VOCAB, STEPS = 16, 4, 128, 3
+BUCKET_BYTES = 40 << 10  # above the largest tensor, well below a stage's params
+LARGEST = 2 * 128 * 64 * 2  # bytes of the largest whole tensor: the dense linear_fc1, [2·ffn, hidden] bf16
+# max |Δlogit| of a token, over logits of mean magnitude about 0.8; measured at most 0.11 dense.
+TOLERANCE = 0.15
+ROUTING_FLIPS = 2  # of BATCH x SEQ = 64 tokens, for an MoE model (see the test)
+
+# name: (tensor-, pipeline-, expert-parallel size, world size). In "tp2pp2ep2" the experts are
+# not tensor-parallel (expert TP 1): their expert-parallel group is the dense TP group.
+LAYOUTS: dict[str, tuple[int, int, int, int]] = {
+    "tp2": (2, 1, 1, 2),
+    "pp2": (1, 2, 1, 2),
+    "ep2": (1, 1, 2, 2),
+    "tp2pp2ep2": (2, 2, 2, 4),
+}
+
+
+def _config(family: Family, tp: int, pp: int, ep: int) -> Any:
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+
+    moe: dict[str, Any] = {}
+    if family is Family.QWEN3_MOE:
+        moe = dict(
+            num_moe_experts=4,
+            moe_ffn_hidden_size=32,
+            moe_router_topk=2,
+            moe_router_score_function="softmax",
+            moe_router_load_balancing_type="none",
+            moe_grouped_gemm=False,
+            moe_layer_freq=[0, 1],  # layer 0 dense, layer 1 MoE: both kinds, on both PP stages
+            moe_token_dispatcher_type="allgather",
+        )
+    return TransformerConfig(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        kv_channels=16,
+        ffn_hidden_size=128,
+        qk_layernorm=family is not Family.LLAMA,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=0.125,  # Megatron's 0.02 leaves logits near 0, where a wrong mapping hides
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        pipeline_dtype=torch.bfloat16,
+        use_cpu_initialization=True,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep if moe else 1,  # a dense model keeps its params data-parallel
+        expert_tensor_parallel_size=tp if ep == 1 else 1,
+        **moe,
+    )
+
+
+def _build(family: Family, tp: int, pp: int, ep: int) -> tuple[list[Any], Any]:
+    """Megatron's own block spec and GPTModel, in Float16Module, DDP and DistributedOptimizer."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.transformer.module import Float16Module
+
+    config = _config(family, tp, pp, ep)
+    gpt = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_decoder_block_spec(
+            config, use_transformer_engine=False, normalization="RMSNorm"
+        ),
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+        rotary_base=500000,  # not HF's default, so a theta that is not passed through shows
+    )
+    ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
+    chunk = DistributedDataParallel(config, ddp, Float16Module(config, gpt))
+    chunk.broadcast_params()
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=0.02,
+            bf16=True,
+            params_dtype=torch.bfloat16,
+            use_distributed_optimizer=True,
+            clip_grad=1.0,
+        ),
+        [chunk],
+    )
+    return [chunk], optimizer
+
+
+def _batches(steps: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=generator) for _ in range(steps)]
+
+
+def _forward_step(batch: Any, model: Any) -> tuple[torch.Tensor, Any]:
+    tokens = next(batch)
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    positions = torch.arange(SEQ).expand_as(inputs)
+    out = model(inputs, positions, None, labels=labels if model.training else None)
+    return out, partial(_loss, labels.numel())
+
+
+def _loss(tokens: int, out: torch.Tensor, non_loss_data: bool = False) -> Any:
+    if non_loss_data:  # forward only: the logits, whole over the vocab (TP shards it)
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+        return gather_from_tensor_model_parallel_region(out).float()
+    loss = out.float().sum()
+    return loss, torch.tensor(tokens), {"loss": loss.detach()}
+
+
+def _schedule(chunks: list[Any], batch: torch.Tensor, *, forward_only: bool) -> list[Any]:
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    return get_forward_backward_func()(
+        forward_step_func=_forward_step,
+        data_iterator=iter([batch]),
+        model=chunks,
+        num_microbatches=1,
+        seq_length=SEQ,
+        micro_batch_size=BATCH,
+        forward_only=forward_only,
+        collect_non_loss_data=forward_only,
+    )
+
+
+def _train(chunks: list[Any], optimizer: Any) -> None:
+    """`STEPS` optimizer steps through Megatron's own schedule (1F1B across the PP stages).
+
+    Megatron refuses to train an MoE layer at TP > 1 without sequence parallelism ("performance
+    may degrade"), which its torch norms (no Transformer Engine or apex here) refuse in turn. In
+    eval mode the MoE layer computes the same here (no dropout, jitter or aux loss), so such a
+    model trains in eval mode: autograd and the optimizer are the same either way."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import finalize_model_grads
+
+    moe_at_tp = bool(chunks[0].config.num_moe_experts) and ps.get_tensor_model_parallel_world_size() > 1
+    for chunk in chunks:
+        chunk.train(not moe_at_tp)
+    for batch in _batches(STEPS):
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        _schedule(chunks, batch, forward_only=False)
+        finalize_model_grads(chunks)
+        optimizer.step()
+
+
+def _logits(chunks: list[Any], batch: torch.Tensor) -> torch.Tensor | None:
+    for chunk in chunks:
+        chunk.eval()
+    with torch.no_grad():
+        out = _schedule(chunks, batch, forward_only=True)
+    return out[0] if out else None  # only the last stage has them
+
+
+class _SyncWatch(TorchDispatchMode):
+    """While on: the bytes of the tensors made and still alive (every op's new storage counts from
+    the op until it is freed, on whichever thread drops it), `peak` the most at once, and
+    `gathers` the all-gathers. Storages an op shares with its inputs (views, in-place ops,
+    `detach`) are not new."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.held = self.peak = self.gathers = 0
+        self._live: dict[int, int] = {}
+
+    def _free(self, key: int) -> None:
+        self.held -= self._live.pop(key)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        self.gathers += str(func).startswith("c10d.allgather")
+        leaves = pytree.tree_leaves((args, kwargs))
+        inputs = {t.untyped_storage().data_ptr() for t in leaves if isinstance(t, torch.Tensor)}
+        out = func(*args, **kwargs)
+        for tensor in pytree.tree_leaves(out):
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            storage = tensor.untyped_storage()
+            key = storage.data_ptr()
+            if key in inputs or key in self._live or not storage.nbytes():
+                continue
+            self._live[key] = storage.nbytes()
+            self.held += storage.nbytes()
+            self.peak = max(self.peak, self.held)
+            weakref.finalize(storage, self._free, key)
+        return out
+
+
+def _sync(chunks: list[Any], family: Family) -> dict[str, Any]:
+    from orchestrator.adapters.megatron.convert import hf_buckets, is_sync_source
+
+    sizes = []
+    with _SyncWatch() as watch:
+        for bucket in hf_buckets(chunks, family=family, bucket_bytes=BUCKET_BYTES):
+            sizes.append(sum(t.numel() * t.element_size() for _, t in bucket))
+    state = {}
+    for bucket in hf_buckets(chunks, family=family, bucket_bytes=BUCKET_BYTES):
+        state.update(bucket)
+    param_bytes = sum(p.numel() * p.element_size() for p in chunks[0].parameters())
+    return {
+        "gathers": watch.gathers,
+        "sharded": _sharded_tensors(chunks),
+        "state": state if is_sync_source() else {},
+        "peak_extra_bytes": watch.peak,
+        "largest_bucket": max(sizes),
+        "buckets": len(sizes),
+        "param_bytes": param_bytes,
+        "synced_bytes": sum(sizes),
+    }
+
+
+def _sharded_tensors(chunks: list[Any]) -> int:
+    """How many of this rank's tensors other ranks hold parts of (plus the one exchange of expert
+    ranks an MoE model's sync starts with)."""
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    experts = ps.get_expert_tensor_parallel_world_size() * ps.get_expert_model_parallel_world_size()
+    count = int(bool(chunks[0].config.num_moe_experts))
+    for name, param in chunks[0].named_parameters():
+        if ".local_experts." in name:
+            count += experts > 1
+        else:
+            count += tp > 1 and bool(getattr(param, "tensor_model_parallel", False))
+    return count
+
+
+def _rank(rank: int, world: int, port: int, out: str, layout: tuple[int, int, int]) -> None:
+    os.environ["TORCHDYNAMO_DISABLE"] = "1"  # this spawned process only: the router's compile costs 9 s
+    result: dict[str, Any] = {}
+    try:
+        from megatron.core import parallel_state as ps
+        from megatron.core import tensor_parallel
+
+        from orchestrator.adapters.megatron.convert import model_spec
+        from orchestrator.adapters.megatron.cpu import enable_cpu_path
+
+        enable_cpu_path()
+        torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        tp, pp, ep = layout
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=tp if ep == 1 else 1,
+        )
+        batch = _batches(STEPS + 1)[-1]  # one the model was not trained on
+        tensors: dict[str, Any] = {"tokens": batch[:, :-1]}
+        for family in Family:
+            tensor_parallel.model_parallel_cuda_manual_seed(1234)
+            torch.manual_seed(1234)
+            chunks, optimizer = _build(family, tp, pp, ep)
+            _train(chunks, optimizer)
+            synced = _sync(chunks, family)
+            logits = _logits(chunks, batch)
+            source = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
+            tensors[family.value] = {
+                "state": synced.pop("state"),
+                "logits": logits if logits is not None and source else None,
+            }
+            result[family.value] = {**synced, "spec": model_spec(chunks, family).to_dict()}
+        torch.save(tensors, Path(out) / f"rank{rank}.pt")
+        ps.destroy_model_parallel()
+        torch.distributed.destroy_process_group()
+    except BaseException:
+        result = {"error": f"rank {rank}:\n{traceback.format_exc()}"}
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def layout(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    tp, pp, ep, world = LAYOUTS[request.param]
+    out = tmp_path_factory.mktemp(f"convert-{request.param}")
+    reports = spawn_ranks(_rank, world, out, args=((tp, pp, ep),), timeout=280)
+    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    return {"name": request.param, "reports": reports, "ranks": ranks}
+
+
+def _hf_logits(family: Family, spec: ModelSpec, state: dict[str, torch.Tensor], tokens: torch.Tensor, tmp: Path):
+    """Through `from_pretrained`, as an engine loads a checkpoint: transformers fuses the experts."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    config = hf_config(spec)
+    config.save_pretrained(tmp)
+    save_file({n: t.contiguous() for n, t in state.items()}, tmp / "model.safetensors")
+    model, info = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.bfloat16, output_loading_info=True)
+    problems = {k: v for k, v in info.items() if v}
+    assert not problems, f"{family}: transformers did not load the sync cleanly: {problems}"
+    expected = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+    assert type(model).__name__ == expected[family.value]
+    with torch.no_grad():
+        return model(tokens).logits.float()
+
+
+def _synced(layout: dict[str, Any], family: Family) -> tuple[ModelSpec, dict[str, torch.Tensor], torch.Tensor]:
+    """What the source ranks sent together, and Megatron's logits from the last stage."""
+    spec = ModelSpec.from_dict(layout["reports"][0][family.value]["spec"])
+    state: dict[str, torch.Tensor] = {}
+    for rank in layout["ranks"]:
+        for name, tensor in rank[family.value]["state"].items():
+            assert name not in state, f"{name} was sent by two source ranks"
+            state[name] = tensor
+    (logits,) = [r[family.value]["logits"] for r in layout["ranks"] if r[family.value]["logits"] is not None]
+    return spec, state, logits
+
+
+def _errors(layout: dict[str, Any], family: Family, state: dict[str, torch.Tensor], tmp: Path) -> torch.Tensor:
+    """|HF logits - Megatron logits|, [batch, seq, vocab]."""
+    spec, _, megatron = _synced(layout, family)
+    return (_hf_logits(family, spec, state, layout["ranks"][0]["tokens"], tmp) - megatron).abs()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(Family))
+def test_hf_logits_match_megatron(layout: dict[str, Any], family: Family, tmp_path: Path) -> None:
+    spec, state, megatron = _synced(layout, family)
+    assert sorted(state) == sorted(hf_names(spec)), "the source ranks together send every tensor once"
+    diff = _errors(layout, family, state, tmp_path)
+    errors = diff.amax(dim=-1)  # [batch, seq]: each token's worst logit
+    reports = [r[family.value] for r in layout["reports"]]
+    peak = max(r["peak_extra_bytes"] for r in reports)
+    flipped = int((errors > TOLERANCE).sum())
+    print(
+        f"\n{layout['name']} {family}: max |Δlogit| {diff.max():.4f}, mean {diff.mean():.5f}, "
+        f"tokens over {TOLERANCE}: {flipped}/{errors.numel()}, mean |logit| {megatron.abs().mean():.3f}; "
+        f"sync peak extra {peak} B, largest bucket {max(r['largest_bucket'] for r in reports)} B "
+        f"of budget {BUCKET_BYTES}, params {max(r['param_bytes'] for r in reports)} B a rank"
+    )
+    assert megatron.abs().mean() > 0.3, "logits near 0 would hide a wrong mapping"
+    # A bf16 near-tie in the router can send one token to another expert in HF than in Megatron:
+    # that token's logits move, the others' do not. A wrong mapping moves nearly every token.
+    allowed = ROUTING_FLIPS if spec.num_experts else 0
+    assert flipped <= allowed, f"{flipped} tokens over {TOLERANCE}: max {errors.max():.4f}"
+
+
+def _swap(state: dict[str, torch.Tensor], a: str, b: str) -> dict[str, torch.Tensor]:
+    """`state` with every name holding `a` and the same name holding `b` exchanged."""
+    out = dict(state)
+    for name in state:
+        if a in name and name.replace(a, b) in state:
+            out[name], out[name.replace(a, b)] = state[name.replace(a, b)], state[name]
+    return out
+
+
+def _fc1_shards_whole(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The TP=2 mistake: fc1's shards concatenated as they are, each a [gate; up] of its own."""
+    out = dict(state)
+    for name in state:
+        if name.endswith("gate_proj.weight"):
+            up = name.replace("gate_proj", "up_proj")
+            (g0, g1), (u0, u1) = state[name].chunk(2), state[up].chunk(2)
+            out[name], out[up] = torch.cat([g0, u0]), torch.cat([g1, u1])
+    return out
+
+
+MISTAKES = {  # layout: (what goes wrong, the sync with that mistake)
+    "tp2": ("fc1 shards concatenated whole", _fc1_shards_whole),
+    "pp2": ("layers without their stage's offset", lambda s: _swap(s, "layers.0.", "layers.1.")),
+    "ep2": ("experts in their rank's local order", lambda s: _swap(s, "experts.0.", "experts.2.")),
+    "tp2pp2ep2": ("fc1 shards concatenated whole", _fc1_shards_whole),
+}
+
+
+@pytest.mark.slow
+def test_a_wrong_gather_breaks_the_tolerance(layout: dict[str, Any], tmp_path: Path) -> None:
+    """Otherwise the match above would prove nothing about this layout's gathers."""
+    what, mistake = MISTAKES[layout["name"]]
+    family = Family.QWEN3_MOE
+    _, state, _ = _synced(layout, family)
+    errors = _errors(layout, family, mistake(state), tmp_path).amax(dim=-1)
+    broken = int((errors > TOLERANCE).sum())
+    print(f"\n{layout['name']} {what}: {broken}/{errors.numel()} tokens over {TOLERANCE}, max {errors.max():.3f}")
+    assert broken > 4 * ROUTING_FLIPS, f"{what}: only {broken} tokens over {TOLERANCE}, max {errors.max():.4f}"
+
+
+@pytest.mark.slow
+def test_each_tensor_is_gathered_once_and_no_rank_holds_more_than_one_bucket(layout: dict[str, Any]) -> None:
+    """The allocator's peak during the sync stays within one bucket plus the tensor in flight."""
+    for report in layout["reports"]:
+        for family in Family:
+            r = report[family.value]
+            assert r["largest_bucket"] <= BUCKET_BYTES
+            assert r["buckets"] > 1, "a budget below the model's size must split it"
+            # One bucket, plus the tensor in flight: its gathered shards and the whole they become.
+            assert r["peak_extra_bytes"] <= BUCKET_BYTES + 2 * LARGEST, (family, r)
+            assert r["peak_extra_bytes"] < r["synced_bytes"], (family, r)
+            assert r["gathers"] == r["sharded"], "each sharded tensor is gathered exactly once"

@@ -1,0 +1,72 @@
+"""The one-call embedding and the read-only sync, on real megatron-core (gloo, CPU) and a real
+transformers engine, each scenario in a spawned rank process (tests/support/embed_ranks.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+pytest.importorskip("transformers")
+
+from tests.support.embed_ranks import rank_main
+from tests.support.spawn import spawn_ranks
+
+pytestmark = pytest.mark.slow
+
+
+def run(scenario: str, out: Path) -> dict[str, Any]:
+    (result,) = spawn_ranks(rank_main, 1, out, args=(scenario,))
+    return result
+
+
+@pytest.fixture(scope="module")
+def embed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return run("embed", tmp_path_factory.mktemp("embed"))
+
+
+def test_a_transport_writing_to_the_extras_it_reads_leaves_the_next_restore_bit_identical(tmp_path: Path) -> None:
+    result = run("extras_written", tmp_path)
+    assert result["is_trainer"], "MegatronTrainer implements the Trainer Protocol, sync_tensors included"
+    for cycle in result["cycles"]:
+        # expert_bias, the fp32 param and the frozen norm: every kind of extra was written to
+        assert len(cycle["written"]) == 3, cycle["written"]
+        assert cycle["bit_identical"], cycle["reason"]
+
+
+def test_one_call_syncs_drops_and_restores_bit_identically(embed: dict[str, Any]) -> None:
+    assert embed["regions"] == ("TorchMemorySaverRegions" if torch.cuda.is_available() else "StorageRegions")
+    assert embed["tracing_provider"] == "ProxyTracerProvider"  # no OTEL_* set: the global provider
+    assert [c["version"] for c in embed["cycles"]] == [1, 2]
+    assert all(c["engine_has_trainer_weights"] for c in embed["cycles"]), embed["cycles"]
+    assert [c["verified"] for c in embed["cycles"]] == [True, True]
+    assert embed["backup"] == {"verified": True, "mode": "backup"}
+
+
+def test_setup_is_read_from_megatrons_configs_not_taken_on_trust(embed: dict[str, Any]) -> None:
+    assert "overlap-param-gather" in embed["overlap_param_gather"], embed["overlap_param_gather"]
+    assert "distributed_optimizer: read from Megatron's DDP and optimizer configs" in embed["megatron_flag"]
+    assert "colocated: not a TrainingSetup flag" in embed["unknown_flag"]
+
+
+def test_what_the_one_call_refuses_is_named_and_leaves_the_engine_untouched(embed: dict[str, Any]) -> None:
+    assert "mode must be one of" in embed["bad_mode"] and "'rematerialise'" in embed["bad_mode"]
+    assert "'no-update-weights' has no update_weights" in embed["no_update_weights"]
+    # The conversion refuses a MoE model by its config, once, and names the family that has experts.
+    assert "no HF llama equivalent: num_experts=2" in embed["moe"], embed["moe"]
+    assert "use qwen3_moe" in embed["moe"] and embed["moe"].count("num_experts=2") == 1, embed["moe"]
+    assert "decoder.layers.1.mlp.router.expert_bias: not rebuilt from the fp32 mains" in embed["uncovered"]
+    for problem in ("normalization='LayerNorm'", "share_embeddings_and_output_weights=True"):
+        assert problem in embed["not_llama"], embed["not_llama"]
+    assert embed["engine_untouched"]
+
+
+def test_a_converter_that_writes_to_a_live_param_faults_the_update_naming_it(embed: dict[str, Any]) -> None:
+    written = embed["written"]
+    assert written["cause"] == "SyncTensorWritten" and written["names"] == ["embedding.word_embeddings.weight"]
+    assert "read-only" in written["message"]
+    assert written["phase"] == embed["faulted"]
+    assert written["engine_version"] is None, "the engine serves no version of a failed update"
