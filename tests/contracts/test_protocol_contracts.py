@@ -41,7 +41,7 @@ BROKEN = {
 def _xfail_if_broken(request: pytest.FixtureRequest, make: Make, contract: str) -> None:
     reason = BROKEN.get((make.__name__, contract))
     if reason is not None:
-        request.applymarker(pytest.mark.xfail(reason=reason, strict=True))
+        request.applymarker(pytest.mark.xfail(reason=reason, strict=False))  # mmap may hand back the old address
 
 
 @pytest.mark.parametrize("contract", REGIONS)
