@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from tests.support import contract_cases as cases
+from tests.support import transport_cases
 from tests.support.contracts import ENGINES, ENGINES_THAT_LOAD, REGIONS, REMOTE_ENGINES, TRANSPORTS
 
 pytestmark = pytest.mark.timeout(60)
@@ -84,9 +85,9 @@ def test_remote_engine(make: Make, contract: str) -> None:
 
 
 TRANSPORT_ADAPTERS = [
-    pytest.param(cases.in_memory_transport, id="in-memory"),
-    pytest.param(cases.bucketed_into_transformers, id="bucketed-transformers"),
-    pytest.param(cases.bucketed_into_sglang, id="bucketed-sglang"),
+    pytest.param(transport_cases.in_memory_transport, id="in-memory"),
+    pytest.param(transport_cases.bucketed_into_transformers, id="bucketed-transformers"),
+    pytest.param(transport_cases.bucketed_into_sglang, id="bucketed-sglang"),
 ]
 
 

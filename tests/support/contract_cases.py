@@ -1,9 +1,9 @@
-"""Every adapter of each Protocol, built small, with what its contract tests need to observe it.
+"""Every adapter of MemoryRegions and RolloutEngine, built small, with what its contract tests need to observe it.
 
 A *case* holds an adapter and the test's own view of it: memory measured outside the adapter
 (process RSS, the device's free memory), a way to make an engine busy, the tensors a push must
-deliver. `tests/support/contracts.py` holds the checks; `tests/contracts/test_protocol_contracts.py`
-runs each check over each case. A factory is a context manager: servers stop, engines close.
+deliver. `tests/support/transport_cases.py` holds the WeightTransport ones, `tests/support/contracts.py`
+the checks; `tests/contracts/test_protocol_contracts.py` runs each check over each case. A factory is a context manager: servers stop, engines close.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,7 +19,7 @@ import torch
 from orchestrator.errors import EngineError
 from orchestrator.protocols import MemoryRegions, Named, RolloutEngine, WeightTransport, WeightUpdateSessions
 from orchestrator.testing import InMemoryEngine, InMemoryRegions, InMemoryTrainer, InMemoryTransport
-from states import EngineMemory, Mode, Region
+from states import Mode, Region
 
 MiB = 1 << 20
 NO_BACKUP = (Region.PARAM_BUFFER.value, Region.GRAD_BUFFER.value)  # contents lost at a pause
@@ -171,31 +171,6 @@ def tiny_hf_engine(name: str = "transformers") -> Any:
 PROMPTS = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]], dtype=torch.int64)
 
 
-def _hf_while_busy(model: torch.nn.Module) -> Callable[[Callable[[], None]], Callable[[], Any]]:
-    """Run `check` inside the model's first forward of a rollout: a request is then in flight."""
-
-    def around(check: Callable[[], None]) -> Callable[[], Any]:
-        failures: list[BaseException] = []
-
-        def hook(*_: object) -> None:
-            handle.remove()
-            try:
-                check()
-            except BaseException as exc:  # re-raised once the rollout returned
-                failures.append(exc)
-
-        handle = model.register_forward_pre_hook(hook)
-
-        def finish() -> None:
-            handle.remove()
-            if failures:
-                raise failures[0]
-
-        return finish
-
-    return around
-
-
 @contextmanager
 def transformers_engine() -> Iterator[EngineCase]:
     from orchestrator.adapters.transport.bucketed import BucketedTransport
@@ -207,18 +182,30 @@ def transformers_engine() -> Iterator[EngineCase]:
         return engine.generate(PROMPTS, max_new_tokens=2, temperature=1.0, seed=0)
 
     def while_busy(check: Callable[[], None]) -> None:
-        finish = _hf_while_busy(engine.model)(check)
+        """`check` runs inside the rollout's first forward: a request is in flight then."""
+        failures: list[BaseException] = []
+
+        def hook(*_: object) -> None:
+            handle.remove()
+            try:
+                check()
+            except BaseException as exc:  # raised once the rollout returned
+                failures.append(exc)
+
+        handle = engine.model.register_forward_pre_hook(hook)
         try:
             serve()
         finally:
-            finish()
+            handle.remove()
+        if failures:
+            raise failures[0]
 
     transport = BucketedTransport(lambda: weights, engine, bucket_bytes=16 << 10)
     yield EngineCase(engine, transport, serve, while_busy, EngineError, weights)
 
 
 @dataclass
-class _Served:
+class Served:
     server: Any
     stopped: bool = False
 
@@ -238,18 +225,18 @@ class _Served:
         return die
 
 
-def _stand_in(stack: ExitStack) -> _Served:
+def stand_in(stack: ExitStack) -> Served:
     """The SGLang stand-in serving a tiny transformers model: it loads, releases and samples for real."""
     from tests.support.sglang_server import SGLangStandIn
 
     model = tiny_hf_engine()
     names = {name: (tuple(p.shape), p.dtype) for name, p in model.model.named_parameters()}
-    served = _Served(SGLangStandIn(weights=names, model=model).__enter__())
+    served = Served(SGLangStandIn(weights=names, model=model).__enter__())
     stack.callback(served.stop)
     return served
 
 
-def _stand_in_busy(servers: Sequence[_Served]) -> Callable[[Callable[[], None]], None]:
+def _stand_in_busy(servers: Sequence[Served]) -> Callable[[Callable[[], None]], None]:
     def while_busy(check: Callable[[], None]) -> None:
         for s in servers:
             s.server.hold(requests=1, polls=1 << 30)
@@ -268,7 +255,7 @@ def sglang_engine() -> Iterator[EngineCase]:
     from orchestrator.adapters.transport.bucketed import BucketedTransport
 
     with ExitStack() as stack:
-        served = _stand_in(stack)
+        served = stand_in(stack)
         engine = SGLangEngine(
             served.server.url, connect_timeout_s=1.0, retries=0, flush_max_wait_s=1.0, flush_poll_s=0.01
         )
@@ -285,7 +272,7 @@ def sglang_group() -> Iterator[EngineCase]:
     from orchestrator.adapters.transport.bucketed import BucketedTransport
 
     with ExitStack() as stack:
-        servers = [_stand_in(stack), _stand_in(stack)]
+        servers = [stand_in(stack), stand_in(stack)]
         group = SGLangGroup(
             [s.server.url for s in servers], connect_timeout_s=1.0, retries=0, flush_max_wait_s=1.0, flush_poll_s=0.01
         )
@@ -299,124 +286,4 @@ def sglang_group() -> Iterator[EngineCase]:
 
         yield EngineCase(
             group, transport, serve, _stand_in_busy(servers), EngineError, weights, servers[1].die(group.engines[1]), 2
-        )
-
-
-# ---- WeightTransport ----------------------------------------------------------------------------
-
-
-@dataclass
-class TransportCase:
-    """A transport into an engine. `expected` is what a push must deliver (engine names, engine
-    dtypes); `delivered` is what reached the engine since the last `forget`, one entry per tensor
-    received (a tensor sent twice appears twice); `sources` are the tensors the push reads."""
-
-    transport: WeightTransport
-    engine: RolloutEngine
-    expected: Callable[[], dict[str, torch.Tensor]]
-    delivered: Callable[[], list[Named]]
-    forget: Callable[[], None]
-    sources: Callable[[], list[Named]]
-    refuse: Callable[[], None]  # make the engine refuse the next push
-    refusal: type[Exception]
-    calls: Callable[[], int] | None = None  # sink calls (buckets) since `forget`, where countable
-    session: Callable[[], AbstractContextManager[None]] = nullcontext
-
-
-@dataclass
-class Recording:
-    """A `BucketSink` in front of an engine: it passes every bucket on and keeps a copy of it."""
-
-    engine: Any
-    received: list[Named] = field(default_factory=list)
-    buckets: int = 0
-
-    def update_weights(self, named: Sequence[Named], version: int) -> int:
-        written = self.engine.update_weights(named, version)
-        self.received.extend((n, t.detach().clone()) for n, t in named)
-        self.buckets += 1
-        return int(written)
-
-    def forget(self) -> None:
-        self.received, self.buckets = [], 0
-
-
-def as_engine_dtypes(named: Sequence[Named], model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    params = dict(model.named_parameters())
-    return {n: t.to(params[n].dtype) for n, t in named}
-
-
-@contextmanager
-def in_memory_transport() -> Iterator[TransportCase]:
-    trainer, engine = InMemoryTrainer(), InMemoryEngine()
-    trainer.stash(Mode.REMATERIALIZE)
-    transport = InMemoryTransport(trainer, engine)
-
-    def refuse() -> None:
-        transport.fail = True
-
-    yield TransportCase(
-        transport,
-        engine,
-        expected=lambda: {n: t.clone() for n, t in trainer.sync_tensors()},
-        delivered=lambda: list(engine.weights.items()),
-        forget=lambda: engine.weights.clear(),
-        sources=lambda: list(trainer.sync_tensors()),
-        refuse=refuse,
-        refusal=RuntimeError,
-    )
-
-
-@contextmanager
-def bucketed_into_transformers() -> Iterator[TransportCase]:
-    from orchestrator.adapters.transport.bucketed import BucketedTransport
-
-    engine = tiny_hf_engine()
-    weights = hf_weights(engine.model)
-    sink = Recording(engine)
-    yield TransportCase(
-        BucketedTransport(lambda: weights, sink, bucket_bytes=16 << 10),
-        engine,
-        expected=lambda: as_engine_dtypes(weights, engine.model),
-        delivered=lambda: sink.received,
-        forget=sink.forget,
-        sources=lambda: weights,
-        refuse=lambda: engine.release(frozenset({EngineMemory.WEIGHTS})),
-        refusal=EngineError,
-        calls=lambda: sink.buckets,
-    )
-
-
-@contextmanager
-def bucketed_into_sglang() -> Iterator[TransportCase]:
-    """Into an `SGLangEngine` over the stand-in; what arrived is what the stand-in rebuilt from the wire."""
-    from orchestrator.adapters.engines.sglang import SGLangEngine
-    from orchestrator.adapters.transport.bucketed import BucketedTransport
-
-    with ExitStack() as stack:
-        served = _stand_in(stack)
-        state = served.server.state
-        engine = SGLangEngine(served.server.url, connect_timeout_s=1.0, retries=0)
-        stack.callback(engine.close)
-        weights = hf_weights(state.model.model)
-
-        def delivered() -> list[Named]:
-            by_name = state.loaded
-            return [(n, by_name[n]) for bucket in state.buckets for n, _, _ in bucket]
-
-        def forget() -> None:
-            state.buckets.clear()
-            state.loaded.clear()
-
-        yield TransportCase(
-            BucketedTransport(lambda: weights, engine, bucket_bytes=16 << 10),
-            engine,
-            expected=lambda: as_engine_dtypes(weights, state.model.model),
-            delivered=delivered,
-            forget=forget,
-            sources=lambda: weights,
-            refuse=lambda: engine.release(frozenset({EngineMemory.WEIGHTS})),
-            refusal=EngineError,
-            calls=lambda: len(state.buckets),
-            session=engine.weight_update_session,
         )

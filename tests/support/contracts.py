@@ -19,7 +19,8 @@ from orchestrator.errors import RegionRefused
 from orchestrator.protocols import LoadsWeights, MemoryRegions, RolloutEngine, WeightTransport
 from orchestrator.testing import InMemoryRegions, InMemoryTrainer
 from states import EngineMemory, Phase, Region
-from tests.support.contract_cases import NO_BACKUP, EngineCase, RegionsCase, TransportCase
+from tests.support.contract_cases import NO_BACKUP, EngineCase, RegionsCase
+from tests.support.transport_cases import TransportCase
 
 ALL = frozenset(EngineMemory)
 WEIGHTS = frozenset({EngineMemory.WEIGHTS})

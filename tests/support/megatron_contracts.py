@@ -21,9 +21,9 @@ import torch
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # the router's torch.compile costs ~9 s cold
 
 from states import EngineMemory
-from tests.support.contract_cases import Recording, TransportCase
 from tests.support.contracts import TRANSPORTS
 from tests.support.spawn import spawn_ranks
+from tests.support.transport_cases import Recording, TransportCase
 
 
 def _run_contracts() -> dict[str, Any]:
