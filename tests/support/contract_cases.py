@@ -47,9 +47,10 @@ def _rss() -> int:
 
 
 def _filled(nbytes: int, dtype: torch.dtype, device: str = "cpu") -> torch.Tensor:
-    """A tensor of `nbytes` whose every page is written (resident), holding distinct values."""
-    numel = nbytes // torch.tensor([], dtype=dtype).element_size()
-    return torch.arange(numel, device=device).remainder(251).to(dtype)
+    """A tensor of `nbytes` whose every page is written (resident), not all one value."""
+    tensor = torch.full((nbytes // dtype.itemsize,), 1.5, dtype=dtype, device=device)
+    tensor[::4099] = torch.arange(len(tensor[::4099]), device=device).remainder(251).to(dtype)
+    return tensor
 
 
 def _tagged(size: int, device: str = "cpu") -> dict[str, list[torch.Tensor]]:
