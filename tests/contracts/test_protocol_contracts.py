@@ -36,6 +36,14 @@ BROKEN = {
         "StorageRegions reallocates a resized storage: views follow it, raw addresses do not "
         "(storage.py says so; protocols.MemoryRegions promises the same addresses)"
     ),
+    **{
+        (make, "a_partial_load_does_not_serve_the_new_version"): (
+            "SGLang records the weight_version of every /update_weights_from_tensor (the stand-in plays it): "
+            "an update that failed after its first bucket already reports the new version. The lifecycle copes "
+            "(recover takes the version served and marks the engine unsynced), the docstring does not say so"
+        )
+        for make in ("sglang_engine", "sglang_group")
+    },
 }
 
 
@@ -72,7 +80,8 @@ def test_rollout_engine(make: Make, contract: str) -> None:
 
 @pytest.mark.parametrize("contract", ENGINES_THAT_LOAD)
 @pytest.mark.parametrize("make", ENGINE_ADAPTERS[1:])
-def test_engine_that_loads_weights(make: Make, contract: str) -> None:
+def test_engine_that_loads_weights(make: Make, contract: str, request: pytest.FixtureRequest) -> None:
+    _xfail_if_broken(request, make, contract)
     with make() as case:
         ENGINES_THAT_LOAD[contract](case)
 

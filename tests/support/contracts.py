@@ -278,6 +278,17 @@ def loads_bucket_by_bucket_and_reports_bytes_written(case: EngineCase) -> None:
     assert engine.weight_version() == 2
 
 
+def a_partial_load_does_not_serve_the_new_version(case: EngineCase) -> None:
+    """protocols.LoadsWeights: "It serves `version` once every weight has arrived at that version":
+    an update that stops after its first bucket leaves the engine on the version it had."""
+    engine, weights = case.engine, list(case.weights)
+    assert isinstance(engine, LoadsWeights)
+    case.load(1)
+    with case.session():
+        engine.update_weights(weights[: len(weights) // 2], 2)
+    assert engine.weight_version() == 1, "half the weights arrived, and the new version is served"
+
+
 ENGINES: dict[str, Callable[[EngineCase], None]] = {
     f.__name__: f
     for f in (
@@ -289,8 +300,9 @@ ENGINES: dict[str, Callable[[EngineCase], None]] = {
         the_lifecycle_drives_two_cycles_on_it,
     )
 }
-ENGINES_THAT_LOAD = {
-    loads_bucket_by_bucket_and_reports_bytes_written.__name__: loads_bucket_by_bucket_and_reports_bytes_written
+ENGINES_THAT_LOAD: dict[str, Callable[[EngineCase], None]] = {
+    f.__name__: f
+    for f in (loads_bucket_by_bucket_and_reports_bytes_written, a_partial_load_does_not_serve_the_new_version)
 }
 REMOTE_ENGINES = {
     a_dead_engine_is_an_engine_error_on_every_call.__name__: a_dead_engine_is_an_engine_error_on_every_call
