@@ -30,17 +30,19 @@ REGION_ADAPTERS = [
     pytest.param(cases.storage_regions, id="storage"),
     pytest.param(cases.tms_regions, id="torch-memory-saver", marks=pytest.mark.gpu),
 ]
-# (adapter, contract) pairs that break a Protocol docstring's promise, and why.
+# (adapter, contract) pairs where the adapter breaks a Protocol docstring's promise, and why.
 BROKEN = {
-    ("storage_regions", "resume_keeps_the_addresses"): (
-        "StorageRegions reallocates a resized storage: views follow it, raw addresses do not "
-        "(storage.py says so; protocols.MemoryRegions promises the same addresses)"
+    ("storage_regions", "resume_keeps_the_addresses"): pytest.mark.xfail(
+        reason="StorageRegions reallocates a resized storage: views follow it, raw addresses do not "
+        "(storage.py says so; protocols.MemoryRegions promises the same addresses)",
+        strict=False,  # mmap may hand the old address back
     ),
     **{
-        (make, "a_partial_load_does_not_serve_the_new_version"): (
-            "SGLang records the weight_version of every /update_weights_from_tensor (the stand-in plays it): "
-            "an update that failed after its first bucket already reports the new version. The lifecycle copes "
-            "(recover takes the version served and marks the engine unsynced), the docstring does not say so"
+        (make, "a_partial_load_does_not_serve_the_new_version"): pytest.mark.xfail(
+            reason="SGLang records the weight_version of every /update_weights_from_tensor (the stand-in plays "
+            "it): an update that failed after its first bucket already reports the new version. The lifecycle "
+            "copes (recover takes the version served and marks the engine unsynced); the docstring does not say so",
+            strict=True,
         )
         for make in ("sglang_engine", "sglang_group")
     },
@@ -48,9 +50,9 @@ BROKEN = {
 
 
 def _xfail_if_broken(request: pytest.FixtureRequest, make: Make, contract: str) -> None:
-    reason = BROKEN.get((make.__name__, contract))
-    if reason is not None:
-        request.applymarker(pytest.mark.xfail(reason=reason, strict=False))  # mmap may hand back the old address
+    mark = BROKEN.get((make.__name__, contract))
+    if mark is not None:
+        request.applymarker(mark)
 
 
 @pytest.mark.parametrize("contract", REGIONS)
