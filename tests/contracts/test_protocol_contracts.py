@@ -119,6 +119,7 @@ def megatron_outcomes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str
 
 
 @pytest.mark.slow  # one spawned process for all four: a gloo world, megatron-core, a tiny GPT (~12 s)
+@pytest.mark.timeout(180)  # the spawn's own bound; megatron's import alone takes a while on loaded cores
 @pytest.mark.parametrize("contract", TRANSPORTS)
 def test_weight_transport_megatron(contract: str, megatron_outcomes: dict[str, str | None]) -> None:
     """MegatronTransport from a real MegatronTrainer (a gloo world of one rank, spawned) into the
