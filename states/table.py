@@ -1,8 +1,9 @@
 """The one table of legal transitions. Nothing else declares a transition.
 
-Read it top to bottom: it is the colocated step. Guards and actions are named here and resolved
-once when the controller is built (guards/ and orchestrator/core/lifecycle.py), so an unknown name
-fails at import, not mid-run.
+Read it top to bottom: it is the colocated step, and `CYCLE` reads that step off it for whatever
+lists a step's events or phases in order. Guards and actions are named here and resolved once when
+the controller is built (guards/ and orchestrator/core/lifecycle.py), so an unknown name fails at
+import, not mid-run.
 """
 
 from __future__ import annotations
