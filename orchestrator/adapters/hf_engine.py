@@ -28,7 +28,7 @@ from transformers.cache_utils import Cache, StaticLayer
 
 from orchestrator.adapters.digest import sha256_digests
 from orchestrator.adapters.storage import return_large_frees_to_the_os
-from orchestrator.convert import hf_llama_config
+from orchestrator.convert import ModelSpec, hf_llama_config
 from orchestrator.errors import EngineError
 from orchestrator.gpt import TinyGPTConfig
 from orchestrator.transport import nbytes
@@ -99,16 +99,16 @@ def _kv_slab(config: LlamaConfig, model: LlamaForCausalLM, max_batch: int, max_l
 class TransformersEngine:
     """Implements `orchestrator.protocols.RolloutEngine` on an HF Llama, with no hub download.
 
-    `model` is the trainer's GPT config (anything `TinyGPTConfig`: it is converted by
-    `hf_llama_config`) or a ready `LlamaConfig`. A plain constructor, so that a Ray actor can be
-    made of it. The weights it starts with are throwaway: it serves nothing until the first
+    `model` is the trainer's GPT shape (a `ModelSpec`, as `gpt_shape(model)` reads it from a
+    Megatron model, or a `TinyGPTConfig`: converted by `hf_llama_config`) or a ready
+    `LlamaConfig`. A plain constructor, so that a Ray actor can be made of it. The weights it starts with are throwaway: it serves nothing until the first
     complete `update_weights`. `max_len` bounds prompt + completion (default: the config's
     `max_position_embeddings`).
     """
 
     def __init__(
         self,
-        model: TinyGPTConfig | LlamaConfig,
+        model: ModelSpec | TinyGPTConfig | LlamaConfig,
         *,
         max_batch: int = 64,
         max_len: int | None = None,

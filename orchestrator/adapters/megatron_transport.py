@@ -3,13 +3,21 @@
 Each push reads the trainer's sync tensors (read-only: the Trainer Protocol), hands them to a
 *converter*, which turns Megatron names and layouts into the engine's and groups the results into
 buckets, and loads the buckets into the engine one at a time, tagged with the version. The
-converter owns any gathering: at tensor-parallel size 1 every tensor is whole, and `per_tensor`
-maps them one by one (`per_tensor(partial(to_hf, cfg=shape))` is the Llama conversion wired
-today). A converter that gathers TP shards, PP stages or EP experts plugs in the same way, since
-it yields buckets and so decides how much it holds gathered at a time. One that reads the model
-itself (the conversion package's `hf_buckets`) may ignore the sync tensors it is handed:
+converter owns any gathering. The one `colocate_megatron` wires reads the model itself, gathers
+TP shards, PP stages and EP experts (the conversion package's `hf_buckets`), and ignores the sync
+tensors it is handed:
 
-    convert = lambda named, *, bucket_bytes: hf_buckets(model, family="qwen3", bucket_bytes=bucket_bytes)
+    convert = lambda named, *, bucket_bytes: hf_buckets(model, bucket_bytes=bucket_bytes)
+
+At tensor-, pipeline- and expert-parallel size 1 every sync tensor is whole, and `per_tensor` maps
+them one by one (`per_tensor(partial(to_hf, cfg=spec))`).
+
+Several ranks, one engine. A gathering converter is a collective: every rank of the model runs it,
+but only the sync sources (one rank per pipeline stage, `is_sync_source`) send what it yields;
+the others (`source=False`) walk the same buckets and drop them, so the engine receives each
+tensor once. With `barrier`, a push starts and ends with it on every rank: no source sends before
+every rank's lifecycle has resumed the engine's weights, and no rank reads the shared engine's
+version before the last source has sent its last bucket.
 
 What the transport reads is checked to stay unwritten. Every in-place write to a tensor bumps its
 version counter (`Tensor._version`), which all views of one storage share. A push records the
@@ -89,24 +97,43 @@ class MegatronTransport:
     loads buckets (`LoadsWeights`: `TransformersEngine`, `SGLangEngine`, `SGLangGroup`).
 
     `convert` is the converter (see the module docstring); `bucket_bytes` bounds each bucket.
+    `source` is whether this rank sends (see the module docstring: a rank that is not a source
+    runs the converter for its collectives and sends nothing, reporting 0 tensors); `barrier`,
+    called at the start and the end of every push, makes the ranks sharing an engine wait for
+    each other.
+
     A push raises what the converter or engine raised (a name it cannot map, a shape the engine
     refuses), or `SyncTensorWritten`; the lifecycle then faults, with the engine serving no new
-    version.
+    version. A rank that raises leaves the others waiting in the converter's next collective (or
+    the barrier) until torch.distributed's timeout.
     """
 
     def __init__(
-        self, trainer: Trainer, engine: LoadsWeights, *, convert: Converter, bucket_bytes: int = 64 << 20
+        self,
+        trainer: Trainer,
+        engine: LoadsWeights,
+        *,
+        convert: Converter,
+        bucket_bytes: int = 64 << 20,
+        source: bool = True,
+        barrier: Callable[[], object] | None = None,
     ) -> None:
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self._trainer, self._engine, self._convert, self._bucket_bytes = trainer, engine, convert, bucket_bytes
-        sources = trainer.layout().sync_sources
-        self._views = frozenset(name for name, source in sources.items() if source is Source.PARAM_BUFFER)
+        self.source, self._barrier = source, barrier
+        kinds = trainer.layout().sync_sources
+        self._views = frozenset(name for name, kind in kinds.items() if kind is Source.PARAM_BUFFER)
 
     def push(self, version: int) -> TransferReport:
+        if self._barrier is not None:
+            self._barrier()  # every rank has resumed the engine's weights
         watched = _Watched(self._trainer.sync_tensors(), self._views)
         tensors = moved = count = 0
         for bucket in self._convert(watched, bucket_bytes=self._bucket_bytes):
+            if not self.source:  # walked for the collectives; a source rank sends it
+                watched.check()
+                continue
             with process_span("rank.bucket", {"colocate.tensors": len(bucket)}) as span:
                 sent = self._engine.update_weights(bucket, version)
                 span.set_attribute("colocate.bytes", sent)
@@ -115,4 +142,6 @@ class MegatronTransport:
             tensors += len(bucket)
             count += 1
         watched.check()  # a write while the converter read its last tensors
+        if self._barrier is not None:
+            self._barrier()  # every source has sent
         return TransferReport(tensors=tensors, bytes=moved, buckets=count)

@@ -55,9 +55,11 @@ def test_setup_is_read_from_megatrons_configs_not_taken_on_trust(embed: dict[str
 def test_what_the_one_call_refuses_is_named_and_leaves_the_engine_untouched(embed: dict[str, Any]) -> None:
     assert "mode must be one of" in embed["bad_mode"] and "'rematerialise'" in embed["bad_mode"]
     assert "'no-update-weights' has no update_weights" in embed["no_update_weights"]
-    # The conversion refuses a MoE model by its config, once, and names the family that has experts.
-    assert "no HF llama equivalent: num_experts=2" in embed["moe"], embed["moe"]
-    assert "use qwen3_moe" in embed["moe"] and embed["moe"].count("num_experts=2") == 1, embed["moe"]
+    # Experts make the default conversion read the model as Qwen3-MoE, which it is not: refused by
+    # its config, once (not per expert tensor), naming each difference.
+    assert "1 configuration problem(s)" in embed["moe"], embed["moe"]
+    assert "no HF qwen3_moe equivalent: no qk_layernorm" in embed["moe"], embed["moe"]
+    assert "moe_router_enable_expert_bias" in embed["moe"], embed["moe"]
     assert "decoder.layers.1.mlp.router.expert_bias: not rebuilt from the fp32 mains" in embed["uncovered"]
     for problem in ("normalization='LayerNorm'", "share_embeddings_and_output_weights=True"):
         assert problem in embed["not_llama"], embed["not_llama"]
@@ -70,3 +72,35 @@ def test_a_converter_that_writes_to_a_live_param_faults_the_update_naming_it(emb
     assert "read-only" in written["message"]
     assert written["phase"] == embed["faulted"]
     assert written["engine_version"] is None, "the engine serves no version of a failed update"
+
+
+@pytest.fixture(scope="module", params=["tp2", "pp2"])
+def parallel(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from tests.integration.embed_parallel_ranks import rank_main as parallel_rank
+
+    tp, pp = {"tp2": (2, 1), "pp2": (1, 2)}[request.param]
+    out = tmp_path_factory.mktemp(f"embed-{request.param}")
+    ranks = spawn_ranks(parallel_rank, 2, out, args=(tp, pp))
+    return {"layout": request.param, "ranks": ranks}
+
+
+def test_one_call_at_tp2_and_pp2_syncs_the_gathered_model_once(parallel: dict[str, Any]) -> None:
+    """Two gloo ranks through `colocate_megatron` with its default converter, one engine for both:
+    after every sync the engine holds exactly the trainer's params gathered and converted to HF,
+    each HF tensor arrived once, and only the sync sources sent."""
+    first, second = parallel["ranks"]
+    for rank in (first, second):
+        assert [c["version"] for c in rank["cycles"]] == [1, 2]
+        assert [c["verified"] for c in rank["cycles"]] == [True, True]
+    for cycle in first["cycles"]:
+        assert cycle["engine_equals_trainer"], cycle["differ"]
+    params = first["engine_params"]
+    for version in ("1", "2"):
+        assert first["received"][version] == dict.fromkeys(params, 1), first["received"][version]
+    if parallel["layout"] == "tp2":  # TP rank 1 joins every gather and sends nothing
+        assert (first["source"], second["source"]) == (True, False)
+        assert second["sent"] == 0
+    else:  # each pipeline stage is a source and sends its own layers
+        assert (first["source"], second["source"]) == (True, True)
+        stage_1 = [n for n in params if n.startswith(("model.layers.1.", "model.norm.", "lm_head."))]
+        assert second["sent"] == 2 * len(stage_1), second["sent"]
