@@ -113,6 +113,11 @@ def _train_step(chunks: list[Any], optimizer: Any, batch: torch.Tensor) -> None:
     optimizer.step()
 
 
+def _generate_then_wait(engine: SharedEngine, prompts: torch.Tensor, seed: int) -> None:
+    engine.generate(prompts, max_new_tokens=4, temperature=1.0, seed=seed)
+    torch.distributed.barrier()  # the other ranks restore once the engine is idle
+
+
 def _synced_digests(chunks: list[Any]) -> dict[str, str]:
     """The trainer's params gathered and converted to HF, apart from the sync (every rank calls
     it: the gathers are collectives), as this rank's source share: SHA256 per HF tensor."""
@@ -160,10 +165,8 @@ def embed_parallel_scenario(rank: int, tp: int, pp: int) -> dict[str, Any]:
             shares: list[Any] = [None] * torch.distributed.get_world_size() if rank == 0 else []
             torch.distributed.gather_object(mine, shares if rank == 0 else None, dst=0)
             lifecycle.drop_params()
-            if rank == 0:
-                prompts = batches[cycle][:, :4]
-                generate = partial(engine.generate, prompts, max_new_tokens=4, temperature=1.0, seed=cycle)  # type: ignore[union-attr]
-                lifecycle.rollout(lambda: (generate(), torch.distributed.barrier()))
+            if isinstance(engine, SharedEngine):
+                lifecycle.rollout(partial(_generate_then_wait, engine, batches[cycle][:, :4], cycle))
             else:
                 lifecycle.rollout(torch.distributed.barrier)  # this rank waits out rank 0's rollout
             lifecycle.restore()

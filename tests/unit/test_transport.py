@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
+from orchestrator.protocols import TransferReport
 from orchestrator.transport import Named, buckets, push_in_buckets
 
 
@@ -35,3 +36,40 @@ def test_push_converts_buckets_and_reports() -> None:
     report = push_in_buckets([("w", torch.zeros(4))], sink, 7, bucket_bytes=8, convert=split)
     assert sink.calls == [(["w.a"], 7), (["w.b"], 7)]
     assert (report.tensors, report.bytes, report.buckets) == (2, 16, 2)
+
+
+def _megatron_push(source: bool) -> tuple[list[str], TransferReport]:
+    """A MegatronTransport over the in-memory trainer, its converter and barrier recording the
+    order of what they do, and the engine's loads."""
+    from orchestrator.adapters.megatron_transport import MegatronTransport
+    from orchestrator.inmemory import InMemoryTrainer
+
+    events: list[str] = []
+
+    class Recording(Sink):
+        def update_weights(self, named: Sequence[Named], version: int) -> int:
+            events.append(f"send {','.join(n for n, _ in named)}")
+            return super().update_weights(named, version)
+
+    def convert(named: object, *, bucket_bytes: int) -> Iterator[list[Named]]:
+        for name in ("a", "b"):
+            events.append(f"gather {name}")  # a collective every rank must join
+            yield [(name, torch.zeros(2))]
+
+    transport = MegatronTransport(
+        InMemoryTrainer(), Recording(), convert=convert, source=source, barrier=lambda: events.append("barrier")
+    )
+    report = transport.push(3)
+    return events, report
+
+
+def test_a_rank_that_is_no_sync_source_joins_every_gather_and_sends_nothing() -> None:
+    events, report = _megatron_push(source=False)
+    assert events == ["barrier", "gather a", "gather b", "barrier"]
+    assert (report.tensors, report.bytes, report.buckets) == (0, 0, 0)
+
+
+def test_a_sync_source_sends_between_the_barriers() -> None:
+    events, report = _megatron_push(source=True)
+    assert events == ["barrier", "gather a", "send a", "gather b", "send b", "barrier"]
+    assert (report.tensors, report.buckets) == (2, 2)
