@@ -29,8 +29,9 @@ yourself before you build.
 Every rank of the model makes the call, with its handle on the one engine they share (an SGLang
 server over their GPUs, say). The conversion's gathers are collectives, so every rank runs each
 sync; only one rank per pipeline stage sends (`is_sync_source`: tensor-, data- and
-context-parallel rank 0), and every push ends in a barrier over the default group, so that no rank
-reads the engine's version before the last stage has sent. The engine's memory calls are made on
+context-parallel rank 0). Every push starts and ends in a barrier over the default group: no stage
+sends before every rank has resumed the engine's weights, and no rank reads the engine's version
+before the last stage has sent. The engine's memory calls are made on
 every rank: a shared engine's handle must take them once (this module does not choose a rank).
 
 Nothing moves before every check has passed: a setup Megatron's configs refuse, a model the

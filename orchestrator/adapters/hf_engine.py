@@ -101,9 +101,9 @@ class TransformersEngine:
 
     `model` is the trainer's GPT shape (a `ModelSpec`, as `gpt_shape(model)` reads it from a
     Megatron model, or a `TinyGPTConfig`: converted by `hf_llama_config`) or a ready
-    `LlamaConfig`. A plain constructor, so that a Ray actor can be made of it. The weights it starts with are throwaway: it serves nothing until the first
-    complete `update_weights`. `max_len` bounds prompt + completion (default: the config's
-    `max_position_embeddings`).
+    `LlamaConfig`. A plain constructor, so that a Ray actor can be made of it. The weights it
+    starts with are throwaway: it serves nothing until the first complete `update_weights`.
+    `max_len` bounds prompt + completion (default: the config's `max_position_embeddings`).
     """
 
     def __init__(
