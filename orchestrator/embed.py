@@ -29,9 +29,10 @@ yourself before you build.
 Every rank of the model makes the call, with its handle on the one engine they share (an SGLang
 server over their GPUs, say). The conversion's gathers are collectives, so every rank runs each
 sync; only one rank per pipeline stage sends (`is_sync_source`: tensor-, data- and
-context-parallel rank 0). Every push starts and ends in a barrier over the default group: no stage
-sends before every rank has resumed the engine's weights, and no rank reads the engine's version
-before the last stage has sent. The engine's memory calls are made on
+context-parallel rank 0). Every push starts and ends in an all-reduce over the default group: no
+stage sends before every rank has resumed the engine's weights, no rank reads the engine's version
+before the last stage has sent, and a send that fails on one rank fails the update on every rank
+(`PeerPushFailed` on the others), each lifecycle `FAULTED`. The engine's memory calls are made on
 every rank: a shared engine's handle must take them once (this module does not choose a rank).
 
 Nothing moves before every check has passed: a setup Megatron's configs refuse, a model the
@@ -129,6 +130,15 @@ def _regions(trainer: MegatronTrainer) -> MemoryRegions:
     return StorageRegions(trainer.region_tensors)
 
 
+def _any_rank(flag: bool) -> bool:
+    """Whether any rank passed True: an all-reduce over the default group, also its barrier."""
+    nccl = torch.distributed.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    value = torch.tensor([int(flag)], device=device)
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+    return bool(value.item())
+
+
 def _rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
@@ -190,7 +200,7 @@ def colocate_megatron(
             convert=hf_converter(model) if convert is None else convert,
             bucket_bytes=bucket_bytes,
             source=is_sync_source() if distributed else True,
-            barrier=torch.distributed.barrier if distributed else None,
+            any_rank=_any_rank if distributed else None,
         )
     return Lifecycle(
         config=config,

@@ -15,9 +15,10 @@ them one by one (`per_tensor(partial(to_hf, cfg=spec))`).
 Several ranks, one engine. A gathering converter is a collective: every rank of the model runs it,
 but only the sync sources (one rank per pipeline stage, `is_sync_source`) send what it yields;
 the others (`source=False`) walk the same buckets and drop them, so the engine receives each
-tensor once. With `barrier`, a push starts and ends with it on every rank: no source sends before
-every rank's lifecycle has resumed the engine's weights, and no rank reads the shared engine's
-version before the last source has sent its last bucket.
+tensor once. With `any_rank` (a collective: did any rank fail?), a push starts and ends with it on
+every rank: no source sends before every rank's lifecycle has resumed the engine's weights, no
+rank reads the shared engine's version before the last source has sent its last bucket, and a
+send that fails on one rank fails the push on every rank (`PeerPushFailed` on the others).
 
 What the transport reads is checked to stay unwritten. Every in-place write to a tensor bumps its
 version counter (`Tensor._version`), which all views of one storage share. A push records the
@@ -41,7 +42,7 @@ from orchestrator.tracing import process_span
 from orchestrator.transport import Named, buckets
 from states import Source
 
-__all__ = ["Converter", "MegatronTransport", "SyncTensorWritten", "per_tensor"]
+__all__ = ["Converter", "MegatronTransport", "PeerPushFailed", "SyncTensorWritten", "per_tensor"]
 
 
 class Converter(Protocol):
@@ -73,6 +74,13 @@ class SyncTensorWritten(RuntimeError):
         )
 
 
+class PeerPushFailed(RuntimeError):
+    """Another rank's part of this weight sync failed (its own error is raised there)."""
+
+    def __init__(self) -> None:
+        super().__init__("another rank's part of this weight sync failed; its error is raised on that rank")
+
+
 class _Watched:
     """The sync tensors as they pass to the converter, with the version counter each had."""
 
@@ -98,14 +106,17 @@ class MegatronTransport:
 
     `convert` is the converter (see the module docstring); `bucket_bytes` bounds each bucket.
     `source` is whether this rank sends (see the module docstring: a rank that is not a source
-    runs the converter for its collectives and sends nothing, reporting 0 tensors); `barrier`,
-    called at the start and the end of every push, makes the ranks sharing an engine wait for
-    each other.
+    runs the converter for its collectives and sends nothing, reporting 0 tensors). `any_rank`
+    is a collective over the ranks sharing the engine: `any_rank(flag)` is whether any of them
+    passed True.
 
     A push raises what the converter or engine raised (a name it cannot map, a shape the engine
     refuses), or `SyncTensorWritten`; the lifecycle then faults, with the engine serving no new
-    version. A rank that raises leaves the others waiting in the converter's next collective (or
-    the barrier) until torch.distributed's timeout.
+    version. With `any_rank`, a rank whose send fails (the engine's error, `SyncTensorWritten`)
+    stops sending but still walks the converter to its end, so the other ranks' collectives
+    complete; then every rank raises: that rank its own error, the others `PeerPushFailed`.
+    A converter that raises (its own collectives broken) leaves the other ranks waiting in their
+    next collective until torch.distributed's timeout.
     """
 
     def __init__(
@@ -116,32 +127,44 @@ class MegatronTransport:
         convert: Converter,
         bucket_bytes: int = 64 << 20,
         source: bool = True,
-        barrier: Callable[[], object] | None = None,
+        any_rank: Callable[[bool], bool] | None = None,
     ) -> None:
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self._trainer, self._engine, self._convert, self._bucket_bytes = trainer, engine, convert, bucket_bytes
-        self.source, self._barrier = source, barrier
+        self.source, self._any_rank = source, any_rank
         kinds = trainer.layout().sync_sources
         self._views = frozenset(name for name, kind in kinds.items() if kind is Source.PARAM_BUFFER)
 
     def push(self, version: int) -> TransferReport:
-        if self._barrier is not None:
-            self._barrier()  # every rank has resumed the engine's weights
+        if self._any_rank is not None:
+            self._any_rank(False)  # every rank has resumed the engine's weights
         watched = _Watched(self._trainer.sync_tensors(), self._views)
         tensors = moved = count = 0
+        failure: Exception | None = None
         for bucket in self._convert(watched, bucket_bytes=self._bucket_bytes):
-            if not self.source:  # walked for the collectives; a source rank sends it
+            if failure is not None:
+                continue  # walked for the other ranks' collectives
+            try:
+                if self.source:
+                    with process_span("rank.bucket", {"colocate.tensors": len(bucket)}) as span:
+                        sent = self._engine.update_weights(bucket, version)
+                        span.set_attribute("colocate.bytes", sent)
+                    moved += sent
+                    tensors += len(bucket)
+                    count += 1
                 watched.check()
-                continue
-            with process_span("rank.bucket", {"colocate.tensors": len(bucket)}) as span:
-                sent = self._engine.update_weights(bucket, version)
-                span.set_attribute("colocate.bytes", sent)
-            watched.check()
-            moved += sent
-            tensors += len(bucket)
-            count += 1
-        watched.check()  # a write while the converter read its last tensors
-        if self._barrier is not None:
-            self._barrier()  # every source has sent
+            except Exception as error:
+                if self._any_rank is None:
+                    raise
+                failure = error
+        if failure is None:
+            try:
+                watched.check()  # a write while the converter read its last tensors
+            except Exception as error:
+                if self._any_rank is None:
+                    raise
+                failure = error
+        if self._any_rank is not None and self._any_rank(failure is not None):  # every source has sent
+            raise failure if failure is not None else PeerPushFailed()
         return TransferReport(tensors=tensors, bytes=moved, buckets=count)

@@ -26,10 +26,11 @@ from typing import Any
 import torch
 
 from orchestrator.adapters.hf_engine import TransformersEngine
+from orchestrator.errors import EngineError
 from orchestrator.transport import Named
 from states import EngineMemory
 
-CYCLES = 2
+CYCLES = 2  # then, at TP=2, a failed update, a recovery and one more cycle
 AUTHKEY = b"colocate-embed-parallel"
 
 
@@ -41,9 +42,13 @@ class SharedEngine(TransformersEngine):
         super().__init__(*args, **kwargs)
         self._lock = threading.Lock()
         self.received: dict[int, Counter[str]] = {}
+        self.fail_next = False  # refuse the next bucket, as a server that ran out of memory would
 
     def update_weights(self, named: Sequence[tuple[str, torch.Tensor]], version: int) -> int:
         with self._lock:
+            if self.fail_next:
+                self.fail_next = False
+                raise EngineError(self.name, "update_weights_from_tensor failed (injected)")
             self.received.setdefault(version, Counter()).update(name for name, _ in named)
             return super().update_weights(named, version)
 
@@ -128,11 +133,48 @@ def _synced_digests(chunks: list[Any]) -> dict[str, str]:
     return sha256_digests({n: t.contiguous() for n, t in whole.items()}) if is_sync_source() else {}
 
 
+def _cycle(
+    lifecycle: Any,
+    engine: SharedEngine | RemoteEngine,
+    chunks: list[Any],
+    optimizer: Any,
+    batches: list[Any],
+    step: int,
+) -> dict[str, Any]:
+    """One step through the lifecycle; on rank 0, whether the engine held exactly the trainer's
+    params, gathered and converted apart from the sync, once the update was done."""
+    with lifecycle.step():
+        lifecycle.pause_grads()
+        lifecycle.update_weights()
+        served = engine.digests() if isinstance(engine, SharedEngine) else {}  # every source has sent
+        mine = _synced_digests(chunks)
+        rank = torch.distributed.get_rank()
+        shares: list[Any] = [None] * torch.distributed.get_world_size() if rank == 0 else []
+        torch.distributed.gather_object(mine, shares if rank == 0 else None, dst=0)
+        lifecycle.drop_params()
+        if isinstance(engine, SharedEngine):
+            lifecycle.rollout(partial(_generate_then_wait, engine, batches[step][:, :4], step))
+        else:
+            lifecycle.rollout(torch.distributed.barrier)  # this rank waits out rank 0's rollout
+        lifecycle.restore()
+        lifecycle.train(partial(_train_step, chunks, optimizer, batches[step + 1]))
+    report: dict[str, Any] = {"verified": lifecycle.last_restore_verified, "version": lifecycle.weight_version}
+    if rank == 0:
+        expected: dict[str, str] = {}
+        for share in shares:
+            overlap = expected.keys() & share.keys()
+            assert not overlap, f"two sources converted {sorted(overlap)}"
+            expected |= share
+        report["engine_equals_trainer"] = served == expected
+        report["differ"] = sorted(n for n in served.keys() | expected.keys() if served.get(n) != expected.get(n))
+    return report
+
+
 def embed_parallel_scenario(rank: int, tp: int, pp: int) -> dict[str, Any]:
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
-    from orchestrator import colocate_megatron
+    from orchestrator import ActionFailed, colocate_megatron
     from orchestrator.convert import Family, is_sync_source
     from orchestrator.embed import gpt_shape
     from tests.integration.test_convert_parallel import SEQ, _batches, _build
@@ -141,7 +183,7 @@ def embed_parallel_scenario(rank: int, tp: int, pp: int) -> dict[str, Any]:
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     torch.manual_seed(1234)
     chunks, optimizer = _build(Family.LLAMA, tp, pp, 1)
-    batches = _batches(CYCLES + 1)
+    batches = _batches(CYCLES + 2)
     _train_step(chunks, optimizer, batches[0])
 
     engine: SharedEngine | RemoteEngine
@@ -156,31 +198,24 @@ def embed_parallel_scenario(rank: int, tp: int, pp: int) -> dict[str, Any]:
 
     lifecycle = colocate_megatron(chunks, optimizer, engine)  # the default converter: hf_buckets
     result: dict[str, Any] = {"source": is_sync_source(), "cycles": []}
-    for cycle in range(CYCLES):
-        with lifecycle.step():
-            lifecycle.pause_grads()
+    cycle = partial(_cycle, lifecycle, engine, chunks, optimizer, batches)
+    result["cycles"] = [cycle(step) for step in range(CYCLES)]
+    if tp > 1:
+        # The bad day: the engine refuses rank 0's first bucket. TP rank 1 sends nothing, yet its
+        # update fails with rank 0's; both recover, and the next cycle syncs the whole model.
+        if isinstance(engine, SharedEngine):
+            engine.fail_next = True
+        lifecycle.pause_grads()
+        failed: dict[str, Any] = {}
+        try:
             lifecycle.update_weights()
-            served = engine.digests() if isinstance(engine, SharedEngine) else {}  # every source has sent
-            mine = _synced_digests(chunks)
-            shares: list[Any] = [None] * torch.distributed.get_world_size() if rank == 0 else []
-            torch.distributed.gather_object(mine, shares if rank == 0 else None, dst=0)
-            lifecycle.drop_params()
-            if isinstance(engine, SharedEngine):
-                lifecycle.rollout(partial(_generate_then_wait, engine, batches[cycle][:, :4], cycle))
-            else:
-                lifecycle.rollout(torch.distributed.barrier)  # this rank waits out rank 0's rollout
-            lifecycle.restore()
-            lifecycle.train(partial(_train_step, chunks, optimizer, batches[cycle + 1]))
-        report: dict[str, Any] = {"verified": lifecycle.last_restore_verified, "version": lifecycle.weight_version}
-        if rank == 0:
-            expected: dict[str, str] = {}
-            for share in shares:
-                overlap = expected.keys() & share.keys()
-                assert not overlap, f"two sources converted {sorted(overlap)}"
-                expected |= share
-            report["engine_equals_trainer"] = served == expected
-            report["differ"] = sorted(n for n in served.keys() | expected.keys() if served.get(n) != expected.get(n))
-        result["cycles"].append(report)
+        except ActionFailed as error:
+            failed = {"cause": type(error.__cause__).__name__, "message": str(error.__cause__)}
+        failed |= {"phase": lifecycle.phase.value, "engine_version": engine.weight_version()}
+        lifecycle.recover()
+        failed["recovered"] = lifecycle.phase.value
+        result["failed"] = failed
+        result["cycles"].append(cycle(CYCLES))
     if rank == 0:
         assert isinstance(engine, SharedEngine)
         result["received"] = {str(v): dict(c) for v, c in engine.received.items()}
@@ -192,7 +227,11 @@ def embed_parallel_scenario(rank: int, tp: int, pp: int) -> dict[str, Any]:
     return result
 
 
-def rank_main(rank: int, world_size: int, port: int, out: str, tp: int, pp: int) -> None:
+LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2)}  # name: (tensor-, pipeline-parallel size), on 2 ranks
+
+
+def rank_main(rank: int, world_size: int, port: int, out: str) -> None:
+    """Every layout in turn in one process pair (a spawn costs more than a layout)."""
     os.environ["TORCHDYNAMO_DISABLE"] = "1"  # this spawned process only
     path = Path(out) / f"rank{rank}.json"
     try:
@@ -204,8 +243,10 @@ def rank_main(rank: int, world_size: int, port: int, out: str, tp: int, pp: int)
         torch.distributed.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
         )
-        result = embed_parallel_scenario(rank, tp, pp)
-        ps.destroy_model_parallel()
+        result = {}
+        for name, (tp, pp) in LAYOUTS.items():
+            result[name] = embed_parallel_scenario(rank, tp, pp)
+            ps.destroy_model_parallel()
         torch.distributed.destroy_process_group()
     except BaseException:
         result = {"error": f"rank {rank}:\n{traceback.format_exc()}"}
