@@ -22,8 +22,8 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, Spa
 from transitions import Machine
 
 from orchestrator import Lifecycle, LifecycleConfig, Listener, TransferReport
-from orchestrator.logs import LoggingListener, configure_logging
-from orchestrator.tracing import TracingListener
+from orchestrator.telemetry.logs import LoggingListener, configure_logging
+from orchestrator.telemetry.tracing import TracingListener
 from states import INITIAL, TABLE, EngineMemory, Mode, Phase, Region, Source, TrainerLayout
 
 CYCLE = ("pause_grads", "update_weights", "drop_params", "rollout", "restore", "train")

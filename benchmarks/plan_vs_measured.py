@@ -54,7 +54,7 @@ def _used() -> int:
 def _rank(rank: int, world: int, port: int, preset: str, out: str, ep: int) -> None:
     import torch
 
-    from orchestrator.adapters.megatron_build import build_gpt, init_process_group, train_step
+    from orchestrator.adapters.megatron.build import build_gpt, init_process_group, train_step
 
     cuda = torch.cuda.is_available()
     init_process_group(rank, world, port, "nccl" if cuda else "gloo", expert_model_parallel_size=ep)
@@ -82,9 +82,9 @@ def _measure(chunks: Any, optimizer: Any, base: int) -> dict[str, Any]:
 
     from guards.bitexact import restore_bit_identical
     from orchestrator.adapters.digest import DigestMethod
-    from orchestrator.adapters.megatron import MegatronTrainer
-    from orchestrator.regions import RegionLedger
-    from orchestrator.transport import nbytes
+    from orchestrator.adapters.megatron.trainer import MegatronTrainer
+    from orchestrator.adapters.transport.bucketed import nbytes
+    from orchestrator.core.regions import RegionLedger
     from states import Region
 
     cuda = torch.cuda.is_available()
@@ -101,11 +101,11 @@ def _measure(chunks: Any, optimizer: Any, base: int) -> dict[str, Any]:
         "frozen": frozen,
     }
     if cuda:
-        from orchestrator.adapters.tms import TorchMemorySaverRegions
+        from orchestrator.adapters.regions.tms import TorchMemorySaverRegions
 
         regions: Any = TorchMemorySaverRegions(trainer.region_tensors)
     else:
-        from orchestrator.adapters.storage import StorageRegions
+        from orchestrator.adapters.regions.storage import StorageRegions
 
         regions = StorageRegions(trainer.region_tensors)
     ledger = RegionLedger(regions)

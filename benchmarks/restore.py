@@ -3,7 +3,7 @@
 - rematerialize: cast the fp32 mains to bf16 and all-gather; copy a few KB of extras back;
 - backup: copy the pinned host copy of every bf16 param back (today's stacks).
 
-The model is a preset of `orchestrator.presets` (Llama-shaped megatron-core GPT) with an MoE
+The model is a preset of `orchestrator.demo.presets` (Llama-shaped megatron-core GPT) with an MoE
 layer (expert_bias), an fp32 param and a frozen param, in DDP + DistributedOptimizer. With
 `--ranks N` it runs N processes at DP = N (one GPU each, NCCL; gloo on the CPU). On a GPU the
 regions are torch_memory_saver's and a device-to-device copy of the same bytes is timed as the
@@ -34,9 +34,7 @@ import torch.multiprocessing as mp
 
 from guards.bitexact import restore_bit_identical
 from orchestrator.adapters.digest import DigestMethod
-from orchestrator.adapters.fast_cast import MainParamCast, PipelinedRestore
-from orchestrator.adapters.megatron import MegatronTrainer
-from orchestrator.adapters.megatron_build import (
+from orchestrator.adapters.megatron.build import (
     TinyGPTConfig,
     build_gpt,
     destroy_process_group,
@@ -44,9 +42,11 @@ from orchestrator.adapters.megatron_build import (
     init_process_group,
     train_step,
 )
-from orchestrator.adapters.storage import StorageRegions
-from orchestrator.presets import BENCHMARK_MODELS, benchmark_model
-from orchestrator.regions import RegionLedger
+from orchestrator.adapters.megatron.fast_cast import MainParamCast, PipelinedRestore
+from orchestrator.adapters.megatron.trainer import MegatronTrainer
+from orchestrator.adapters.regions.storage import StorageRegions
+from orchestrator.core.regions import RegionLedger
+from orchestrator.demo.presets import BENCHMARK_MODELS, benchmark_model
 from states import Mode, Region
 
 
@@ -113,7 +113,7 @@ def cycle(
 
 def regions_for(trainer: MegatronTrainer) -> Any:
     if torch.cuda.is_available():
-        from orchestrator.adapters.tms import TorchMemorySaverRegions
+        from orchestrator.adapters.regions.tms import TorchMemorySaverRegions
 
         return TorchMemorySaverRegions(trainer.region_tensors)
     return StorageRegions(trainer.region_tensors)

@@ -1,6 +1,6 @@
 """update_weights by CUDA IPC: a rank pushes its weights, in buckets, into an engine on its GPU.
 
-The rank is a megatron-core GPT (a preset of `orchestrator.presets`, dense) in DDP +
+The rank is a megatron-core GPT (a preset of `orchestrator.demo.presets`, dense) in DDP +
 DistributedOptimizer; the engine replica is `TransformersEngine` in a process of its own on
 the same GPU, as colocated stacks place SGLang. The rank converts its resident params to HF
 names (`convert.to_hf`: views of the param buffer; q/k/v are copies, kept in staging tensors)
@@ -39,10 +39,10 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 import torch
 import torch.multiprocessing as mp
 
-from orchestrator.gpt import TinyGPTConfig
-from orchestrator.presets import PRESETS, preset
-from orchestrator.transport import buckets, nbytes
-from orchestrator.workers.staging import ALIGN, Slot, StagingBuffer
+from orchestrator.adapters.megatron.gpt import TinyGPTConfig
+from orchestrator.adapters.transport.bucketed import buckets, nbytes
+from orchestrator.demo.presets import PRESETS, preset
+from orchestrator.demo.workers.staging import ALIGN, Slot, StagingBuffer
 
 MODES = ("per-bucket", "registered", "staged")
 
@@ -50,8 +50,8 @@ MODES = ("per-bucket", "registered", "staged")
 def _engine_main(cfg: TinyGPTConfig, inbox: Any, outbox: Any) -> None:
     """The engine replica: serve update_weights messages until told to stop."""
     from orchestrator.adapters.digest import device_digests
-    from orchestrator.adapters.hf_engine import TransformersEngine
-    from orchestrator.workers.staging import attach
+    from orchestrator.adapters.engines.transformers import TransformersEngine
+    from orchestrator.demo.workers.staging import attach
 
     try:
         engine = TransformersEngine(cfg, max_batch=1, max_len=cfg.seq_len, device="cuda:0")
@@ -117,7 +117,7 @@ class Staged:
     valid) that `refresh` fills again from the tensors they came from."""
 
     def __init__(self, trainer: Any, cfg: TinyGPTConfig) -> None:
-        from orchestrator.convert import to_hf
+        from orchestrator.adapters.megatron.convert import to_hf
 
         self.cfg = cfg
         buffers = {b.param_data.untyped_storage().data_ptr() for b in trainer._buffers}
@@ -136,7 +136,7 @@ class Staged:
 
     def refresh(self) -> list[tuple[str, torch.Tensor]]:
         """Re-convert the tensors that conversion copies (q, k, v), into their staging tensors."""
-        from orchestrator.convert import to_hf
+        from orchestrator.adapters.megatron.convert import to_hf
 
         for name, tensor, staging in self._copied:
             fresh = [
@@ -213,8 +213,8 @@ def d2d_copy_s(total: int, repeats: int) -> float:
 
 def run(cfg: TinyGPTConfig, bucket_mib: list[int], repeats: int, window: int) -> dict[str, Any]:
     from orchestrator.adapters.digest import device_digests
-    from orchestrator.adapters.megatron import MegatronTrainer
-    from orchestrator.adapters.megatron_build import build_gpt, init_process_group, train_step
+    from orchestrator.adapters.megatron.build import build_gpt, init_process_group, train_step
+    from orchestrator.adapters.megatron.trainer import MegatronTrainer
 
     replica = Replica(cfg)  # starts while the rank builds
     init_process_group(0, 1, int(os.environ.get("MASTER_PORT", "29541")), "nccl")

@@ -10,15 +10,15 @@ from functools import partial
 import torch
 
 from orchestrator import Lifecycle, LifecycleConfig
-from orchestrator.adapters.bucketed import BucketedTransport
-from orchestrator.adapters.hf_engine import TransformersEngine
-from orchestrator.adapters.megatron import MegatronTrainer, megatron_setup
-from orchestrator.adapters.megatron_build import build_gpt, destroy_process_group, init_process_group
-from orchestrator.adapters.storage import StorageRegions
-from orchestrator.convert import to_hf
-from orchestrator.grpo import GRPOConfig, SyntheticTask, group_advantages, grpo_train_step
-from orchestrator.logs import LoggingListener
-from orchestrator.tracing import TracingListener
+from orchestrator.adapters.engines.transformers import TransformersEngine
+from orchestrator.adapters.megatron.build import build_gpt, destroy_process_group, init_process_group
+from orchestrator.adapters.megatron.convert import to_hf
+from orchestrator.adapters.megatron.trainer import MegatronTrainer, megatron_setup
+from orchestrator.adapters.regions.storage import StorageRegions
+from orchestrator.adapters.transport.bucketed import BucketedTransport
+from orchestrator.demo.grpo import GRPOConfig, SyntheticTask, group_advantages, grpo_train_step
+from orchestrator.telemetry.logs import LoggingListener
+from orchestrator.telemetry.tracing import TracingListener
 from states import Mode
 
 steps = int(sys.argv[1]) if len(sys.argv) > 1 else 5

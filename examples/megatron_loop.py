@@ -18,8 +18,8 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
 
 from orchestrator import colocate_megatron, enable_cpu_path
-from orchestrator.adapters.hf_engine import TransformersEngine
-from orchestrator.embed import gpt_shape
+from orchestrator.adapters.engines.transformers import TransformersEngine
+from orchestrator.adapters.megatron.embed import gpt_shape
 
 # ---- your trainer, as Megatron-core builds it ----------------------------------------------------
 enable_cpu_path()  # megatron-core assumes CUDA: this points it at the CPU (leave it out on a GPU)

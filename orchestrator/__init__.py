@@ -3,7 +3,8 @@
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from orchestrator.config import LifecycleConfig
+from orchestrator.core.config import LifecycleConfig
+from orchestrator.core.lifecycle import Lifecycle
 from orchestrator.errors import (
     ActionFailed,
     ConfigError,
@@ -18,8 +19,6 @@ from orchestrator.errors import (
     RestoreMismatch,
     StashMismatch,
 )
-from orchestrator.lifecycle import Lifecycle
-from orchestrator.listeners import FanOut, Listener, TransitionRecord
 from orchestrator.protocols import (
     LoadsWeights,
     MemoryRegions,
@@ -29,16 +28,17 @@ from orchestrator.protocols import (
     TransferReport,
     WeightTransport,
 )
+from orchestrator.telemetry.listeners import FanOut, Listener, TransitionRecord
 
 if TYPE_CHECKING:
-    from orchestrator.adapters.megatron_cpu import enable_cpu_path
-    from orchestrator.embed import colocate_megatron
+    from orchestrator.adapters.megatron.cpu import enable_cpu_path
+    from orchestrator.adapters.megatron.embed import colocate_megatron
 
 # Names whose modules import torch: loaded at first use, so `import orchestrator` (and
 # `colocate diagram`) needs neither torch nor megatron-core.
 _LAZY = {
-    "colocate_megatron": "orchestrator.embed",
-    "enable_cpu_path": "orchestrator.adapters.megatron_cpu",
+    "colocate_megatron": "orchestrator.adapters.megatron.embed",
+    "enable_cpu_path": "orchestrator.adapters.megatron.cpu",
 }
 
 

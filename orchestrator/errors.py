@@ -110,12 +110,17 @@ class RegionRefused(LifecycleError):
 
 
 class EngineError(LifecycleError):
-    """A rollout engine reported a failed call or a state colocate did not ask for."""
+    """A rollout engine reported a failed call or a state colocate did not ask for.
 
-    _fields = ("engine", "reason")
+    `status` is the HTTP status the engine answered with (compare with `http.HTTPStatus`), None where it
+    gave none (no answer, or a refusal in its body or in this process): callers switch on it,
+    never on the wording of `reason`.
+    """
 
-    def __init__(self, engine: str, reason: str) -> None:
-        self.engine, self.reason = engine, reason
+    _fields = ("engine", "reason", "status")
+
+    def __init__(self, engine: str, reason: str, status: int | None = None) -> None:
+        self.engine, self.reason, self.status = engine, reason, status
         super().__init__(f"engine {engine}: {reason}")
 
 

@@ -16,12 +16,15 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, TypeAlias, runtime_checkable
 
 from states import EngineMemory, Mode, TrainerLayout
 
-if TYPE_CHECKING:  # torch is an adapter's dependency: the controller never imports it
+if TYPE_CHECKING:  # torch stays unimported here: `colocate diagram` runs without it
     import torch
+
+Named: TypeAlias = tuple[str, "torch.Tensor"]
+"""A named tensor, as a trainer yields its sync tensors and an engine takes them."""
 
 
 @runtime_checkable
@@ -167,4 +170,26 @@ class WeightTransport(Protocol):
 
     def push(self, version: int) -> TransferReport:
         """Send every sync tensor; the engine serves `version` once this returns."""
+        ...
+
+
+class BucketSink(Protocol):
+    """What receives buckets: an engine's `update_weights(bucket, version)`."""
+
+    def update_weights(self, named: Sequence[Named], version: int) -> int: ...
+
+
+class JobEngine(RolloutEngine, Protocol):
+    """What the job asks of its engine beyond the lifecycle's `RolloutEngine`."""
+
+    def update_weights(self, named: Sequence[Named], version: int) -> int: ...
+
+    def generate(
+        self, prompts: torch.Tensor, *, max_new_tokens: int, temperature: float, seed: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Completions of exactly `max_new_tokens` per prompt row, and each token's log-probability."""
+        ...
+
+    def digests(self) -> dict[str, str] | None:
+        """A digest per engine weight; None where the engine cannot report its weights."""
         ...

@@ -1,4 +1,4 @@
-"""Write orchestrator/adapters/sglang_schema.json from SGLang's request definitions, without importing sglang.
+"""Write orchestrator/adapters/engines/sglang/sglang_schema.json from SGLang's request definitions, without importing sglang.
 
     pip download --no-deps sglang==0.5.23 -d /tmp/sgl
     python scripts/extract_sglang_schema.py /tmp/sgl/sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl
@@ -32,7 +32,9 @@ IO_STRUCT = "sglang/srt/managers/io_struct.py"
 COMMON = "sglang/srt/utils/common.py"  # SafeUnpickler.ALLOWED_GLOBALS: what a tensor payload may reference
 SAMPLING = "sglang/srt/sampling/sampling_params.py"  # SamplingParams: the keys of `sampling_params`
 SOURCES = (IO_STRUCT, COMMON, SAMPLING)
-DEFAULT_OUT = Path(__file__).resolve().parent.parent / "orchestrator" / "adapters" / "sglang_schema.json"
+DEFAULT_OUT = (
+    Path(__file__).resolve().parent.parent / "orchestrator" / "adapters" / "engines" / "sglang" / "sglang_schema.json"
+)
 
 # The request classes colocate sends, and the route each is posted to (sglang/srt/entrypoints/http_server.py).
 CLASSES: dict[str, str] = {

@@ -16,7 +16,7 @@ VENV=${SGLANG_TIER_VENV:-.venv-sglang}
 SGLANG_VERSION=0.5.23
 TORCH_VERSION=2.13.0
 # torch 2.13's torchvision, --no-deps (it requires a CUDA torch). sglang's configs import it; its
-# compiled ops link the CUDA libraries and do not load, which tests/contracts/sglang_tier.py allows for.
+# compiled ops link the CUDA libraries and do not load, which tests/support/sglang_tier.py allows for.
 TORCHVISION_VERSION=0.28.0
 
 # What `import sglang.srt.entrypoints.http_server` imports on a CPU machine, found one
@@ -51,7 +51,7 @@ if [[ ! -x "$VENV/bin/python" ]]; then
   "$VENV/bin/python" - <<'PY'
 import torch
 assert torch.version.cuda is None, f"a CUDA torch crept in: {torch.__version__}"
-from tests.contracts import sglang_tier  # noqa: F401  imports sglang's HTTP app: the tier's precondition
+from tests.support import sglang_tier  # noqa: F401  imports sglang's HTTP app: the tier's precondition
 PY
   echo "$VENV: made in $(( $(date +%s) - start )) s, $(du -sh "$VENV" | cut -f1)" >&2
 fi

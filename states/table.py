@@ -1,7 +1,7 @@
 """The one table of legal transitions. Nothing else declares a transition.
 
 Read it top to bottom: it is the colocated step. Guards and actions are named here and resolved
-once when the controller is built (guards/ and orchestrator/lifecycle.py), so an unknown name
+once when the controller is built (guards/ and orchestrator/core/lifecycle.py), so an unknown name
 fails at import, not mid-run.
 """
 

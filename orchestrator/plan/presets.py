@@ -9,12 +9,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from orchestrator.adapters.megatron.gpt import TinyGPTConfig
+from orchestrator.demo.presets import benchmark_model, preset
 from orchestrator.errors import ConfigError
-from orchestrator.gpt import TinyGPTConfig
 from orchestrator.plan.model import ModelSpec, _spec_from_dict, from_hf_config
-from orchestrator.presets import benchmark_model, preset
 
-# colocate's own GPTs: the job's default, and the restore benchmark's models (orchestrator/presets.py);
+# colocate's own GPTs: the job's default, and the restore benchmark's models (orchestrator/demo/presets.py);
 # `gpu-1b` is the benchmark's `llama-1b`, extras included.
 # Built on demand: the job's default lives with GRPOConfig, which imports torch; planning never does.
 TINY_GPTS: dict[str, Callable[[], TinyGPTConfig]] = {

@@ -1,6 +1,6 @@
 """Weight sync by broadcast, for SGLang servers off the trainer's GPUs, through stand-in servers.
 
-The servers are the contract stand-in (tests/contracts/sglang_server.py) with `join_groups=True`:
+The servers are the contract stand-in (tests/support/sglang_server.py) with `join_groups=True`:
 they join the trainer's group and receive each bucket over gloo, as SGLang's
 `init_custom_process_group` and `FlattenedTensorBucket.empty` do. The trainer's end
 (`WeightBroadcaster`) runs in a process of its own. On a GPU the backend is NCCL; that, and
@@ -20,9 +20,9 @@ import pytest
 import requests
 import torch
 
-from tests.cli import ROOT
-from tests.contracts.sglang_server import SGLangStandIn, tensor_checksum
-from tests.contracts.test_sglang_engine import WEIGHTS, tensors
+from tests.support.cli import ROOT
+from tests.support.sglang_server import SGLangStandIn, tensor_checksum
+from tests.support.sglang_weights import WEIGHTS, tensors
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -35,7 +35,7 @@ def free_port() -> int:
 
 def send(*urls: str, versions: int = 2, timeout_s: float = 30) -> subprocess.CompletedProcess[str]:
     port = free_port()  # a group name per call: this process's in-process stand-ins join each once
-    command = [sys.executable, "-m", "tests.contracts.broadcast_sender", *urls, "--port", str(port)]
+    command = [sys.executable, "-m", "tests.support.broadcast_sender", *urls, "--port", str(port)]
     command += ["--versions", str(versions), "--group", f"colocate_weights_{port}", "--timeout", str(timeout_s)]
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=80)
 
@@ -71,7 +71,7 @@ def test_a_refused_announcement_fails_fast_naming_the_server(server: SGLangStand
 @pytest.mark.slow
 def test_two_servers_each_take_their_ranks_and_receive_everything() -> None:
     """Separate processes, as SGLang servers are: a process joins a group name once."""
-    command = [sys.executable, "-m", "tests.contracts.sglang_server", "--join-groups"]
+    command = [sys.executable, "-m", "tests.support.sglang_server", "--join-groups"]
     procs = [subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, text=True) for _ in range(2)]
     try:
         urls = [p.stdout.readline().strip() if p.stdout is not None else "" for p in procs]

@@ -1,8 +1,8 @@
 """SGLangEngine against SGLang's request definitions, through a local stand-in server.
 
 These tests check colocate's requests against SGLang's request definitions (the schema extracted
-from sglang's io_struct.py, orchestrator/adapters/sglang_schema.json) and its documented
-behaviours, through a local stand-in server (tests/contracts/sglang_server.py). No SGLang engine
+from sglang's io_struct.py, orchestrator/adapters/engines/sglang/sglang_schema.json) and its documented
+behaviours, through a local stand-in server (tests/support/sglang_server.py). No SGLang engine
 runs here: no model, no GPU, no CUDA IPC. The payloads are real (CPU tensors through the same
 ForkingPickler + base64 format) and are unpickled and rebuilt by the stand-in.
 """
@@ -10,42 +10,33 @@ ForkingPickler + base64 format) and are unpickled and rebuilt by the stand-in.
 from __future__ import annotations
 
 import json
+import pickle
 import re
 import time
 from collections.abc import Iterator
+from http import HTTPStatus
 from unittest.mock import patch
 
 import pytest
 import torch
 
-from orchestrator.adapters.sglang import (
+from orchestrator.adapters.engines.sglang import (
     Generation,
     SGLangEngine,
     SGLangGroup,
     flattened_bucket,
     serialize,
+    url_problems,
 )
-from orchestrator.config import url_problems
+from orchestrator.adapters.transport.bucketed import push_in_buckets
 from orchestrator.errors import ConfigError, EngineError
 from orchestrator.protocols import RolloutEngine
-from orchestrator.transport import push_in_buckets
 from states import EngineMemory
-from tests.contracts.sglang_server import SCHEMA_PATH, SGLangStandIn, reconstruct
+from tests.support import sglang_server
+from tests.support.sglang_server import SCHEMA_PATH, SGLangStandIn, reconstruct
+from tests.support.sglang_weights import ALL, WEIGHTS, tensors
 
 pytestmark = pytest.mark.timeout(20)
-
-WEIGHTS = {
-    "model.embed_tokens.weight": ((32, 8), torch.bfloat16),
-    "model.layers.0.self_attn.q_proj.weight": ((8, 8), torch.bfloat16),
-    "model.norm.weight": ((8,), torch.float32),
-    "lm_head.weight": ((32, 8), torch.bfloat16),
-}
-ALL = frozenset(EngineMemory)
-
-
-def tensors(seed: int = 0) -> list[tuple[str, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [(name, torch.randn(shape, generator=gen).to(dtype)) for name, (shape, dtype) in WEIGHTS.items()]
 
 
 @pytest.fixture
@@ -247,10 +238,32 @@ def test_payload_globals_outside_sglangs_allowlist_are_refused(engine: SGLangEng
     payload = serialize({"flattened_tensor": torch.zeros(4, dtype=torch.uint8), "metadata": [Generation([], [])]})
     body = {"serialized_named_tensors": [payload], "load_format": "flattened_bucket"}
     with (
-        pytest.raises(EngineError, match=r"Blocked unsafe global \(orchestrator\.adapters\.sglang\.Generation\)"),
+        pytest.raises(
+            EngineError, match=r"Blocked unsafe global \(orchestrator\.adapters\.engines\.sglang\.client\.Generation\)"
+        ),
         engine.weight_update_session(),
     ):
         engine._call("POST", "/update_weights_from_tensor", body)
+
+
+def test_an_engine_error_carries_the_http_status_through_a_pickle(engine: SGLangEngine) -> None:
+    with pytest.raises(EngineError) as refused:
+        engine._call("POST", "/no_such_route", {})
+    assert refused.value.status == HTTPStatus.NOT_FOUND
+    copy = pickle.loads(pickle.dumps(refused.value))  # as a Ray actor's error crosses processes
+    assert (copy.engine, copy.reason, copy.status) == (engine.name, refused.value.reason, HTTPStatus.NOT_FOUND)
+    with pytest.raises(EngineError) as unreachable:
+        SGLangEngine("http://127.0.0.1:9", retries=0).server_info()
+    assert unreachable.value.status is None  # no answer, so no status
+
+
+def test_connect_names_a_server_without_server_info_by_its_404(
+    server: SGLangStandIn, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delitem(sglang_server._ROUTES, ("GET", "/server_info"))
+    with pytest.raises(EngineError, match=r"is this an SGLang 0\.5 server") as refused:
+        SGLangGroup([server.url]).connect()
+    assert refused.value.status == HTTPStatus.NOT_FOUND
 
 
 # ---- several servers: SGLangGroup ----------------------------------------------------------------
@@ -345,10 +358,10 @@ def test_sampling_params_are_checked_against_sglangs_fields(engine: SGLangEngine
 @pytest.mark.parametrize(
     ("urls", "problem"),
     [
-        ([], "at least one --engine-url"),
-        (["127.0.0.1:30000"], "not an http:// or https:// URL"),
-        (["http://"], "not an http:// or https:// URL"),
-        (["http://a:1", "http://a:1/"], "http://a:1 given twice"),
+        ([], "no SGLang server URL given"),
+        (["127.0.0.1:30000"], "'127.0.0.1:30000': not an http:// or https:// URL"),
+        (["http://"], "'http://': not an http:// or https:// URL"),
+        (["http://a:1", "http://a:1/"], "server URL http://a:1 given twice"),
     ],
 )
 def test_bad_server_lists_are_config_errors(urls: list[str], problem: str) -> None:
@@ -369,7 +382,7 @@ def test_actions_are_client_spans_and_every_request_carries_the_trace(
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     tracer = provider.get_tracer("test")
     with (
-        patch("orchestrator.adapters.sglang.trace.get_tracer", return_value=tracer),
+        patch("orchestrator.adapters.engines.sglang.client.trace.get_tracer", return_value=tracer),
         tracer.start_as_current_span("lifecycle.update_weights") as parent,
     ):
         engine.release(ALL)
@@ -442,8 +455,8 @@ def test_the_lifecycle_closes_the_session_when_the_update_fails_between_buckets_
     session, and the lifecycle ends in FAULTED with the cause."""
     from orchestrator import Lifecycle, LifecycleConfig
     from orchestrator.errors import ActionFailed
-    from orchestrator.inmemory import InMemoryRegions, InMemoryTrainer
     from orchestrator.protocols import TransferReport
+    from orchestrator.testing import InMemoryRegions, InMemoryTrainer
     from states import Mode, Phase, Region
 
     group = SGLangGroup([server.url])

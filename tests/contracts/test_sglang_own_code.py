@@ -1,7 +1,7 @@
 """Every request colocate makes, judged by sglang 0.5.23's own code (the contract tier).
 
 Runs only where sglang imports: `scripts/sglang-contract-tier.sh` makes that environment and runs
-this file; elsewhere it is skipped. `tests/contracts/sglang_tier.py` says which of SGLang's code
+this file; elsewhere it is skipped. `tests/support/sglang_tier.py` says which of SGLang's code
 runs (its HTTP app, request classes, sampling-param checks, the scheduler's weight-update manager
 and flush) and what is replaced (the model runner, the ZMQ hop, the batches, torch_memory_saver).
 
@@ -21,10 +21,10 @@ import torch
 if importlib.util.find_spec("sglang") is None:
     pytest.skip("sglang is not installed: the contract tier, scripts/sglang-contract-tier.sh", allow_module_level=True)
 
-from orchestrator.adapters.sglang import SGLangGroup
+from orchestrator.adapters.engines.sglang import SGLangGroup
 from orchestrator.errors import EngineError
 from states import EngineMemory
-from tests.contracts import sglang_tier as tier
+from tests.support import sglang_tier as tier
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -36,7 +36,7 @@ def model_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The folder the README's first command writes: `colocate engine-config DIR`."""
     from typer.testing import CliRunner
 
-    from orchestrator.cli import app
+    from orchestrator.cli.app import app
 
     folder = tmp_path_factory.mktemp("model")
     done = CliRunner().invoke(app, ["engine-config", str(folder), "--force"])  # in this process: see sglang_tier
@@ -208,11 +208,11 @@ def test_pause_and_continue_parse_as_sglangs_requests(group: SGLangGroup, served
 
 def lifecycle_on(group: SGLangGroup, *, fail_after_buckets: int | None = None) -> Any:
     """A real Lifecycle whose engine is colocate's SGLang client. The trainer side is the in-memory
-    one (orchestrator/inmemory.py): what is judged here is the engine side, by SGLang."""
+    one (orchestrator/testing.py): what is judged here is the engine side, by SGLang."""
     from orchestrator import Lifecycle, LifecycleConfig
-    from orchestrator.inmemory import InMemoryRegions, InMemoryTrainer
+    from orchestrator.adapters.transport.bucketed import push_in_buckets
     from orchestrator.protocols import TransferReport
-    from orchestrator.transport import push_in_buckets
+    from orchestrator.testing import InMemoryRegions, InMemoryTrainer
     from states import Mode, Region
 
     trainer = InMemoryTrainer()

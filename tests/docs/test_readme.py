@@ -27,8 +27,8 @@ import pytest
 import typer.main
 from typer.testing import CliRunner
 
-from orchestrator.cli import app
-from orchestrator.tracing import parse_otlp_json
+from orchestrator.cli.app import app
+from orchestrator.telemetry.tracing import parse_otlp_json
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()

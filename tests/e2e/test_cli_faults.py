@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli import ROOT, colocate
+from tests.support.cli import ROOT, colocate
 
 psutil = pytest.importorskip("psutil")
 pytest.importorskip("megatron.core")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli import CYCLE, ROOT, colocate, run
+from tests.support.cli import CYCLE, ROOT, colocate, run
 
 pytest.importorskip("megatron.core")
 pytest.importorskip("ray")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cli import ROOT, colocate
+from tests.support.cli import ROOT, colocate
 
 
 def run_in(temp: Path, *args: str) -> subprocess.CompletedProcess[str]:

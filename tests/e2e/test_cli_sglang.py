@@ -1,7 +1,7 @@
 """`colocate run --engine sglang` as a user runs it, against servers that speak SGLang's HTTP API.
 
 No SGLang runs here (it needs a GPU and a CUDA torch). The servers are the contract stand-in
-(tests/contracts/sglang_server.py) in processes of their own, started as the README starts
+(tests/support/sglang_server.py) in processes of their own, started as the README starts
 SGLang (on the folder `colocate engine-config` writes), each serving a real transformers Llama:
 they check every request against SGLang's request classes, rebuild the weight buckets
 from SGLang's wire format (shared-memory files here, CUDA IPC on a GPU), load them into the
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.cli import CYCLE, run, sglang_stand_ins
+from tests.support.cli import CYCLE, run, sglang_stand_ins
 
 pytest.importorskip("megatron.core")
 pytest.importorskip("transformers")
@@ -50,8 +50,8 @@ def test_server_lists_are_checked_before_anything_starts() -> None:
 def test_engine_config_writes_the_trained_models_llama_config_and_never_overwrites(tmp_path: Path) -> None:
     from transformers import LlamaConfig
 
-    from orchestrator.convert import hf_llama_config
-    from orchestrator.grpo import GRPOConfig
+    from orchestrator.adapters.megatron.convert import hf_llama_config
+    from orchestrator.demo.grpo import GRPOConfig
 
     done = run("engine-config", str(tmp_path / "model"))
     assert done.returncode == 0 and "--load-format dummy" in done.stdout, done.stderr

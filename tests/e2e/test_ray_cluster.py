@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.ray_cluster import head_processes
-from tests.cli import ROOT, colocate, run
+from orchestrator.demo.ray_cluster import head_processes
+from tests.support.cli import ROOT, colocate, run
 
 pytest.importorskip("megatron.core")
 pytest.importorskip("ray")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.tracing import parse_otlp_json
+from orchestrator.telemetry.tracing import parse_otlp_json
 
 pytest.importorskip("ray")
 

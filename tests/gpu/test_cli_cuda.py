@@ -1,7 +1,7 @@
 """`colocate run --device cuda` on a GPU: the rank trains over NCCL with torch_memory_saver regions.
 
 Two engines: the transformers Llama on the same GPU, and a server speaking SGLang's HTTP API (the
-contract stand-in, tests/contracts/sglang_server.py, serving a transformers Llama on the GPU in a
+contract stand-in, tests/support/sglang_server.py, serving a transformers Llama on the GPU in a
 process of its own) that receives every weight bucket as a CUDA IPC handle carrying the device
 UUID, as SGLang's patched torch reductions do. SGLang itself is not installed here.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.cli import CYCLE, run, sglang_stand_ins
+from tests.support.cli import CYCLE, run, sglang_stand_ins
 
 pytestmark = [
     pytest.mark.gpu,

@@ -22,8 +22,8 @@ from typing import Any
 import pytest
 import torch
 
-from orchestrator.tracing import parse_otlp_json
-from tests.cli import CYCLE, ROOT, colocate
+from orchestrator.telemetry.tracing import parse_otlp_json
+from tests.support.cli import CYCLE, ROOT, colocate
 
 pytestmark = [
     pytest.mark.gpu,

@@ -38,7 +38,7 @@ def _awkward_floats(n: int, generator: torch.Generator) -> torch.Tensor:
 
 
 def test_kernel_casts_like_copy_on_awkward_values() -> None:
-    from orchestrator.adapters.fast_cast import _Launch, kernel_available
+    from orchestrator.adapters.megatron.fast_cast import _Launch, kernel_available
 
     if not kernel_available():
         pytest.skip("Triton is not importable")
@@ -65,17 +65,17 @@ def _scenario(rank: int, world_size: int, port: int, out: str) -> None:
     try:
         from guards.bitexact import restore_bit_identical
         from orchestrator.adapters.digest import DigestMethod
-        from orchestrator.adapters.fast_cast import MainParamCast, PipelinedRestore
-        from orchestrator.adapters.megatron import MegatronTrainer
-        from orchestrator.adapters.megatron_build import (
+        from orchestrator.adapters.megatron.build import (
             TinyGPTConfig,
             build_gpt,
             destroy_process_group,
             init_process_group,
             train_step,
         )
-        from orchestrator.adapters.tms import TorchMemorySaverRegions
-        from orchestrator.regions import RegionLedger
+        from orchestrator.adapters.megatron.fast_cast import MainParamCast, PipelinedRestore
+        from orchestrator.adapters.megatron.trainer import MegatronTrainer
+        from orchestrator.adapters.regions.tms import TorchMemorySaverRegions
+        from orchestrator.core.regions import RegionLedger
         from states import Mode, Region
 
         init_process_group(rank, world_size, port, "nccl")

@@ -21,7 +21,7 @@ MODES = ("rematerialize", "backup")
 @pytest.fixture(scope="module")
 def rank(tmp_path_factory: pytest.TempPathFactory) -> dict:
     pytest.importorskip("torch_memory_saver")
-    from tests.integration.megatron_ranks import run_ranks
+    from tests.support.megatron_ranks import run_ranks
 
     (result,) = run_ranks("cycles", 1, tmp_path_factory.mktemp("gpu"))
     return result
@@ -45,7 +45,7 @@ def two_ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     pytest.importorskip("torch_memory_saver")
     if torch.cuda.device_count() < 2:
         pytest.skip(f"needs 2 GPUs, {torch.cuda.device_count()} visible")
-    from tests.integration.megatron_ranks import run_ranks
+    from tests.support.megatron_ranks import run_ranks
 
     return run_ranks("cycles", 2, tmp_path_factory.mktemp("gpu2"), ep=request.param)
 

@@ -18,9 +18,18 @@ import torch
 pytest.importorskip("transformers")
 
 from orchestrator.adapters.digest import sha256_digests
-from orchestrator.adapters.hf_engine import TransformersEngine
-from orchestrator.convert import Family, ModelSpec, convert, hf_buckets, hf_config, hf_llama_config, hf_names, to_hf
-from orchestrator.gpt import TinyGPTConfig
+from orchestrator.adapters.engines.transformers import TransformersEngine
+from orchestrator.adapters.megatron.convert import (
+    Family,
+    ModelSpec,
+    convert,
+    hf_buckets,
+    hf_config,
+    hf_llama_config,
+    hf_names,
+    to_hf,
+)
+from orchestrator.adapters.megatron.gpt import TinyGPTConfig
 
 # GQA with 4 heads per group (so a split that ignores the grouping moves heads), and a theta
 # other than HF's default (so a theta that is not passed through shows).
@@ -256,13 +265,13 @@ def _megatron_rank(port: int, out: str) -> None:
     os.environ["TORCHDYNAMO_DISABLE"] = "1"
     result: dict[str, Any]
     try:
-        from orchestrator.adapters.megatron import MegatronTrainer
-        from orchestrator.adapters.megatron_build import (
+        from orchestrator.adapters.megatron.build import (
             TinyGPTConfig,
             build_gpt,
             destroy_process_group,
             init_process_group,
         )
+        from orchestrator.adapters.megatron.trainer import MegatronTrainer
 
         init_process_group(0, 1, port)
         cfg = TinyGPTConfig(**{f: getattr(GQA, f) for f in GQA.__dataclass_fields__})

@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 pytest.importorskip("transformers")
 pytest.importorskip("megatron.core")
 
-from orchestrator.convert import Family, ModelSpec, hf_config, hf_names
+from orchestrator.adapters.megatron.convert import Family, ModelSpec, hf_config, hf_names
 from tests.support.spawn import spawn_ranks
 
 SEQ, BATCH, VOCAB, STEPS = 16, 4, 128, 3
@@ -237,7 +237,7 @@ class _SyncWatch(TorchDispatchMode):
 
 
 def _sync(chunks: list[Any], family: Family) -> dict[str, Any]:
-    from orchestrator.convert import hf_buckets, is_sync_source
+    from orchestrator.adapters.megatron.convert import hf_buckets, is_sync_source
 
     sizes = []
     with _SyncWatch() as watch:
@@ -282,8 +282,8 @@ def _rank(rank: int, world: int, port: int, out: str, layout: tuple[int, int, in
         from megatron.core import parallel_state as ps
         from megatron.core import tensor_parallel
 
-        from orchestrator.adapters.megatron_cpu import enable_cpu_path
-        from orchestrator.convert import model_spec
+        from orchestrator.adapters.megatron.convert import model_spec
+        from orchestrator.adapters.megatron.cpu import enable_cpu_path
 
         enable_cpu_path()
         torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

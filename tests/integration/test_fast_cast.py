@@ -32,15 +32,15 @@ def _poison(trainer: Any) -> None:
 def _scenario(rank: int, world_size: int, port: int, out: str) -> None:
     result: dict[str, Any] = {}
     try:
-        from orchestrator.adapters.fast_cast import MainParamCast, cast_pairs, kernel_available
-        from orchestrator.adapters.megatron import MegatronTrainer
-        from orchestrator.adapters.megatron_build import (
+        from orchestrator.adapters.megatron.build import (
             TinyGPTConfig,
             build_gpt,
             destroy_process_group,
             init_process_group,
             train_step,
         )
+        from orchestrator.adapters.megatron.fast_cast import MainParamCast, cast_pairs, kernel_available
+        from orchestrator.adapters.megatron.trainer import MegatronTrainer
 
         init_process_group(rank, world_size, port)
         cfg = TinyGPTConfig(num_experts=2, fp32_param=True, frozen_param=True)

@@ -17,10 +17,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 pytest.importorskip("megatron.core")
 pytest.importorskip("transformers")
 
+from orchestrator.demo.job import ColocatedJob, RunConfig, rendezvous_store
 from orchestrator.errors import RankFailed
-from orchestrator.job import ColocatedJob, RunConfig, rendezvous_store
-from orchestrator.listeners import Listener, TransitionRecord
-from orchestrator.tracing import TracingListener
+from orchestrator.telemetry.listeners import Listener, TransitionRecord
+from orchestrator.telemetry.tracing import TracingListener
 from states import Event, Phase
 
 pytestmark = pytest.mark.slow

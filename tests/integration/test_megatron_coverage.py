@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from tests.integration.megatron_ranks import run_ranks
+from tests.support.megatron_ranks import run_ranks
 
 pytestmark = pytest.mark.slow
 

@@ -1,5 +1,5 @@
 """The one-call embedding and the read-only sync, on real megatron-core (gloo, CPU) and a real
-transformers engine, each scenario in a spawned rank process (tests/integration/embed_ranks.py)."""
+transformers engine, each scenario in a spawned rank process (tests/support/embed_ranks.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ pytest.importorskip("megatron.core")
 pytest.importorskip("transformers")
 
 from states import Phase
-from tests.integration.embed_ranks import rank_main
+from tests.support.embed_ranks import rank_main
 from tests.support.spawn import spawn_ranks
 
 pytestmark = pytest.mark.slow
@@ -78,7 +78,7 @@ def test_a_converter_that_writes_to_a_live_param_faults_the_update_naming_it(emb
 @pytest.fixture(scope="module")
 def parallel(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
     """Per layout ("tp2", "pp2"), the two gloo ranks' results; one spawn runs both layouts."""
-    from tests.integration.embed_parallel_ranks import rank_main as parallel_rank
+    from tests.support.embed_parallel_ranks import rank_main as parallel_rank
 
     ranks = spawn_ranks(parallel_rank, 2, tmp_path_factory.mktemp("embed-parallel"))
     return {layout: [rank[layout] for rank in ranks] for layout in ranks[0]}

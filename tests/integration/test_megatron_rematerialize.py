@@ -1,7 +1,7 @@
 """Rematerialize and backup restores on real megatron-core DDP + DistributedOptimizer (gloo, CPU).
 
 The model has the awkward params: an MoE layer with an expert_bias buffer, an fp32 param and a
-frozen param. World sizes 1 and 2 run in spawned processes (tests/integration/megatron_ranks.py).
+frozen param. World sizes 1 and 2 run in spawned processes (tests/support/megatron_ranks.py).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from tests.integration.megatron_ranks import run_ranks
+from tests.support.megatron_ranks import run_ranks
 
 pytestmark = pytest.mark.slow
 

@@ -1,5 +1,5 @@
 """A critic-only step through the SGLang adapter's API: SGLangEngine's requests against the
-stand-in server (tests/contracts/sglang_server.py), which serves them from a transformers model.
+stand-in server (tests/support/sglang_server.py), which serves them from a transformers model.
 The lifecycle drives it; the trainer is the in-memory one (HF-named params), since this checks
 what the controller asks of the engine (issue 10 item 5)."""
 
@@ -12,14 +12,14 @@ pytest.importorskip("transformers")
 pytest.importorskip("requests")
 
 from orchestrator import Lifecycle, LifecycleConfig
-from orchestrator.adapters.hf_engine import TransformersEngine
-from orchestrator.adapters.sglang import SGLangEngine
-from orchestrator.gpt import TinyGPTConfig
-from orchestrator.inmemory import InMemoryRegions, InMemoryTrainer
+from orchestrator.adapters.engines.sglang import SGLangEngine
+from orchestrator.adapters.engines.transformers import TransformersEngine
+from orchestrator.adapters.megatron.gpt import TinyGPTConfig
+from orchestrator.adapters.transport.bucketed import push_in_buckets
 from orchestrator.protocols import TransferReport
-from orchestrator.transport import push_in_buckets
+from orchestrator.testing import InMemoryRegions, InMemoryTrainer
 from states import Phase, Region
-from tests.contracts.sglang_server import SGLangStandIn
+from tests.support.sglang_server import SGLangStandIn
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -12,8 +12,8 @@ from typing import Any
 import torch
 
 from orchestrator import Lifecycle, LifecycleConfig
-from orchestrator.inmemory import InMemoryEngine, InMemoryRegions, InMemoryTrainer, InMemoryTransport
 from orchestrator.protocols import TransferReport
+from orchestrator.testing import InMemoryEngine, InMemoryRegions, InMemoryTrainer, InMemoryTransport
 from states import EngineMemory, Mode, Region
 
 

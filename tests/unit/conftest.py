@@ -1,55 +1,10 @@
-"""Controller unit tests run on the in-memory adapters (orchestrator/inmemory.py) and nothing else."""
+"""Controller unit tests run on the in-memory adapters (orchestrator/testing.py) and nothing else."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 
-from orchestrator import Lifecycle, LifecycleConfig, Listener
-from orchestrator.inmemory import InMemoryEngine, InMemoryRegions, InMemoryTrainer, InMemoryTransport
-from states import Mode, Region
-
-
-@dataclass
-class Rig:
-    lifecycle: Lifecycle
-    trainer: InMemoryTrainer
-    engine: InMemoryEngine
-    regions: InMemoryRegions
-    transport: InMemoryTransport
-
-
-def make_rig(
-    mode: Mode = Mode.REMATERIALIZE,
-    listeners: tuple[Listener, ...] = (),
-    trainer: InMemoryTrainer | None = None,
-    **config: object,
-) -> Rig:
-    trainer = trainer or InMemoryTrainer()
-    engine = InMemoryEngine()
-    regions = InMemoryRegions(on_pause={Region.PARAM_BUFFER.value: trainer.drop})
-    transport = InMemoryTransport(trainer, engine)
-    lifecycle = Lifecycle(
-        config=LifecycleConfig(mode=mode, **config),  # type: ignore[arg-type]
-        trainer=trainer,
-        regions=regions,
-        engine=engine,
-        transport=transport,
-        listeners=listeners,
-    )
-    return Rig(lifecycle, trainer, engine, regions, transport)
-
-
-def cycle(rig: Rig) -> None:
-    """One full step: sync, drop, rollout, restore, train."""
-    lc = rig.lifecycle
-    lc.pause_grads()
-    lc.update_weights()
-    lc.drop_params()
-    lc.rollout()
-    lc.restore()
-    lc.train(rig.trainer.optimizer_step)
+from tests.support.rig import Rig, make_rig
 
 
 @pytest.fixture

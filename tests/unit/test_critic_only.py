@@ -9,11 +9,11 @@ import torch
 pytest.importorskip("transformers")
 
 from orchestrator import Lifecycle, LifecycleConfig
-from orchestrator.adapters.hf_engine import TransformersEngine
-from orchestrator.gpt import TinyGPTConfig
-from orchestrator.inmemory import InMemoryRegions, InMemoryTrainer
+from orchestrator.adapters.engines.transformers import TransformersEngine
+from orchestrator.adapters.megatron.gpt import TinyGPTConfig
+from orchestrator.adapters.transport.bucketed import push_in_buckets
 from orchestrator.protocols import TransferReport
-from orchestrator.transport import push_in_buckets
+from orchestrator.testing import InMemoryRegions, InMemoryTrainer
 from states import EngineMemory, Phase, Region
 
 

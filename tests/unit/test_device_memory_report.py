@@ -3,8 +3,8 @@ the ranks on the way into FAULTED (one may be dead or hung)."""
 
 from __future__ import annotations
 
-from orchestrator.listeners import TransitionRecord
-from orchestrator.report import DeviceMemoryListener, ReportListener, RunReport
+from orchestrator.demo.report import DeviceMemoryListener, ReportListener, RunReport
+from orchestrator.telemetry.listeners import TransitionRecord
 from states import Event, Mode, Phase
 
 

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from orchestrator.adapters.fast_cast import MainParamCast, cast_pairs
+from orchestrator.adapters.megatron.fast_cast import MainParamCast, cast_pairs
 
 
 class _Optimizer(SimpleNamespace):

@@ -9,9 +9,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 
 from orchestrator import ActionFailed, GuardRejected
-from orchestrator.logs import LoggingListener
-from orchestrator.tracing import TracingListener
-from tests.unit.conftest import Rig, make_rig
+from orchestrator.telemetry.logs import LoggingListener
+from orchestrator.telemetry.tracing import TracingListener
+from tests.support.rig import Rig, make_rig
 
 
 @pytest.fixture

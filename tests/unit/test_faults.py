@@ -10,7 +10,7 @@ import guards
 from orchestrator import ActionFailed, GuardRejected, IllegalTransition, LifecycleError
 from orchestrator.errors import FaultWithoutCause, RecoveryRefused
 from states import TABLE, EngineMemory, Event, Mode, Phase
-from tests.unit.conftest import Rig, cycle, make_rig
+from tests.support.rig import Rig, cycle, make_rig
 
 
 def _to_rollout(rig: Rig) -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from orchestrator.demo.grpo import SyntheticTask, TaskConfig, group_advantages, grpo_loss
 from orchestrator.errors import ConfigError
-from orchestrator.grpo import SyntheticTask, TaskConfig, group_advantages, grpo_loss, shard_rows
 
 TASK = SyntheticTask(TaskConfig(alphabet_size=8, length=4))
 
@@ -118,21 +118,16 @@ def test_global_token_count_makes_shards_sum_to_the_global_mean() -> None:
     whole = grpo_loss(logp, old, adv, mask, 0.2)
     parts = []
     for rank in range(2):
-        shard = [shard_rows(t, rank, 2) for t in (logp, old, adv, mask)]
+        shard = [t[rank::2] for t in (logp, old, adv, mask)]  # the rows a rank trains on (Batch.shard)
         parts.append(grpo_loss(shard[0], shard[1], shard[2], shard[3], 0.2, num_tokens=mask.sum()))
     assert (parts[0] + parts[1]).item() == pytest.approx(whole.item(), rel=1e-6)
 
 
-def test_shard_rows_covers_every_row_once() -> None:
-    rows = torch.arange(7)
-    assert torch.cat([shard_rows(rows, r, 3) for r in range(3)]).tolist() == list(range(7))
-
-
 def test_grpo_config_defaults_fit_the_task_and_refuse_bad_values() -> None:
-    from orchestrator.grpo import GRPOConfig
+    from orchestrator.demo.grpo import GRPOConfig
 
     cfg = GRPOConfig()
-    assert cfg.steps == 30 and cfg.max_new_tokens == cfg.task.length
+    assert cfg.max_new_tokens == cfg.task.length
     assert cfg.model.vocab_size == cfg.task.vocab_size and cfg.model.seq_len >= cfg.max_len
     with pytest.raises(ConfigError) as caught:
         GRPOConfig(group_size=1, clip_eps=0.0, task=TaskConfig(alphabet_size=200))

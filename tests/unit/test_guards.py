@@ -2,39 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 
 from guards import GUARDS, cycle, engine, memory, trainer
 from guards.bitexact import restore_bit_identical
 from guards.config import CHECKS, violations
 from guards.verdict import Verdict, evaluate, refusals
-from states import EngineMemory, MemoryBudget, Mode, Phase, Region, Snapshot, Source, TrainerLayout, TrainingSetup
-
-LAYOUT = TrainerLayout(sync_sources={"w": Source.PARAM_BUFFER, "router.expert_bias": Source.EXTRAS})
-
-
-def snap(**changes: object) -> Snapshot:
-    """A healthy snapshot in GRADS_PAUSED after a trained step; tests change one thing."""
-    base = Snapshot(
-        phase=Phase.GRADS_PAUSED,
-        mode=Mode.REMATERIALIZE,
-        step=3,
-        paused=frozenset({Region.GRAD_BUFFER, Region.DEFAULT}),
-        engine_attached=True,
-        engine_resident=frozenset(),
-        engine_idle=True,
-        engine_synced=True,
-        engine_version=2,
-        weight_version=2,
-        cache_flushed=True,
-        trained_since_sync=True,
-        extras_stashed=True,
-        layout=LAYOUT,
-    )
-    return replace(base, **changes)  # type: ignore[arg-type]
-
+from states import EngineMemory, MemoryBudget, Mode, Region, Snapshot, Source, TrainerLayout, TrainingSetup
+from tests.support.snapshots import snap
 
 # guard, a snapshot it accepts, a snapshot it refuses, words the refusal must contain
 CASES = [

@@ -8,10 +8,10 @@ import torch
 pytest.importorskip("transformers")
 
 from orchestrator.adapters.digest import sha256_digests
-from orchestrator.adapters.hf_engine import TransformersEngine
-from orchestrator.convert import hf_llama_config, hf_names
+from orchestrator.adapters.engines.transformers import TransformersEngine
+from orchestrator.adapters.megatron.convert import hf_llama_config, hf_names
+from orchestrator.adapters.megatron.gpt import TinyGPTConfig
 from orchestrator.errors import EngineError
-from orchestrator.gpt import TinyGPTConfig
 from orchestrator.protocols import RolloutEngine
 from states import EngineMemory
 

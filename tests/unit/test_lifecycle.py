@@ -15,10 +15,10 @@ from orchestrator import (
     RegionRefused,
     RestoreMismatch,
 )
-from orchestrator.inmemory import InMemoryRegions, InMemoryTrainer
-from orchestrator.regions import RegionLedger
+from orchestrator.core.regions import RegionLedger
+from orchestrator.testing import InMemoryRegions, InMemoryTrainer
 from states import EngineMemory, Event, Mode, Phase, Region, TrainingSetup
-from tests.unit.conftest import cycle, make_rig
+from tests.support.rig import cycle, make_rig
 
 
 @pytest.mark.parametrize("mode", [Mode.REMATERIALIZE, Mode.BACKUP])

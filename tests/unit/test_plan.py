@@ -13,7 +13,7 @@ from orchestrator.plan.memory import GradDtype, OptimizerSpec, Parallelism, buff
 from orchestrator.plan.model import Kind, Tensor, from_hf_config, padded_vocab, stage_tensors
 from orchestrator.plan.presets import GLM5, QWEN3_4B, load_model
 from states import Mode
-from tests.cli import run
+from tests.support.cli import run
 
 # A small DeepSeek-style model: MLA, 1 dense + 2 MoE layers, a shared expert, one MTP layer.
 SMALL_MLA = {

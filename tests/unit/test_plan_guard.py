@@ -15,10 +15,10 @@ from orchestrator.errors import ConfigError, GuardRejected
 from orchestrator.plan.budget import MemoryProbe
 from orchestrator.plan.memory import EngineSpec, Parallelism, plan
 from orchestrator.plan.presets import load_model
-from orchestrator.tracing import TracingListener
+from orchestrator.telemetry.tracing import TracingListener
 from states import EngineMemory, MemoryBudget, Mode, Phase, Region
-from tests.unit.conftest import make_rig
-from tests.unit.test_guards import snap
+from tests.support.rig import make_rig
+from tests.support.snapshots import snap
 
 REGIONS = {Region.PARAM_BUFFER: 200, Region.GRAD_BUFFER: 400, Region.DEFAULT: 1200}
 ENGINE = {EngineMemory.WEIGHTS: 300, EngineMemory.KV_CACHE: 1000, EngineMemory.CUDA_GRAPH: 50}

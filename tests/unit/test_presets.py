@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from orchestrator.convert import hf_llama_config
-from orchestrator.grpo import GRPOConfig
-from orchestrator.presets import PRESETS, param_count, preset
+from orchestrator.adapters.megatron.convert import hf_llama_config
+from orchestrator.demo.grpo import GRPOConfig
+from orchestrator.demo.presets import PRESETS, param_count, preset
 
 
 def test_tiny_is_the_jobs_default_model() -> None:

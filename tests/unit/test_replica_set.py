@@ -8,10 +8,10 @@ import torch
 
 pytest.importorskip("transformers")
 
-from orchestrator.gpt import TinyGPTConfig
-from orchestrator.workers.engine_replica import EngineReplica
-from orchestrator.workers.fanout import ReplicaSet
-from orchestrator.workers.pool import WorkerPool
+from orchestrator.adapters.megatron.gpt import TinyGPTConfig
+from orchestrator.demo.workers.engine_replica import EngineReplica
+from orchestrator.demo.workers.fanout import ReplicaSet
+from orchestrator.demo.workers.pool import WorkerPool
 from states import EngineMemory
 
 CFG = TinyGPTConfig()

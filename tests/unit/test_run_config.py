@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from orchestrator.config import Device, EngineKind, WeightSync
+from orchestrator.core.config import Device, EngineKind, WeightSync
+from orchestrator.demo.job import RunConfig
 from orchestrator.errors import ConfigError
-from orchestrator.job import RunConfig
 
 
 def problems(**fields: object) -> list[str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from orchestrator.adapters.storage import StorageRegions
+from orchestrator.adapters.regions.storage import StorageRegions
 from states import Region
 
 

@@ -9,7 +9,7 @@ import pytest
 from orchestrator import ActionFailed, GuardRejected, IllegalTransition
 from orchestrator.errors import FaultWithoutCause
 from states import TABLE, Event, Phase
-from tests.unit.conftest import Rig, make_rig
+from tests.support.rig import Rig, make_rig
 
 ROWS = {(row.source, row.event): row for row in TABLE}
 

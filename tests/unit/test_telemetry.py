@@ -10,9 +10,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 
 from orchestrator import ActionFailed, GuardRejected, Listener, TransitionRecord
-from orchestrator.logs import LoggingListener
-from orchestrator.tracing import TracingListener, configure_tracing
-from tests.unit.conftest import cycle, make_rig
+from orchestrator.telemetry.logs import LoggingListener
+from orchestrator.telemetry.tracing import TracingListener, configure_tracing
+from tests.support.rig import cycle, make_rig
 
 STEP = ["pause_grads", "update_weights", "drop_params", "rollout", "restore", "train"]
 

@@ -15,10 +15,11 @@ from opentelemetry.trace import Status, StatusCode
 from opentelemetry.util.types import AttributeValue
 from typer.testing import CliRunner
 
-from orchestrator import timeline, traces
-from orchestrator.cli import app
+from orchestrator.cli import traces
+from orchestrator.cli.app import app
+from orchestrator.cli.traces import timeline
 from orchestrator.errors import TraceError, TraceFileError
-from orchestrator.tracing import OtlpJsonFileExporter
+from orchestrator.telemetry.tracing import OtlpJsonFileExporter
 
 MS = 1_000_000
 T0 = 1_700_000_000_000 * MS

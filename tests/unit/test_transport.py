@@ -6,8 +6,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from orchestrator.protocols import TransferReport
-from orchestrator.transport import Named, buckets, push_in_buckets
+from orchestrator.adapters.transport.bucketed import buckets, push_in_buckets
+from orchestrator.protocols import Named, TransferReport
 
 
 def test_buckets_respect_the_size_and_keep_order() -> None:
@@ -43,8 +43,8 @@ def _megatron_push(
 ) -> tuple[list[str], TransferReport | Exception]:
     """A MegatronTransport over the in-memory trainer; what its converter (a collective every rank
     joins), the engine and the ranks' vote did, in order; and the push's report or error."""
-    from orchestrator.adapters.megatron_transport import MegatronTransport
-    from orchestrator.inmemory import InMemoryTrainer
+    from orchestrator.adapters.megatron.transport import MegatronTransport
+    from orchestrator.testing import InMemoryTrainer
 
     events: list[str] = []
 
@@ -84,7 +84,7 @@ def test_a_sync_source_sends_between_the_votes() -> None:
 
 
 def test_a_failed_send_still_joins_every_gather_then_fails_every_rank() -> None:
-    from orchestrator.adapters.megatron_transport import PeerPushFailed
+    from orchestrator.adapters.megatron.transport import PeerPushFailed
 
     events, error = _megatron_push(source=True, engine_fails=True)
     assert events == ["any_rank(False)", "gather a", "send a", "gather b", "any_rank(True)"]

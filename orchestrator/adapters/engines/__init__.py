@@ -1,0 +1,1 @@
+"""`RolloutEngine` implementations: transformers in-process, SGLang over HTTP."""

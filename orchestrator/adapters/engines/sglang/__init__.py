@@ -1,0 +1,28 @@
+"""`RolloutEngine` over SGLang's HTTP server (checked against sglang 0.5.23's source, design §4).
+
+- `wire`: SGLang's weight wire format (the flattened bucket, `MultiprocessingSerializer`'s bytes),
+  reimplemented without importing sglang.
+- `client`: `SGLangEngine`, one server over HTTP: the routes colocate calls, retries, client spans.
+- `broadcast`: `WeightBroadcaster` and `weight_update_group`, for servers off the trainer's GPUs.
+- `group`: `SGLangGroup`, every server of a job as one engine, and the job's rollout over them.
+
+`sglang_schema.json` beside them records SGLang's request classes (scripts/extract_sglang_schema.py).
+"""
+
+from orchestrator.adapters.engines.sglang.broadcast import WeightBroadcaster, weight_update_group
+from orchestrator.adapters.engines.sglang.client import SUPPORTED_SGLANG, Generation, SGLangEngine, version_problem
+from orchestrator.adapters.engines.sglang.group import SGLangGroup, url_problems
+from orchestrator.adapters.engines.sglang.wire import flattened_bucket, serialize
+
+__all__ = [
+    "SUPPORTED_SGLANG",
+    "Generation",
+    "SGLangEngine",
+    "SGLangGroup",
+    "WeightBroadcaster",
+    "flattened_bucket",
+    "serialize",
+    "url_problems",
+    "version_problem",
+    "weight_update_group",
+]

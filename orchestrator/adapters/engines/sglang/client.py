@@ -1,0 +1,409 @@
+"""`RolloutEngine` over SGLang's HTTP server (checked against sglang 0.5.23's source, design §4).
+
+One `requests.Session` per engine, with urllib3 `Retry` on its adapter: connection failures are
+retried a few times with backoff (the request never reached the server, so this is safe for POSTs);
+502/503/504 are retried for GETs only; a read timeout is never retried, since SGLang may have
+applied the call. An unreachable URL raises `EngineError` naming it within a few seconds.
+
+Routes, as sglang 0.5.23's `sglang/srt/entrypoints/http_server.py` defines them:
+
+- `release`/`resume`: POST /release_memory_occupation, /resume_memory_occupation {"tags": [...]}.
+  SGLang's scheduler *asserts* it is idle on release: colocate's `engine_idle` guard must hold.
+- `flush_cache`: POST /flush_cache; 400 while requests run. Retried (the one hand-rolled loop here)
+  until `flush_max_wait_s`, then `EngineError`. 0.5.23 also takes `?timeout=` to wait server-side;
+  not relied on, since older 0.5.x releases lack it.
+- `weight_version`: GET /model_info, key `weight_version`. 0.5.23 has no /get_weight_version
+  route (earlier 0.5.x had one); /model_info is where 0.5.23 reports what `weight_version=` set.
+  The server's own initial value ("default", or null) reads as None.
+- `server_info`: GET /server_info, the resolved server arguments: `tp_size` (one payload per TP
+  rank), `enable_memory_saver` (without it a server cannot release memory) and `version` (the
+  sglang release; `connect()` refuses one outside `SUPPORTED_SGLANG`). 0.5.23 also serves the
+  deprecated /get_server_info, and no /version.
+- `is_idle`: GET /v1/loads?include=core: per DP rank `num_running_reqs` and `num_waiting_reqs`.
+  It is a snapshot the schedulers publish each step, so it can lag one step; /flush_cache's 400
+  remains the authoritative busy signal.
+- `begin_weight_update`/`end_weight_update`: POST /begin_weight_update, /end_weight_update {}.
+  0.5.23's scheduler (`SchedulerWeightUpdaterManager`) refuses any update outside this session;
+  the lifecycle holds one open over its update window (`SGLangGroup.weight_update_session`).
+- `update_weights`: one flattened bucket per POST /update_weights_from_tensor (see `_payload`).
+- `update_weights_from_distributed`: metadata only; the tensors travel by NCCL broadcast from the
+  trainer over a group made by `init_weights_update_group` (engines off the trainer's GPUs).
+- `generate`: POST /generate with `input_ids`, `sampling_params`, `return_logprob`. Never
+  `min_new_tokens`: `SamplingParams.normalize` refuses it under `--skip-tokenizer-init`.
+
+Every POST is a client span `sglang POST <path>` with OpenTelemetry's HTTP client attributes,
+`server.address` (the host), `server.port`, `url.full`, `http.response.status_code` (GETs are
+queries the lifecycle makes around every transition, and have none), and every request carries the W3C
+`traceparent` header (SGLang started with `--enable-trace` continues the trace).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import requests
+import torch
+from opentelemetry import propagate, trace
+from requests.adapters import HTTPAdapter
+from urllib3.util.retry import Retry
+
+from orchestrator.adapters.engines.sglang.wire import flattened_bucket, serialize
+from orchestrator.errors import EngineError
+from orchestrator.protocols import Named
+from states import EngineMemory
+
+_NO_VERSION = (None, "", "default")  # what SGLang reports before any versioned update
+
+# The SGLang releases colocate speaks to: the weight-update session (/begin_weight_update,
+# /end_weight_update) that 0.5.23's scheduler requires, /model_info's weight_version, no
+# /get_weight_version. Lower bound inclusive, upper bound exclusive.
+SUPPORTED_SGLANG = ((0, 5, 23), (0, 6, 0))
+SUPPORTED_SGLANG_TEXT = ">=0.5.23, <0.6"
+
+
+def version_problem(reported: object) -> str | None:
+    """Why a server reporting `reported` as its version cannot be driven, or None."""
+    match = re.match(r"(\d+)\.(\d+)\.(\d+)", str(reported or ""))
+    if match is None:
+        return f"reports no SGLang version ({reported!r}); colocate supports sglang {SUPPORTED_SGLANG_TEXT}"
+    found = tuple(int(part) for part in match.groups())
+    low, high = SUPPORTED_SGLANG
+    if not low <= found < high:
+        return f"runs sglang {reported}; colocate supports sglang {SUPPORTED_SGLANG_TEXT}"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """One completion: sampled token ids and the log-probability of each."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: Any = None
+    weight_version: str | None = None
+
+
+def _session(retries: int) -> requests.Session:
+    retry = Retry(
+        total=retries,
+        connect=retries,
+        read=0,  # the server may have applied the call
+        status=retries,
+        status_forcelist=(502, 503, 504),
+        allowed_methods=frozenset({"GET"}),  # statuses: retry reads only
+        backoff_factor=0.2,
+        raise_on_status=False,
+    )
+    session = requests.Session()
+    adapter = HTTPAdapter(max_retries=retry)
+    session.mount("http://", adapter)
+    session.mount("https://", adapter)
+    return session
+
+
+def _message(response: requests.Response) -> str:
+    """The error text of any SGLang error shape: {success, message}, {error: {message}}, {message}, text."""
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text.strip() or response.reason
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict) and "message" in error:
+            return str(error["message"])
+        if "message" in body:
+            return str(body["message"])
+    return str(body)
+
+
+class SGLangEngine:
+    """Implements `orchestrator.protocols.RolloutEngine` for one SGLang server; `name` is its URL.
+
+    `tp_size` is the server's tensor-parallel size (one serialized payload per TP rank).
+    Timeouts: `connect_timeout_s` for the TCP connect, `read_timeout_s` for an answer.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        tp_size: int = 1,
+        connect_timeout_s: float = 3.0,
+        read_timeout_s: float = 600.0,
+        retries: int = 2,
+        flush_max_wait_s: float = 60.0,
+        flush_poll_s: float = 0.25,
+    ) -> None:
+        if tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+        self.name = url.rstrip("/")
+        self.tp_size = tp_size
+        self.flush_max_wait_s, self.flush_poll_s = flush_max_wait_s, flush_poll_s
+        self._timeout = (connect_timeout_s, read_timeout_s)
+        self._session = _session(retries)
+        parts = urlsplit(self.name)  # OTel HTTP client conventions: the host alone, the port apart
+        self._server_attributes: dict[str, str | int] = {
+            "server.address": parts.hostname or "",
+            "server.port": parts.port or (443 if parts.scheme == "https" else 80),
+        }
+
+    def close(self) -> None:
+        self._session.close()
+
+    # ---- HTTP ------------------------------------------------------------------------------
+
+    def _send(self, method: str, path: str, body: Mapping[str, Any] | None = None) -> requests.Response:
+        """One request. A POST (an action) is a client span; a GET (a query the lifecycle makes
+        around every transition) is not, as it would bury the work."""
+        if method == "GET":
+            return self._request(method, path, body)
+        attributes = {**self._server_attributes, "url.full": self.name + path, "http.request.method": method}
+        with trace.get_tracer("colocate").start_as_current_span(
+            f"sglang {method} {path.split('?', 1)[0]}", kind=trace.SpanKind.CLIENT, attributes=attributes
+        ) as span:
+            response = self._request(method, path, body)
+            span.set_attribute("http.response.status_code", response.status_code)
+            return response
+
+    def _request(self, method: str, path: str, body: Mapping[str, Any] | None) -> requests.Response:
+        headers: dict[str, str] = {}
+        propagate.inject(headers)
+        try:
+            return self._session.request(method, self.name + path, json=body, headers=headers, timeout=self._timeout)
+        except requests.RequestException as exc:
+            raise EngineError(self.name, f"{method} {path}: {self._unreachable(exc)}") from exc
+
+    def _unreachable(self, exc: requests.RequestException) -> str:
+        """Why no answer came, in a few words (urllib3's own text repeats the URL and the retries)."""
+        if isinstance(exc, requests.ConnectTimeout):
+            return f"unreachable: no connection within {self._timeout[0]:g} s"
+        if isinstance(exc, requests.ReadTimeout):
+            return f"no answer within {self._timeout[1]:g} s"
+        errno = re.search(r"\[Errno -?\d+\] ([^'\")]+)", str(exc))
+        return f"unreachable: {errno.group(1).strip()}" if errno else f"{type(exc).__name__}: {exc}"
+
+    def _call(self, method: str, path: str, body: Mapping[str, Any] | None = None) -> Any:
+        """Send; raise EngineError on an HTTP error or `success: false`; return the JSON body (or None)."""
+        response = self._send(method, path, body)
+        if response.status_code >= 400:
+            raise EngineError(
+                self.name, f"{path}: HTTP {response.status_code}: {_message(response)}", response.status_code
+            )
+        try:
+            result = response.json() if response.content else None
+        except ValueError:
+            return response.text
+        if isinstance(result, dict) and result.get("success") is False:
+            raise EngineError(self.name, f"{path}: {result.get('message', 'success=false')}")
+        return result
+
+    # ---- the RolloutEngine Protocol --------------------------------------------------------
+
+    def release(self, tags: frozenset[EngineMemory]) -> None:
+        self._call("POST", "/release_memory_occupation", {"tags": sorted(tags)})
+
+    def resume(self, tags: frozenset[EngineMemory]) -> None:
+        self._call("POST", "/resume_memory_occupation", {"tags": sorted(tags)})
+
+    def flush_cache(self) -> None:
+        """Flush; while SGLang answers 400 (requests in flight) ask again, up to `flush_max_wait_s`."""
+        deadline = time.monotonic() + self.flush_max_wait_s
+        while True:
+            response = self._send("POST", "/flush_cache")
+            if response.status_code == 200:
+                return
+            if response.status_code != 400:
+                raise EngineError(
+                    self.name, f"/flush_cache: HTTP {response.status_code}: {_message(response)}", response.status_code
+                )
+            if time.monotonic() + self.flush_poll_s > deadline:
+                raise EngineError(
+                    self.name,
+                    f"/flush_cache still refused after {self.flush_max_wait_s:g} s (requests in flight): "
+                    f"{_message(response)}",
+                )
+            time.sleep(self.flush_poll_s)
+
+    def weight_version(self) -> int | None:
+        reported = (self._call("GET", "/model_info") or {}).get("weight_version")
+        if reported in _NO_VERSION:
+            return None
+        try:
+            return int(reported)
+        except (TypeError, ValueError):
+            raise EngineError(self.name, f"weight_version {reported!r} is not one colocate set") from None
+
+    def is_idle(self) -> bool:
+        loads = (self._call("GET", "/v1/loads?include=core") or {}).get("loads")
+        if not isinstance(loads, list) or not loads:
+            raise EngineError(self.name, f"/v1/loads returned no per-rank loads: {loads!r}")
+        return all(load.get("num_running_reqs", 0) == 0 and load.get("num_waiting_reqs", 0) == 0 for load in loads)
+
+    # ---- serving control -------------------------------------------------------------------
+
+    def pause_generation(self, mode: str = "abort") -> None:
+        """SGLang's modes: `abort` (return running requests), `retract` (requeue them, KV flushable),
+        `in_place` (keep them and their KV; /flush_cache then fails while they exist)."""
+        self._call("POST", "/pause_generation", {"mode": mode})
+
+    def continue_generation(self) -> None:
+        self._call("POST", "/continue_generation", {})
+
+    def server_info(self) -> dict[str, Any]:
+        """The server's resolved arguments (`tp_size`, `enable_memory_saver`, ...) and version."""
+        return dict(self._call("GET", "/server_info") or {})
+
+    def health(self) -> bool:
+        """True when /health answers 200; False on any other answer or no answer."""
+        try:
+            return self._send("GET", "/health").status_code == 200
+        except EngineError:
+            return False
+
+    def wait_until_ready(self, timeout_s: float, poll_s: float = 0.5) -> None:
+        """Poll /health until it answers 200 (a starting server answers 503 or refuses connections)."""
+        deadline = time.monotonic() + timeout_s
+        while not self.health():
+            if time.monotonic() + poll_s > deadline:
+                raise EngineError(self.name, f"/health not ready after {timeout_s:g} s")
+            time.sleep(poll_s)
+
+    # ---- weights ---------------------------------------------------------------------------
+
+    def begin_weight_update(self) -> None:
+        """Open SGLang's weight-update session; 0.5.23's scheduler refuses every
+        /update_weights_from_tensor and /update_weights_from_distributed outside one."""
+        self._call("POST", "/begin_weight_update", {})
+
+    def end_weight_update(self) -> None:
+        """Close the session (SGLang finalizes the loaded weights here)."""
+        self._call("POST", "/end_weight_update", {})
+
+    @contextmanager
+    def weight_update_session(self) -> Iterator[None]:
+        """The session around the body; closed whether the body returned or raised."""
+        self.begin_weight_update()
+        try:
+            yield
+        except BaseException as exc:
+            _close_quietly([self], exc)
+            raise
+        self.end_weight_update()
+
+    def update_weights(self, named: Sequence[Named], version: int) -> int:
+        """Send one bucket of HF-named tensors, tagged `version`; returns the bytes sent.
+
+        The flattened tensor stays referenced until SGLang answers: its CUDA IPC handle is only
+        valid while this process holds the memory. The cache is not flushed here (`flush_cache=False`):
+        colocate flushes once after the last bucket, under the `cache_flushed` guard.
+        """
+        bucket = flattened_bucket(named)
+        payloads = [serialize(bucket) for _ in range(self.tp_size)]
+        self._call(
+            "POST",
+            "/update_weights_from_tensor",
+            {
+                "serialized_named_tensors": payloads,
+                "load_format": "flattened_bucket",
+                "flush_cache": False,
+                "weight_version": str(version),
+            },
+        )
+        return int(bucket["flattened_tensor"].numel())
+
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        *,
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+    ) -> None:
+        """Join the trainer's broadcast group (engines outside the trainer's GPUs)."""
+        body = {
+            "master_address": master_address,
+            "master_port": master_port,
+            "rank_offset": rank_offset,
+            "world_size": world_size,
+            "group_name": group_name,
+            "backend": backend,
+        }
+        self._call("POST", "/init_weights_update_group", body)
+
+    def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[torch.dtype | str],
+        shapes: Sequence[Sequence[int]],
+        group_name: str,
+        version: int,
+        *,
+        flattened: bool = False,
+    ) -> None:
+        """Announce tensors the trainer broadcasts over `group_name`; returns once SGLang received
+        them. `flattened`: one uint8 broadcast laid out as `flattened_bucket` lays it out."""
+        if not len(names) == len(dtypes) == len(shapes):
+            raise ValueError(f"{len(names)} names, {len(dtypes)} dtypes, {len(shapes)} shapes")
+        body = {
+            "names": list(names),
+            "dtypes": [str(d).removeprefix("torch.") for d in dtypes],
+            "shapes": [list(s) for s in shapes],
+            "group_name": group_name,
+            "flush_cache": False,
+            "weight_version": str(version),
+        }
+        if flattened:
+            body["load_format"] = "flattened_bucket"
+        self._call("POST", "/update_weights_from_distributed", body)
+
+    # ---- generation ------------------------------------------------------------------------
+
+    def generate(
+        self, input_ids: Sequence[Sequence[int]], sampling_params: Mapping[str, Any] | Sequence[Mapping[str, Any]]
+    ) -> list[Generation]:
+        """One completion per prompt, with the log-probability of each sampled token.
+
+        `sampling_params`: one dict for every prompt, or a list of one dict per prompt."""
+        prompts = [[int(t) for t in row] for row in input_ids]
+        params: dict[str, Any] | list[dict[str, Any]] = (
+            dict(sampling_params) if isinstance(sampling_params, Mapping) else [dict(p) for p in sampling_params]
+        )
+        if isinstance(params, list) and len(params) != len(prompts):
+            raise ValueError(f"{len(params)} sampling_params for {len(prompts)} prompts")
+        body = {"input_ids": prompts, "sampling_params": params, "return_logprob": True}
+        result = self._call("POST", "/generate", body)
+        if not isinstance(result, list) or len(result) != len(prompts):
+            raise EngineError(self.name, f"/generate: expected {len(prompts)} results, got {result!r:.200}")
+        return [self._generation(item) for item in result]
+
+    def _generation(self, item: Mapping[str, Any]) -> Generation:
+        meta = item.get("meta_info", {})
+        token_ids = [int(t) for t in item.get("output_ids", [])]
+        # SGLang: [[logprob, token_id, text_or_null], ...] for the output tokens.
+        logprob_rows = meta.get("output_token_logprobs", [])
+        if [int(row[1]) for row in logprob_rows] != token_ids:
+            raise EngineError(self.name, "/generate: output_token_logprobs do not match output_ids")
+        return Generation(
+            token_ids=token_ids,
+            logprobs=[float(row[0]) for row in logprob_rows],
+            finish_reason=meta.get("finish_reason"),
+            weight_version=meta.get("weight_version"),
+        )
+
+
+def _close_quietly(engines: Sequence[SGLangEngine], error: BaseException) -> None:
+    """End each server's session while `error` is on its way out: it stays the one raised, and
+    a server that also refused to close is a note on it."""
+    for engine in engines:
+        try:
+            engine.end_weight_update()
+        except EngineError as exc:
+            error.add_note(f"and the weight-update session stayed open: {exc}")

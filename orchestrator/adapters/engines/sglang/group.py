@@ -1,0 +1,196 @@
+"""Every SGLang server of a job as one `RolloutEngine`.
+
+`SGLangGroup` is what `colocate run --engine sglang` drives: every server of the job (one per
+`--engine-url`) behind one `RolloutEngine`, and the job's rollout over all of them.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from http import HTTPStatus
+from typing import Any
+
+import torch
+
+from orchestrator.adapters.engines.sglang.client import SGLangEngine, _close_quietly, version_problem
+from orchestrator.errors import ConfigError, EngineError
+from orchestrator.protocols import Named
+from states import EngineMemory
+
+
+def url_problems(urls: Sequence[str]) -> list[str]:
+    """What is wrong with a list of server URLs: none, not http(s), or one given twice."""
+    if not urls:
+        return ["no SGLang server URL given"]
+    problems = [
+        f"server URL {url!r}: not an http:// or https:// URL"
+        for url in urls
+        if not url.startswith(("http://", "https://")) or not url.split("://", 1)[1].strip("/")
+    ]
+    names = [url.rstrip("/") for url in urls]
+    return problems + [f"server URL {url} given twice" for url in sorted({u for u in names if names.count(u) > 1})]
+
+
+class SGLangGroup:
+    """Several SGLang servers (data-parallel replicas, one URL each) as one `RolloutEngine`.
+
+    Memory calls, flushes and weight buckets go to every server, concurrently; the version is
+    the one they all serve (servers that disagree are an `EngineError` naming each one's). The
+    rollout splits the prompts into contiguous shares, one per server.
+
+    It implements the job's engine (`orchestrator.protocols.JobEngine`) too: `generate` takes and
+    returns tensors, and `digests()` is None, since SGLang's HTTP API has no way to read every
+    weight back.
+    """
+
+    def __init__(self, urls: Sequence[str], **engine_options: Any) -> None:
+        problems = url_problems(urls)
+        if problems:
+            raise ConfigError(problems)
+        names = [url.rstrip("/") for url in urls]
+        self.engines = [SGLangEngine(url, **engine_options) for url in urls]
+        self.name = self.engines[0].name if len(self.engines) == 1 else f"sglang[{', '.join(names)}]"
+
+    def _each(self, call: Callable[[SGLangEngine], Any]) -> list[Any]:
+        """`call` on every server at once; results in URL order; the first failure, re-raised."""
+        if len(self.engines) == 1:
+            return [call(self.engines[0])]
+        with ThreadPoolExecutor(len(self.engines), thread_name_prefix="sglang") as pool:
+            return list(pool.map(call, self.engines))
+
+    def connect(self, timeout_s: float = 0.0) -> None:
+        """Check every server answers and can serve colocated; take each one's TP size.
+
+        Waits up to `timeout_s` for a server that is starting. An unreachable server is an
+        `EngineError` naming its URL: a refused connection fails within a second, an unroutable
+        host after the connect timeout and its retries. A server started without
+        `--enable-memory-saver` is refused: it could not give its memory to the trainer. So is an
+        SGLang outside `SUPPORTED_SGLANG` (its `version`, from /server_info): the error names the range.
+        """
+
+        def check(engine: SGLangEngine) -> None:
+            if timeout_s > 0:
+                engine.wait_until_ready(timeout_s)
+            try:
+                info = engine.server_info()
+            except EngineError as exc:
+                if exc.status != HTTPStatus.NOT_FOUND:
+                    raise
+                raise EngineError(engine.name, f"{exc.reason}: is this an SGLang 0.5 server?", exc.status) from exc
+            problem = version_problem(info.get("version"))
+            if problem:
+                raise EngineError(engine.name, problem)
+            if not info.get("enable_memory_saver"):
+                raise EngineError(
+                    engine.name, "started without --enable-memory-saver: it cannot release memory for the trainer"
+                )
+            engine.tp_size = int(info.get("tp_size") or 1)
+
+        self._each(check)
+        self.weight_version()
+
+    def close(self) -> None:
+        for engine in self.engines:
+            engine.close()
+
+    # ---- the RolloutEngine Protocol --------------------------------------------------------
+
+    def release(self, tags: frozenset[EngineMemory]) -> None:
+        self._each(lambda e: e.release(tags))
+
+    def resume(self, tags: frozenset[EngineMemory]) -> None:
+        self._each(lambda e: e.resume(tags))
+
+    def flush_cache(self) -> None:
+        self._each(SGLangEngine.flush_cache)
+
+    def weight_version(self) -> int | None:
+        versions = dict(zip((e.name for e in self.engines), self._each(SGLangEngine.weight_version), strict=True))
+        if len(set(versions.values())) > 1:
+            raise EngineError(self.name, f"the servers serve different weight versions: {versions}")
+        return next(iter(versions.values()))
+
+    def is_idle(self) -> bool:
+        return all(self._each(SGLangEngine.is_idle))
+
+    @contextmanager
+    def weight_update_session(self) -> Iterator[None]:
+        """Every server's weight-update session around the body: opened first, closed after it,
+        whether the body returned or raised (the body's error is then the one raised).
+
+        A server that refuses to open it closes the sessions the others opened, then raises.
+        """
+        opened: list[SGLangEngine] = []
+
+        def begin(engine: SGLangEngine) -> None:
+            engine.begin_weight_update()
+            opened.append(engine)
+
+        try:
+            self._each(begin)
+        except BaseException as exc:
+            _close_quietly(opened, exc)
+            raise
+        try:
+            yield
+        except BaseException as exc:
+            _close_quietly(opened, exc)
+            raise
+        self._each(SGLangEngine.end_weight_update)
+
+    # ---- the job's engine ------------------------------------------------------------------
+
+    def update_weights(self, named: Sequence[Named], version: int) -> int:
+        """One bucket to every server; returns the bytes sent to all of them."""
+        return sum(self._each(lambda e: e.update_weights(named, version)))
+
+    def generate(
+        self, prompts: torch.Tensor, *, max_new_tokens: int, temperature: float, seed: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Exactly `max_new_tokens` sampled tokens per prompt row, and their log-probabilities.
+
+        `ignore_eos` keeps every completion at full length, as the trainer's batch needs; no
+        `min_new_tokens`, which SGLang refuses under `--skip-tokenizer-init` (it needs the tokenizer's
+        eos_token_id) and which `ignore_eos` makes redundant. Each row
+        gets its own `sampling_seed` (seed + row): SGLang honours it only under
+        `--enable-deterministic-inference`, and a seed shared by a group's identical prompts would
+        make their samples identical there.
+        """
+        rows = prompts.tolist()
+        params = [
+            {
+                "max_new_tokens": max_new_tokens,
+                "ignore_eos": True,
+                "temperature": temperature,
+                "sampling_seed": seed + row,
+            }
+            for row in range(len(rows))
+        ]
+        share = dict(zip(self.engines, _shares(len(rows), len(self.engines)), strict=True))
+        per_server = self._each(lambda e: e.generate(rows[share[e]], params[share[e]]) if rows[share[e]] else [])
+        generations = [g for answers in per_server for g in answers]
+        short = [(i, len(g.token_ids)) for i, g in enumerate(generations) if len(g.token_ids) != max_new_tokens]
+        if short:
+            raise EngineError(
+                self.name, f"{len(short)} completions are not {max_new_tokens} tokens long (row, length): {short[:4]}"
+            )
+        completions = torch.tensor([g.token_ids for g in generations], dtype=torch.int64).reshape(len(rows), -1)
+        logprobs = torch.tensor([g.logprobs for g in generations], dtype=torch.float32).reshape(len(rows), -1)
+        return completions, logprobs
+
+    def digests(self) -> None:
+        """SGLang cannot report its weights in full, so `engine_matches_trainer` is not checked."""
+        return None
+
+    def flush_traces(self) -> None:
+        """The servers export their own spans, if started with `--enable-trace`."""
+
+
+def _shares(rows: int, servers: int) -> list[slice]:
+    """Contiguous, near-equal shares of `rows`, one per server (the first ones take the remainder)."""
+    size, extra = divmod(rows, servers)
+    starts = [i * size + min(i, extra) for i in range(servers + 1)]
+    return [slice(a, b) for a, b in itertools.pairwise(starts)]

@@ -1,0 +1,330 @@
+"""A real rollout engine on transformers' `LlamaForCausalLM`, with memory that really goes away.
+
+Implements `orchestrator.protocols.RolloutEngine` the way SGLang behaves, on CPU or one GPU:
+
+- `weights`: the model's params. Released by resizing each param's storage to 0 bytes (contents
+  lost); resumed by resizing them back (contents undefined until the next complete sync).
+- `kv_cache`: one preallocated tensor for every layer's keys and values, sized
+  (max_batch, max_len). Each `generate` runs on the first rows of it, through a transformers
+  `Cache` whose layers are views of it. Released and resumed like the weights.
+- `cuda_graph`: accepted and recorded; this engine captures no graphs, so nothing is freed.
+
+The engine serves a version once every HF name has been loaded at that version (`update_weights`
+takes one bucket at a time). Like SGLang, it keeps reporting that version after its weights are
+released, but it refuses to generate until a complete sync has refilled them.
+
+Single-threaded: `is_idle` is False only while `generate` or `logits` runs.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers.cache_utils import Cache, StaticLayer
+
+from orchestrator.adapters.digest import sha256_digests
+from orchestrator.adapters.megatron.convert import ModelSpec, hf_llama_config
+from orchestrator.adapters.megatron.gpt import TinyGPTConfig
+from orchestrator.adapters.regions.storage import return_large_frees_to_the_os
+from orchestrator.adapters.transport.bucketed import nbytes
+from orchestrator.errors import EngineError
+from states import EngineMemory
+
+__all__ = ["TransformersEngine"]
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+class _SlabLayer(StaticLayer):
+    """A `StaticLayer` over given tensors: HF's own allocates fresh ones at its first update.
+
+    `keys` and `values` are [batch, kv_heads, max_len, head_dim] views of the engine's KV slab, so a
+    batch smaller than `max_batch` uses the slab's first rows and allocates nothing.
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        super().__init__(max_cache_len=keys.shape[2])
+        self._slab = (keys, values)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        keys, values = self._slab
+        if key_states.shape[:2] != keys.shape[:2] or key_states.shape[-1] != keys.shape[-1]:
+            raise ValueError(f"key states {tuple(key_states.shape)} do not fit the KV slab {tuple(keys.shape)}")
+        # The attributes StaticLayer.lazy_initialization sets, minus its allocation.
+        self.keys, self.values = keys, values
+        self.device = keys.device
+        self.batch_size, self.num_heads = keys.shape[:2]
+        self.k_head_dim, self.v_head_dim = keys.shape[-1], values.shape[-1]
+        self.cumulative_length = self.cumulative_length.to(self.device)
+        self.is_initialized = True
+
+
+def _sample(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row from softmax(logits / T), and its log-probability under that distribution."""
+    logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
+    tokens = torch.multinomial(logprobs.exp(), 1, generator=generator)
+    return tokens.squeeze(1), logprobs.gather(1, tokens).squeeze(1)
+
+
+def _build_model(config: LlamaConfig, device: torch.device) -> LlamaForCausalLM:
+    # transformers 5.x renamed forward's `past_key_values` to `cache` (5.17 lacks it, 5.24 has it);
+    # an older build would take `cache` into **kwargs and decode every token without its context.
+    if "cache" not in inspect.signature(LlamaForCausalLM.forward).parameters:
+        raise ImportError(
+            f"TransformersEngine needs a transformers whose LlamaForCausalLM.forward takes `cache` "
+            f"(5.24 does); this is {transformers.__version__}"
+        )
+    with device:  # built in place: no copy of throwaway weights from the host
+        model = AutoModelForCausalLM.from_config(config)  # params in config.dtype; RoPE buffers stay fp32
+    if not isinstance(model, LlamaForCausalLM):
+        raise TypeError(f"expected a LlamaForCausalLM from {type(config).__name__}, got {type(model).__name__}")
+    return model.eval().requires_grad_(False)
+
+
+def _kv_slab(config: LlamaConfig, model: LlamaForCausalLM, max_batch: int, max_len: int) -> torch.Tensor:
+    """[keys | values, layer, batch, kv head, position, head dim]: one storage to free and retake."""
+    head_dim = config.head_dim or config.hidden_size // config.num_attention_heads
+    kv_heads = config.num_key_value_heads or config.num_attention_heads
+    weight = model.lm_head.weight
+    shape = (2, config.num_hidden_layers, max_batch, kv_heads, max_len, head_dim)
+    return torch.zeros(shape, dtype=weight.dtype, device=weight.device)
+
+
+class TransformersEngine:
+    """Implements `orchestrator.protocols.RolloutEngine` on an HF Llama, with no hub download.
+
+    `model` is the trainer's GPT shape (a `ModelSpec`, as `gpt_shape(model)` reads it from a
+    Megatron model, or a `TinyGPTConfig`: converted by `hf_llama_config`) or a ready
+    `LlamaConfig`. A plain constructor, so that a Ray actor can be made of it. The weights it
+    starts with are throwaway: it serves nothing until the first complete `update_weights`.
+    `max_len` bounds prompt + completion (default: the config's `max_position_embeddings`).
+    """
+
+    def __init__(
+        self,
+        model: ModelSpec | TinyGPTConfig | LlamaConfig,
+        *,
+        max_batch: int = 64,
+        max_len: int | None = None,
+        device: torch.device | str | None = None,
+        name: str = "transformers",
+    ) -> None:
+        self.name = name
+        self.config = model if isinstance(model, LlamaConfig) else hf_llama_config(model)
+        self.device = torch.device(device) if device is not None else _default_device()
+        self.model = _build_model(self.config, self.device)
+        self.max_batch = max_batch
+        self.max_len = max_len if max_len is not None else self.config.max_position_embeddings
+        self._params = dict(self.model.named_parameters())
+        self._param_bytes = {n: nbytes(p) for n, p in self._params.items()}
+        self._kv = _kv_slab(self.config, self.model, max_batch, self.max_len)
+        self._kv_bytes = nbytes(self._kv)
+        self._released: set[EngineMemory] = set()
+        self._version: int | None = None
+        self._loading: int | None = None  # the version a sync in progress is loading
+        self._missing: set[str] = set(self._params)  # names not loaded since the weights were (re)allocated
+        self._in_flight = 0
+        self.cache_stale = False  # weights changed since the last flush_cache
+        if self.device.type == "cpu":
+            return_large_frees_to_the_os()  # else a freed storage stays in glibc's heap (storage.py)
+
+    # ---- the RolloutEngine Protocol --------------------------------------------------------
+
+    def release(self, tags: frozenset[EngineMemory]) -> None:
+        self._require_idle("release")
+        already = tags & self._released
+        if already:
+            raise EngineError(self.name, f"release of {', '.join(sorted(already))}: already released")
+        if EngineMemory.WEIGHTS in tags:
+            for param in self._params.values():
+                param.untyped_storage().resize_(0)
+            self._missing, self._loading = set(self._params), None
+        if EngineMemory.KV_CACHE in tags:
+            self._kv.untyped_storage().resize_(0)
+        self._released |= tags
+        self._return_freed_pages()
+
+    def resume(self, tags: frozenset[EngineMemory]) -> None:
+        not_released = tags - self._released
+        if not_released:
+            raise EngineError(self.name, f"resume of {', '.join(sorted(not_released))}: not released")
+        if EngineMemory.WEIGHTS in tags:
+            for name, param in self._params.items():
+                param.untyped_storage().resize_(self._param_bytes[name])
+        if EngineMemory.KV_CACHE in tags:
+            self._kv.untyped_storage().resize_(self._kv_bytes)
+            # Fresh pages may hold NaN bit patterns, and a masked slot still contributes 0 · NaN.
+            self._kv.zero_()
+        self._released -= tags
+
+    def flush_cache(self) -> None:
+        """Zero the KV slab. Each `generate` already starts from an empty cache (there is no prefix
+        cache to hit), so this only guarantees no K/V of older weights stays in memory."""
+        self._require_idle("flush_cache")
+        if EngineMemory.KV_CACHE not in self._released:
+            self._kv.zero_()
+        self.cache_stale = False
+
+    def weight_version(self) -> int | None:
+        return self._version
+
+    def is_idle(self) -> bool:
+        return self._in_flight == 0
+
+    # ---- weights ---------------------------------------------------------------------------
+
+    def update_weights(self, named: Sequence[tuple[str, torch.Tensor]], version: int) -> int:
+        """Copy one bucket of HF-named tensors into the params; returns the bytes written.
+
+        Raises EngineError while the weights are released or a request is in flight, and
+        ValueError, naming them, for unknown names or wrong shapes (before copying anything).
+        Tensors are cast to the engine's dtype, as SGLang's loader does.
+        """
+        self._require_idle("update_weights")
+        if EngineMemory.WEIGHTS in self._released:
+            raise EngineError(self.name, "update_weights while the weights are released: resume them first")
+        self._check_bucket(named)
+        if self._loading != version:
+            self._loading, self._missing = version, set(self._params)
+        targets: list[torch.Tensor] = [self._params[name] for name, _ in named]
+        sources = [tensor for _, tensor in named]
+        with torch.no_grad():
+            if all(t.dtype == s.dtype and t.device == s.device for t, s in zip(targets, sources, strict=True)):
+                torch._foreach_copy_(targets, sources)  # one multi-tensor launch, not one per tensor
+            else:
+                for target, source in zip(targets, sources, strict=True):
+                    target.copy_(source)
+        written = sum(self._param_bytes[name] for name, _ in named)
+        self._missing.difference_update(name for name, _ in named)
+        self.cache_stale = True
+        if not self._missing:
+            self._version, self._loading = version, None
+        return written
+
+    def _check_bucket(self, named: Sequence[tuple[str, torch.Tensor]]) -> None:
+        unknown = sorted({name for name, _ in named if name not in self._params})
+        if unknown:
+            raise ValueError(f"engine {self.name}: unknown weight name(s): {', '.join(unknown)}")
+        wrong = [
+            f"{name} {tuple(t.shape)} (expected {tuple(self._params[name].shape)})"
+            for name, t in named
+            if t.shape != self._params[name].shape
+        ]
+        if wrong:
+            raise ValueError(f"engine {self.name}: wrong shape(s): {', '.join(wrong)}")
+
+    def missing_weights(self) -> frozenset[str]:
+        """HF names not loaded since the weights were allocated or a new version began."""
+        return frozenset(self._missing)
+
+    def digests(self) -> dict[str, str]:
+        """SHA256 per param, to compare with digests of the trainer's converted tensors."""
+        if EngineMemory.WEIGHTS in self._released:
+            raise EngineError(self.name, "digests of released weights would prove nothing")
+        return sha256_digests({name: p.detach() for name, p in self._params.items()})
+
+    def resident_bytes(self) -> dict[EngineMemory, int]:
+        """Bytes each tag holds now (0 while released; cuda_graph is always 0 here)."""
+        return {
+            EngineMemory.WEIGHTS: sum(p.untyped_storage().nbytes() for p in self._params.values()),
+            EngineMemory.KV_CACHE: self._kv.untyped_storage().nbytes(),
+            EngineMemory.CUDA_GRAPH: 0,
+        }
+
+    # ---- serving ---------------------------------------------------------------------------
+
+    def generate(
+        self, prompts: torch.Tensor, *, max_new_tokens: int, temperature: float, seed: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample `max_new_tokens` tokens after each prompt row; no stop tokens, no padding.
+
+        `prompts` is [B, P] int64 with B <= max_batch and P + max_new_tokens <= max_len.
+        Returns (completions [B, N] int64, logprobs [B, N] float32) where logprobs[b, t] is
+        log softmax(logits / temperature) of the chosen token: the log-probability of the
+        distribution it was sampled from. At temperature 1 that is the policy log-prob a GRPO
+        loss needs; at any other temperature it is not (recompute it at T = 1). Greedy decoding
+        is not offered (temperature must be > 0). The same seed and weights give the same output.
+        """
+        self._check_prompts(prompts, max_new_tokens, temperature)
+        self._require_servable("generate", needs_kv=True)
+        batch, prompt_len = prompts.shape
+        generator = torch.Generator(self.device).manual_seed(seed)
+        completions = torch.empty(batch, max_new_tokens, dtype=torch.int64, device=self.device)
+        logprobs = torch.empty(batch, max_new_tokens, dtype=torch.float32, device=self.device)
+        self._in_flight += 1
+        try:
+            cache = self._cache_for(batch)
+            inputs, positions = prompts.to(self.device), torch.arange(prompt_len, device=self.device)
+            with torch.no_grad():
+                for step in range(max_new_tokens):
+                    out = self.model(
+                        input_ids=inputs, position_ids=positions[None], cache=cache, use_cache=True, logits_to_keep=1
+                    )
+                    token, logprob = _sample(out.logits[:, -1], temperature, generator)
+                    completions[:, step], logprobs[:, step] = token, logprob
+                    inputs, positions = token[:, None], positions[-1:] + 1
+        finally:
+            self._in_flight -= 1
+        return completions, logprobs
+
+    def _cache_for(self, batch: int) -> Cache:
+        """An empty transformers cache over the slab's first `batch` rows: nothing of an earlier
+        call is visible (every layer starts at length 0), and nothing is allocated."""
+        keys, values = self._kv
+        return Cache(layers=[_SlabLayer(k[:batch], v[:batch]) for k, v in zip(keys, values, strict=True)])
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced logits [B, S, vocab] float32 of `tokens` [B, S], without the KV slab."""
+        self._require_servable("logits", needs_kv=False)
+        self._in_flight += 1
+        try:
+            with torch.no_grad():
+                return self.model(input_ids=tokens.to(self.device)).logits.float()
+        finally:
+            self._in_flight -= 1
+
+    def _check_prompts(self, prompts: torch.Tensor, max_new_tokens: int, temperature: float) -> None:
+        problems = []
+        if prompts.dim() != 2 or prompts.dtype != torch.int64:
+            problems.append(f"prompts must be [B, P] int64, got {tuple(prompts.shape)} {prompts.dtype}")
+        elif prompts.shape[0] > self.max_batch:
+            problems.append(f"batch {prompts.shape[0]} exceeds max_batch {self.max_batch}")
+        elif prompts.shape[1] + max_new_tokens > self.max_len:
+            problems.append(f"{prompts.shape[1]} prompt + {max_new_tokens} new tokens exceed max_len {self.max_len}")
+        elif prompts.numel() and not 0 <= int(prompts.min()) <= int(prompts.max()) < self.config.vocab_size:
+            problems.append(f"token ids outside [0, {self.config.vocab_size})")
+        if max_new_tokens < 1:
+            problems.append(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if not temperature > 0:
+            problems.append(f"temperature must be > 0, got {temperature}")
+        if problems:
+            raise ValueError(f"engine {self.name}: " + "; ".join(problems))
+
+    def _require_servable(self, call: str, *, needs_kv: bool) -> None:
+        reasons = []
+        if EngineMemory.WEIGHTS in self._released:
+            reasons.append("the weights are released")
+        elif self._version is None and self._loading is None:
+            reasons.append("no weight sync yet: it would serve random weights")
+        elif self._missing:
+            since = "since the weights were reallocated" if self._loading is None else f"by sync {self._loading}"
+            example = sorted(self._missing)[0]
+            reasons.append(f"{len(self._missing)} weight(s) not loaded {since} (e.g. {example})")
+        if needs_kv and EngineMemory.KV_CACHE in self._released:
+            reasons.append("the KV cache is released")
+        if reasons:
+            raise EngineError(self.name, f"{call} refused: " + "; ".join(reasons))
+
+    def _require_idle(self, call: str) -> None:
+        if self._in_flight:
+            raise EngineError(self.name, f"{call} while {self._in_flight} request(s) are in flight")
+
+    def _return_freed_pages(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

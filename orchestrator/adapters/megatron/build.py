@@ -1,0 +1,273 @@
+"""A tiny Llama-shaped megatron-core GPT in DDP + DistributedOptimizer, for tests, benchmarks, demo.
+
+Same code on a CPU host (megatron-core 0.16.1 through gloo, with ``enable_cpu_path``) and on a GPU
+host (0.19.2 through nccl, as it is): the device is the one the process has.
+
+    init_process_group(rank, world_size, master_port)
+    chunks, optimizer = build_gpt(TinyGPTConfig(num_experts=2, fp32_param=True))
+    stats = train_step(chunks, optimizer, tokens)   # tokens: [batch, seq_len + 1] int64
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+# megatron.core before anything that imports torch_memory_saver (design §4).
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.optimizer import ChainedOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.module import Float16Module
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+from orchestrator.adapters.megatron.cpu import enable_cpu_path
+from orchestrator.adapters.megatron.gpt import TinyGPTConfig
+
+__all__ = [
+    "FP32_PARAM_NAME",
+    "StepStats",
+    "TinyGPTConfig",
+    "build_gpt",
+    "destroy_process_group",
+    "device",
+    "init_process_group",
+    "train_step",
+]
+
+FP32_PARAM_NAME = "fp32_output_scale"  # on GPTModel; scales the final norm's output
+
+
+def device() -> torch.device:
+    """The device this process trains on: its current CUDA device, or the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepStats:
+    """One ``train_step``: this rank's mean token loss, the global grad norm, wall seconds."""
+
+    loss: float
+    grad_norm: float | None
+    update_successful: bool
+    seconds: float
+
+
+def init_process_group(
+    rank: int,
+    world_size: int,
+    master_port: int,
+    backend: str = "gloo",
+    *,
+    expert_model_parallel_size: int = 1,
+    seed: int = 1234,
+    master_addr: str = "127.0.0.1",
+    store: torch.distributed.Store | None = None,
+) -> None:
+    """torch.distributed + megatron parallel state (TP = PP = 1) + model-parallel RNG seeds.
+
+    With `store` (a rendezvous store someone already bound) the ranks meet there, and
+    `master_port` is not used."""
+    if not torch.cuda.is_available():
+        enable_cpu_path()
+    else:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    timeout = timedelta(minutes=5)
+    if store is not None:
+        torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    else:
+        # The address goes in the init method, not in MASTER_ADDR/MASTER_PORT: no process-wide
+        # environment is changed per call.
+        torch.distributed.init_process_group(
+            backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank, world_size=world_size, timeout=timeout
+        )
+    # Gloo groups stay on (the default): get_megatron_optimizer asks for them under nccl too.
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=expert_model_parallel_size)
+    # CPU path: the tracker seeds the CPU generator (see megatron_cpu); GPU: the CUDA one.
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_process_group() -> None:
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+
+
+def _transformer_config(cfg: TinyGPTConfig) -> TransformerConfig:
+    moe: dict[str, Any] = {}
+    if cfg.num_experts > 0:
+        moe = dict(
+            num_moe_experts=cfg.num_experts,
+            moe_ffn_hidden_size=cfg.ffn_hidden_size,
+            moe_router_topk=cfg.moe_router_topk,
+            moe_router_enable_expert_bias=True,
+            moe_router_score_function="sigmoid",  # softmax is refused with expert_bias
+            moe_router_load_balancing_type="none",
+            moe_grouped_gemm=False,
+            moe_layer_freq=[0] * (cfg.num_layers - 1) + [1],
+            # Must equal initialize_model_parallel's, or experts silently land in dense buffers.
+            expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+        )
+    return TransformerConfig(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups,
+        ffn_hidden_size=cfg.ffn_hidden_size,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        pipeline_dtype=torch.bfloat16,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        # Fusions need apex/TE or CUDA kernels; unfused is also what HF computes.
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        **moe,
+    )
+
+
+def _layer_specs(cfg: TinyGPTConfig) -> TransformerBlockSubmodules:
+    dense = get_gpt_layer_local_spec(normalization="RMSNorm")
+    specs = [dense] * cfg.num_layers
+    if cfg.num_experts > 0:
+        specs[-1] = get_gpt_layer_local_spec(
+            num_experts=cfg.num_experts, moe_grouped_gemm=False, normalization="RMSNorm"
+        )
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=dense.submodules.input_layernorm)
+
+
+def _add_fp32_param(gpt: GPTModel) -> None:
+    """An fp32 param added after Float16Module's cast, used so that it receives a gradient."""
+    dev = gpt.output_layer.weight.device
+    scale = torch.nn.Parameter(torch.ones(gpt.config.hidden_size, dtype=torch.float32, device=dev))
+    gpt.register_parameter(FP32_PARAM_NAME, scale)
+
+    def apply(_module: torch.nn.Module, _args: Any, out: torch.Tensor) -> torch.Tensor:
+        return out * scale.to(out.dtype)
+
+    gpt.decoder.final_layernorm.register_forward_hook(apply)
+
+
+def _keep_router_buffers_fp32(gpt: GPTModel) -> None:
+    """Float16Module casts router buffers to bf16: token counts above 256 then round."""
+    for module in gpt.modules():
+        for name in ("expert_bias", "local_tokens_per_expert"):
+            buf = getattr(module, name, None)
+            if isinstance(buf, torch.Tensor) and buf.dtype != torch.float32:
+                buf.data = buf.data.float()
+
+
+def build_gpt(
+    cfg: TinyGPTConfig, *, fix_router_count_dtype: bool = True
+) -> tuple[list[DistributedDataParallel], ChainedOptimizer]:
+    """Float16Module(bf16) GPT in megatron DDP + DistributedOptimizer (Adam, fp32 mains).
+
+    Call after ``init_process_group``. All data-parallel ranks end with identical weights.
+    """
+    torch.manual_seed(cfg.seed)  # CPU initialisation draws from the CPU generator
+    config = _transformer_config(cfg)
+    gpt = GPTModel(
+        config=config,
+        transformer_layer_spec=_layer_specs(cfg),
+        vocab_size=cfg.vocab_size,
+        max_sequence_length=cfg.seq_len,
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+        rotary_base=cfg.rotary_base,
+    )
+    gpt.to(device())
+    if cfg.frozen_param:
+        gpt.decoder.layers[0].input_layernorm.weight.requires_grad_(False)
+    model = Float16Module(config, gpt)
+    if cfg.fp32_param:
+        _add_fp32_param(gpt)
+    if fix_router_count_dtype:
+        _keep_router_buffers_fp32(gpt)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        use_distributed_optimizer=True,
+        overlap_grad_reduce=False,
+        overlap_param_gather=False,
+    )
+    chunk = DistributedDataParallel(config, ddp_config, model)
+    chunk.broadcast_params()  # frozen params and buffers-less params included
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=cfg.lr,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        use_distributed_optimizer=True,
+        clip_grad=cfg.clip_grad,
+        weight_decay=0.0,
+    )
+    optimizer = get_megatron_optimizer(opt_config, [chunk])
+    if not isinstance(optimizer, ChainedOptimizer):  # 0.16.1 always chains; be explicit
+        optimizer = ChainedOptimizer([optimizer])
+    return [chunk], optimizer
+
+
+def train_step(
+    chunks: list[DistributedDataParallel],
+    optimizer: ChainedOptimizer,
+    tokens: torch.Tensor,
+    *,
+    loss_mask: torch.Tensor | None = None,
+    num_microbatches: int = 1,
+) -> StepStats:
+    """One optimizer step on ``tokens`` [batch, seq + 1]: next-token LM loss, mean over this
+    rank's tokens (DDP then averages over data-parallel ranks).
+
+    Grads are finished by ``finalize_model_grads`` (DP reduce-scatter, and the expert_bias update
+    that a bare ``finish_grad_sync`` skips), then ``optimizer.step()`` casts and all-gathers.
+    """
+    start = time.perf_counter()
+    (chunk,) = chunks  # one chunk: no pipeline parallelism here
+    tokens = tokens.to(device())
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    mask = torch.ones_like(labels, dtype=torch.float32) if loss_mask is None else loss_mask
+    mask = mask.to(device(), torch.float32)
+    positions = torch.arange(inputs.shape[1], device=device()).unsqueeze(0).expand_as(inputs)
+    chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    total = mask.sum().clamp(min=1.0)
+    loss_sum = torch.zeros((), device=device())
+    for part in range(num_microbatches):
+        rows = slice(
+            part * inputs.shape[0] // num_microbatches,
+            (part + 1) * inputs.shape[0] // num_microbatches,
+        )
+        per_token = chunk(
+            inputs[rows], positions[rows], None, labels=labels[rows]
+        )  # [b, s] fp32 (Float16Module upcasts)
+        loss = (per_token * mask[rows]).sum() / total
+        loss.backward()
+        loss_sum += loss.detach()
+    finalize_model_grads(chunks)
+    update_successful, grad_norm, _ = optimizer.step()
+    return StepStats(
+        loss=float(loss_sum),
+        grad_norm=None if grad_norm is None else float(grad_norm),
+        update_successful=bool(update_successful),
+        seconds=time.perf_counter() - start,
+    )

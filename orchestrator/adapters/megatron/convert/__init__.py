@@ -1,0 +1,43 @@
+"""Megatron-core GPT → Hugging Face weights: names, layouts, and the gathers TP, PP and EP need.
+
+- `hf_buckets(model_chunks, bucket_bytes=...)`: the trainer-side entry point, run on every rank;
+  yields this stage's HF tensors in buckets (`gather`). `conversion_problems` says beforehand,
+  with no collective, why it would refuse a model.
+- `to_hf` / `convert`: whole Megatron tensors → HF checkpoint tensors (`hf`).
+- `ModelSpec`: what the conversion reads from Megatron's `TransformerConfig` and `GPTModel`, or
+  from the demo's `TinyGPTConfig` (`spec`); `hf_config(spec)` is the transformers config.
+
+Families: Llama, Qwen3 (q/k norm), Qwen3-MoE (router, experts).
+"""
+
+from orchestrator.adapters.megatron.convert.gather import conversion_problems, hf_buckets, is_sync_source, model_spec
+from orchestrator.adapters.megatron.convert.hf import (
+    ATTN_IMPLEMENTATION,
+    MEGATRON_LAYERNORM_EPS,
+    convert,
+    hf_config,
+    hf_llama_config,
+    hf_names,
+    hf_shape,
+    hf_targets,
+    to_hf,
+)
+from orchestrator.adapters.megatron.convert.spec import Family, ModelSpec
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "MEGATRON_LAYERNORM_EPS",
+    "Family",
+    "ModelSpec",
+    "conversion_problems",
+    "convert",
+    "hf_buckets",
+    "hf_config",
+    "hf_llama_config",
+    "hf_names",
+    "hf_shape",
+    "hf_targets",
+    "is_sync_source",
+    "model_spec",
+    "to_hf",
+]

@@ -1,0 +1,205 @@
+"""What a conversion needs to know about a model, read from Megatron's own configs.
+
+`ModelSpec.from_megatron(config, gpt)` reads a `TransformerConfig` and the `GPTModel` built from it
+(vocab, RoPE base, tied embeddings live on the model, not the config); `ModelSpec.from_tiny(cfg)`
+is the thin front the demo's `TinyGPTConfig` goes through. A spec is plain data (ints, bools,
+a tuple), so the ranks can hand it to a process that has no Megatron.
+
+Only what the HF family can compute the same way is accepted: anything else is refused here,
+before a rank starts a collective, with every problem named at once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from enum import StrEnum
+from typing import Any
+
+from orchestrator.adapters.megatron.gpt import TinyGPTConfig
+
+__all__ = ["Family", "ModelSpec"]
+
+# TransformerConfig.layernorm_epsilon's default; HF's configs default to 1e-6.
+MEGATRON_LAYERNORM_EPS = 1e-5
+
+
+class Family(StrEnum):
+    """The HF model family a Megatron GPT converts to."""
+
+    LLAMA = "llama"  # LlamaForCausalLM
+    QWEN3 = "qwen3"  # Qwen3ForCausalLM: Llama plus a per-head RMSNorm on q and k
+    QWEN3_MOE = "qwen3_moe"  # Qwen3MoeForCausalLM: Qwen3 with softmax-routed experts
+
+    @classmethod
+    def of(cls, config: Any) -> Family:
+        """The family a `TransformerConfig` reads as: experts make it Qwen3-MoE, a q/k norm Qwen3,
+        else Llama. A model the family cannot compute is refused by `ModelSpec.from_megatron`."""
+        if config.num_moe_experts:
+            return cls.QWEN3_MOE
+        return cls.QWEN3 if config.qk_layernorm else cls.LLAMA
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """The shape of a Llama-like GPT, as HF needs it. `moe_layers` lists the global indices of
+    the layers whose MLP is a mixture of experts."""
+
+    family: Family
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_query_groups: int
+    head_dim: int
+    ffn_hidden_size: int
+    max_position_embeddings: int
+    rotary_base: float
+    layernorm_epsilon: float = MEGATRON_LAYERNORM_EPS
+    qk_layernorm: bool = False
+    num_experts: int = 0
+    moe_ffn_hidden_size: int = 0
+    moe_router_topk: int = 0
+    moe_norm_topk_prob: bool = True  # softmax over the top-k (Megatron's default, no pre-softmax)
+    moe_layers: tuple[int, ...] = ()
+    expert_bias: bool = False
+
+    def __post_init__(self) -> None:
+        problems = self.problems()
+        if problems:
+            raise ValueError(f"no HF {self.family.value} equivalent: " + "; ".join(problems))
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.num_attention_heads % self.num_query_groups:
+            out.append(f"{self.num_attention_heads} heads do not split into {self.num_query_groups} query groups")
+        if self.family is Family.LLAMA and self.qk_layernorm:
+            out.append("qk_layernorm (Llama has no q/k norm: use the qwen3 family)")
+        if self.family is not Family.QWEN3_MOE and self.num_experts:
+            out.append(f"num_experts={self.num_experts} (the {self.family.value} family is dense: use qwen3_moe)")
+        if self.family is Family.QWEN3 and not self.qk_layernorm:
+            out.append("no qk_layernorm (Qwen3 normalises q and k: use the llama family)")
+        if self.family is Family.QWEN3_MOE:
+            if not self.num_experts or not self.moe_layers:
+                out.append("no MoE layer (use the qwen3 family)")
+            if not self.qk_layernorm:
+                out.append("no qk_layernorm (Qwen3-MoE normalises q and k)")
+            if self.expert_bias:
+                # Megatron's expert_bias needs sigmoid scores; Qwen3-MoE routes by softmax with
+                # no bias, so an engine would pick other experts than the trainer did.
+                out.append("moe_router_enable_expert_bias (Qwen3-MoE's router has no expert bias)")
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelSpec:
+        return cls(**{**data, "family": Family(data["family"]), "moe_layers": tuple(data["moe_layers"])})
+
+    @classmethod
+    def from_tiny(cls, cfg: TinyGPTConfig, family: Family = Family.LLAMA) -> ModelSpec:
+        """The demo's model: what `megatron_build.build_gpt(cfg)` builds."""
+        return cls(
+            family=family,
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            num_layers=cfg.num_layers,
+            num_attention_heads=cfg.num_attention_heads,
+            num_query_groups=cfg.num_query_groups,
+            head_dim=cfg.hidden_size // cfg.num_attention_heads,
+            ffn_hidden_size=cfg.ffn_hidden_size,
+            max_position_embeddings=cfg.seq_len,
+            rotary_base=float(cfg.rotary_base),
+            num_experts=cfg.num_experts,
+            moe_ffn_hidden_size=cfg.ffn_hidden_size if cfg.num_experts else 0,
+            moe_router_topk=cfg.moe_router_topk if cfg.num_experts else 0,
+            moe_layers=(cfg.num_layers - 1,) if cfg.num_experts else (),
+            expert_bias=cfg.num_experts > 0,
+        )
+
+    @classmethod
+    def from_megatron(cls, config: Any, gpt: Any, family: Family | str | None = None) -> ModelSpec:
+        """From a `TransformerConfig` and the (unwrapped) `GPTModel` built with it; the family is
+        `Family.of(config)` unless given.
+
+        Raises ValueError naming every setting HF's `family` cannot compute the same way."""
+        family = Family.of(config) if family is None else Family(family)
+        problems = _megatron_problems(config, gpt)
+        if problems:
+            raise ValueError(f"no HF {family.value} equivalent: " + "; ".join(problems))
+        experts = config.num_moe_experts or 0
+        return cls(
+            family=family,
+            vocab_size=gpt.vocab_size,
+            hidden_size=config.hidden_size,
+            num_layers=config.num_layers,
+            num_attention_heads=config.num_attention_heads,
+            num_query_groups=config.num_query_groups or config.num_attention_heads,
+            head_dim=config.kv_channels,
+            ffn_hidden_size=config.ffn_hidden_size,
+            max_position_embeddings=gpt.max_sequence_length,
+            rotary_base=_rotary_base(gpt),
+            layernorm_epsilon=config.layernorm_epsilon,
+            qk_layernorm=bool(config.qk_layernorm),
+            num_experts=experts,
+            moe_ffn_hidden_size=(config.moe_ffn_hidden_size or 0) if experts else 0,
+            moe_router_topk=config.moe_router_topk if experts else 0,
+            moe_norm_topk_prob=not config.moe_router_pre_softmax,
+            moe_layers=_moe_layers(config) if experts else (),
+            expert_bias=bool(experts and config.moe_router_enable_expert_bias),
+        )
+
+
+def _rotary_base(gpt: Any) -> float:
+    """`GPTModel.rotary_base` is the config's when the config has one, while its RoPE was built
+    from the constructor's argument: trust the frequencies the RoPE really uses."""
+    import torch
+
+    inv_freq = gpt.rotary_pos_emb.inv_freq.detach().cpu().double()
+    dim = 2 * inv_freq.numel()
+    base = float(gpt.rotary_base)
+    expected = 1.0 / base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    if not torch.allclose(inv_freq, expected, rtol=1e-5):
+        found = float((1.0 / inv_freq[1]) ** (dim / 2))
+        raise ValueError(f"the model's RoPE frequencies fit a base of about {found:.0f}, not rotary_base={base:g}")
+    return base
+
+
+def _moe_layers(config: Any) -> tuple[int, ...]:
+    """The global layers `get_gpt_decoder_layer_specs` makes MoE, from `moe_layer_freq`."""
+    freq = config.moe_layer_freq
+    if isinstance(freq, int):
+        return tuple(i for i in range(config.num_layers) if i % freq == 0)
+    return tuple(i for i, moe in enumerate(freq) if moe)
+
+
+def _megatron_problems(config: Any, gpt: Any) -> list[str]:
+    import torch.nn.functional as F
+
+    checks = {
+        f"normalization={config.normalization!r} (HF uses RMSNorm)": config.normalization != "RMSNorm",
+        "gated_linear_unit=False (HF's MLP is SwiGLU)": not config.gated_linear_unit,
+        "activation_func is not silu": config.activation_func is not F.silu,
+        "add_bias_linear=True (HF's linears have no bias)": config.add_bias_linear,
+        "add_qkv_bias=True": getattr(config, "add_qkv_bias", False),
+        "multi_latent_attention": getattr(config, "multi_latent_attention", False),
+        f"position_embedding_type={gpt.position_embedding_type!r} (HF uses RoPE)": gpt.position_embedding_type
+        != "rope",
+        "share_embeddings_and_output_weights=True (converted untied only)": gpt.share_embeddings_and_output_weights,
+        "rotary_percent < 1": getattr(gpt, "rotary_percent", 1.0) != 1.0,
+        "rotary_interleaved=True (HF rotates halves)": getattr(config, "rotary_interleaved", False),
+        "rope_scaling=True": bool(getattr(gpt, "rotary_scaling", False)),
+    }
+    if config.num_moe_experts:
+        checks |= {
+            f"moe_router_score_function={config.moe_router_score_function!r} (HF routes by softmax)": (
+                config.moe_router_score_function != "softmax" and not config.moe_router_enable_expert_bias
+            ),
+            "moe_shared_expert_intermediate_size (no shared expert in Qwen3-MoE)": bool(
+                config.moe_shared_expert_intermediate_size
+            ),
+            "moe_router_topk_scaling_factor": bool(config.moe_router_topk_scaling_factor),
+            "moe_router_num_groups (group-limited routing)": bool(config.moe_router_num_groups),
+            "moe_grouped_gemm (weights in GroupedMLP layout)": config.moe_grouped_gemm,
+        }
+    return [problem for problem, bad in checks.items() if bad]

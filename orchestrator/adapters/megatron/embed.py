@@ -1,0 +1,217 @@
+"""One call from a Megatron-core trainer's model and optimizer to a `Lifecycle`.
+
+This module wires the adapters into the controller, so it sits above both (the controller and
+the adapters know each other only through `orchestrator.protocols`); that is also why the call
+is a function here and not a `Lifecycle.for_megatron` classmethod, which would make the
+controller import Megatron's adapters.
+
+    lifecycle = colocate_megatron(model, optimizer, engine)                 # rematerialize
+    lifecycle = colocate_megatron(model, optimizer, engine, Mode.BACKUP)
+    lifecycle = colocate_megatron(model, optimizer, None, Mode.TRAIN_ONLY)
+
+`model` is what Megatron calls the model: the list of `DistributedDataParallel` chunks (one per
+virtual pipeline stage) that `get_megatron_optimizer` took. What the call chooses, and the
+argument that replaces each choice:
+
+| part | chosen | replaced by |
+| --- | --- | --- |
+| trainer | `MegatronTrainer(model, optimizer)`: expert_bias, fp32 and frozen params are extras | `extras=` |
+| regions | torch_memory_saver where the param buffers are on a GPU, storage resizing on the CPU | `regions=` |
+| setup | read from the DDP and optimizer configs (`megatron_setup`); the trainer's other flags as keywords | `**flags` |
+| transport | `MegatronTransport` through `hf_buckets` (`orchestrator.adapters.megatron.convert`): Megatron GPT → HF at any TP, PP and EP, the family read from the config (`Family.of`); only sync sources send (`is_sync_source`) | `convert=`, `transport=` |
+| listeners | spans to the trainer's global tracer provider, else to one the `OTEL_*` variables ask for (set as the global one: `otel_listeners`); structlog lines | `listeners=` |
+| rank | torch.distributed's | `rank=` |
+
+On a CUDA-less host it applies `enable_cpu_path()` (idempotent): the restore's cast and
+all-gather run Megatron code that assumes CUDA. Building the model needs it too, so call it
+yourself before you build.
+
+Every rank of the model makes the call, with its handle on the one engine they share (an SGLang
+server over their GPUs, say). The conversion's gathers are collectives, so every rank runs each
+sync; only one rank per pipeline stage sends (`is_sync_source`: tensor-, data- and
+context-parallel rank 0). Every push starts and ends in an all-reduce over the default group: no
+stage sends before every rank has resumed the engine's weights, no rank reads the engine's version
+before the last stage has sent, and a send that fails on one rank fails the update on every rank
+(`PeerPushFailed` on the others), each lifecycle `FAULTED`. The engine's memory calls are made on
+every rank: a shared engine's handle must take them once (this module does not choose a rank).
+
+Nothing moves before every check has passed: a setup Megatron's configs refuse, a model the
+conversion cannot map, an engine that cannot load weights each raise `ConfigError`, naming the
+problems (a model-wide one once), with the engine untouched. Once they pass, the `Lifecycle`
+takes the engine over (releases its memory) as it always does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from orchestrator.adapters.digest import DigestMethod
+from orchestrator.adapters.megatron.convert import (
+    ModelSpec,
+    conversion_problems,
+    hf_buckets,
+    is_sync_source,
+    model_spec,
+)
+from orchestrator.adapters.megatron.trainer import ALL_EXTRAS, Extra, MegatronTrainer, megatron_setup
+from orchestrator.adapters.megatron.transport import Converter, MegatronTransport
+from orchestrator.core.config import LifecycleConfig
+from orchestrator.core.lifecycle import Lifecycle, require_restore_coverage
+from orchestrator.errors import ConfigError
+from orchestrator.protocols import LoadsWeights, MemoryRegions, Named, RolloutEngine, WeightTransport
+from orchestrator.telemetry.listeners import Listener
+from states import Mode
+
+__all__ = ["colocate_megatron", "gpt_shape", "hf_converter", "otel_listeners"]
+
+
+def _chunks(model: Sequence[Any] | Any) -> list[Any]:
+    return list(model) if isinstance(model, Sequence) else [model]  # Megatron's list of chunks, or one
+
+
+def gpt_shape(model: Sequence[Any] | Any) -> ModelSpec:
+    """The shape of a Megatron GPT as an HF engine needs it (`TransformersEngine(gpt_shape(model))`):
+    `ModelSpec.from_megatron` over the chunks' `TransformerConfig` and `GPTModel`, the family read
+    from the config. Raises ConfigError naming every setting no HF family computes the same way."""
+    try:
+        return model_spec(_chunks(model))
+    except ValueError as error:
+        raise ConfigError([str(error)]) from None
+
+
+def hf_converter(model: Sequence[Any]) -> Converter:
+    """The conversion `colocate_megatron` wires: `hf_buckets` over the model's live params at any
+    TP, PP and EP, the family read from its config. It reads the model itself, not the sync
+    tensors it is handed.
+
+    Raises ConfigError before anything is sent, naming each problem once: what the model computes
+    that the family does not, or every tensor of this rank's stage the family has no counterpart
+    for. The check is this rank's alone (no collective)."""
+    problems = conversion_problems(model)
+    if problems:
+        raise ConfigError(problems)
+
+    def converter(named: Iterable[Named], *, bucket_bytes: int) -> Iterator[Sequence[Named]]:
+        return hf_buckets(model, bucket_bytes=bucket_bytes)
+
+    return converter
+
+
+def otel_listeners(rank: int) -> list[Listener]:
+    """A tracing listener, then a structlog listener.
+
+    Spans go to the global tracer provider when one was set (the trainer's own). Otherwise the
+    `OTEL_*` variables decide: where they ask for export, a provider of role `rank` is made and
+    set as the global one, so that the adapters' own spans (`rank.cast`, `rank.bucket`, ...)
+    join the lifecycle's; OpenTelemetry sets it once for the process's life, and a later call
+    finds it set. Where they ask for nothing, spans go to the global no-op provider.
+    """
+    from opentelemetry import trace
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from orchestrator.telemetry.logs import LoggingListener
+    from orchestrator.telemetry.tracing import TracingListener, configure_tracing
+
+    provider = trace.get_tracer_provider()
+    if not isinstance(provider, TracerProvider):
+        configured = configure_tracing(rank=rank, role="rank")
+        if configured is not None:
+            trace.set_tracer_provider(configured)
+            provider = trace.get_tracer_provider()  # another thread may have set one first
+    return [TracingListener(provider), LoggingListener()]
+
+
+def _regions(trainer: MegatronTrainer) -> MemoryRegions:
+    on_gpu = any(t.is_cuda for t in trainer.region_tensors()["param_buffer"])
+    if on_gpu:
+        from orchestrator.adapters.regions.tms import TorchMemorySaverRegions
+
+        return TorchMemorySaverRegions(trainer.region_tensors)
+    from orchestrator.adapters.regions.storage import StorageRegions
+
+    return StorageRegions(trainer.region_tensors)
+
+
+def _any_rank(flag: bool) -> bool:
+    """Whether any rank passed True: an all-reduce over the default group, also its barrier."""
+    nccl = torch.distributed.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    value = torch.tensor([int(flag)], device=device)
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def colocate_megatron(
+    model: Sequence[Any] | Any,
+    optimizer: Any,
+    engine: RolloutEngine | None,
+    mode: Mode | str = Mode.REMATERIALIZE,
+    *,
+    convert: Converter | None = None,
+    transport: WeightTransport | None = None,
+    bucket_bytes: int = 64 << 20,
+    regions: MemoryRegions | None = None,
+    listeners: Sequence[Listener] | None = None,
+    extras: Collection[Extra] = ALL_EXTRAS,
+    digest: DigestMethod | None = None,
+    verify_cycles: int = 2,
+    rank: int | None = None,
+    **flags: bool,
+) -> Lifecycle:
+    """The `Lifecycle` for one rank of a Megatron-core trainer (see the module docstring).
+
+    `engine` must load weights (`update_weights(named, version)`, `LoadsWeights`) unless
+    `transport` is given; it is None in `Mode.TRAIN_ONLY`. `flags` are the `TrainingSetup` flags
+    Megatron does not hold (`compute_advantages`, `lora`, `keep_old_actor`, ...); those it holds
+    are read from its configs and refused as keywords.
+
+    Raises ConfigError, naming every problem, with the engine untouched: a setup the mode refuses,
+    a flag Megatron's configs hold, an engine that loads no weights, a model the HF conversion
+    cannot map (when `convert` and `transport` are not given), a param no restore path covers.
+    """
+    model = _chunks(model)
+    if not torch.cuda.is_available():
+        from orchestrator.adapters.megatron.cpu import enable_cpu_path
+
+        enable_cpu_path()
+    rank = _rank() if rank is None else rank
+    if mode not in Mode.__members__.values():
+        raise ConfigError([f"mode must be one of {', '.join(Mode)}, got {mode!r}"])
+    config = LifecycleConfig(
+        mode=Mode(mode),
+        rank=rank,
+        verify_cycles=verify_cycles,
+        setup=megatron_setup(model, optimizer, **flags),
+    )
+    if digest is None:
+        digest = DigestMethod.DEVICE if torch.cuda.is_available() else DigestMethod.SHA256
+    trainer = MegatronTrainer(model, optimizer, extras=extras, digest=digest)
+    if config.mode is not Mode.TRAIN_ONLY:
+        require_restore_coverage(trainer.layout())  # before regions re-home anything
+    if engine is not None and transport is None:
+        if not isinstance(engine, LoadsWeights):
+            raise ConfigError([f"engine {engine.name!r} has no update_weights(named, version): pass transport="])
+        distributed = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+        transport = MegatronTransport(
+            trainer,
+            engine,
+            convert=hf_converter(model) if convert is None else convert,
+            bucket_bytes=bucket_bytes,
+            source=is_sync_source() if distributed else True,
+            any_rank=_any_rank if distributed else None,
+        )
+    return Lifecycle(
+        config=config,
+        trainer=trainer,
+        regions=_regions(trainer) if regions is None else regions,
+        engine=engine,
+        transport=transport,
+        listeners=otel_listeners(rank) if listeners is None else tuple(listeners),
+    )

@@ -1,0 +1,314 @@
+"""The Trainer Protocol over what a Megatron-core trainer already has: DDP chunks + optimizer.
+
+Rematerialize rebuilds the bf16 params after their buffer was dropped without a backup, exactly
+as they were produced at the end of the optimizer step: each DistributedOptimizer casts its fp32
+main shard into the param buffer (`_copy_main_params_to_model_params`), then every chunk
+all-gathers the params (`start_param_sync(force_sync=True)`). What the fp32 mains cannot rebuild,
+the extras, keeps a small pinned host backup:
+
+- `expert_bias` buffers: module buffers, in no DDP buffer and no optimizer;
+- fp32-dtype params: their optimizer "main" is a view of the param buffer itself, so it is
+  dropped with it;
+- frozen params (`requires_grad=False`): in no DDP buffer and no optimizer.
+
+Backup mode, the baseline, pins a host copy of every param buffer instead.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from enum import StrEnum
+from typing import Any
+
+import torch
+
+from orchestrator.adapters.digest import DIGESTS, DigestMethod
+from orchestrator.adapters.megatron.fast_cast import MainParamCast
+from orchestrator.adapters.transport.bucketed import nbytes
+from orchestrator.errors import ConfigError, StashMismatch
+from orchestrator.telemetry.tracing import process_span
+from states import Mode, Source, TrainerLayout, TrainingSetup
+
+
+class Extra(StrEnum):
+    """The kinds of tensor a cast + all-gather cannot rebuild."""
+
+    EXPERT_BIAS = "expert_bias"
+    FP32 = "fp32"
+    FROZEN = "frozen"
+
+
+ALL_EXTRAS = frozenset(Extra)
+
+
+# TrainingSetup fields that Megatron's own configs decide: read, never taken from the caller.
+MEGATRON_HOLDS = frozenset(
+    {
+        "distributed_optimizer",
+        "overlap_param_gather",
+        "optimizer_disabled",
+        "precision_aware_optimizer",
+        "optimizer_cpu_offload",
+    }
+)
+
+
+def megatron_setup(chunks: Sequence[Any], optimizer: Any, **flags: bool) -> TrainingSetup:
+    """The `TrainingSetup` facts Megatron's own configs hold; `flags` give the trainer's others
+    (colocate, offload_train, compute_advantages, lora, keep_old_actor, debug_train_only).
+
+    Raises ConfigError, naming them, for flags that Megatron's configs hold (the DDP config and
+    the optimizer config are the truth; change them, not the setup) and for unknown flags.
+    """
+    problems = [
+        f"{name}: read from Megatron's DDP and optimizer configs, not given"
+        for name in sorted(flags.keys() & MEGATRON_HOLDS)
+    ]
+    known = set(TrainingSetup.__dataclass_fields__)
+    problems += [f"{name}: not a TrainingSetup flag" for name in sorted(flags.keys() - known)]
+    if problems:
+        raise ConfigError(problems)
+    ddp = [chunk.ddp_config for chunk in chunks]
+    configs = [o.config for o in getattr(optimizer, "chained_optimizers", [optimizer]) if o is not None]
+    return TrainingSetup(
+        distributed_optimizer=all(c.use_distributed_optimizer for c in ddp),
+        overlap_param_gather=any(c.overlap_param_gather for c in ddp),
+        optimizer_disabled=not configs,
+        precision_aware_optimizer=any(c.use_precision_aware_optimizer for c in configs),
+        optimizer_cpu_offload=any(c.optimizer_cpu_offload for c in configs),
+        **flags,
+    )
+
+
+def _strip(name: str) -> str:
+    """`module.module.decoder...` (DDP → Float16Module → GPTModel) → `decoder...`."""
+    while name.startswith("module."):
+        name = name[len("module.") :]
+    return name
+
+
+_LOCAL_EXPERT = re.compile(r"(\.local_experts\.)(\d+)(?=\.)")
+
+
+def _global_experts(chunk: Any) -> Callable[[str], str]:
+    """`...local_experts.<local>...` → `...local_experts.<global>...`: under expert parallelism
+    every rank numbers its own experts from 0, so only the global index names one expert."""
+    config = getattr(chunk, "config", None)
+    experts = getattr(config, "num_moe_experts", None) or 0
+    if not experts:
+        return lambda name: name
+    from megatron.core import parallel_state
+
+    size = parallel_state.get_expert_model_parallel_world_size()
+    offset = parallel_state.get_expert_model_parallel_rank() * (experts // size)
+    return lambda name: _LOCAL_EXPERT.sub(lambda m: f"{m[1]}{int(m[2]) + offset}", name)
+
+
+def _router_dtype(buffer: torch.Tensor) -> None:
+    """Megatron's router turns `expert_bias` into fp32 at its first forward (after Float16Module
+    cast it to bf16). Do it now, so that its backup has that dtype from the first stash on."""
+    if buffer.dtype != torch.float32:
+        buffer.data = buffer.data.to(torch.float32)
+
+
+def _host_like(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
+    return torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
+
+
+def _span(name: str, **attributes: int) -> Any:
+    """A child span of whatever call is current (the OTel API: a no-op unless an SDK is set),
+    with the rank and memory attributes of every process-side span."""
+    return process_span(name, {f"colocate.{k}": v for k, v in attributes.items()})
+
+
+class MegatronTrainer:
+    """Implements `orchestrator.protocols.Trainer` for Megatron-core DDP + DistributedOptimizer.
+
+    `chunks` are the `DistributedDataParallel` model chunks (one per virtual pipeline stage);
+    `optimizer` is the (chained) optimizer `get_megatron_optimizer` returned. `extras` chooses
+    which kinds of extra are backed up; leaving one out makes any such param uncovered, which
+    the lifecycle refuses at init.
+    """
+
+    def __init__(
+        self,
+        chunks: Sequence[Any],
+        optimizer: Any,
+        *,
+        extras: Collection[Extra] = ALL_EXTRAS,
+        digest: DigestMethod = DigestMethod.SHA256,
+    ) -> None:
+        self._chunks = list(chunks)
+        self._optimizers = list(getattr(optimizer, "chained_optimizers", [optimizer]))
+        # Newer Megatron lists every buffer (gtp/egtp ones too) in `all_buffers`.
+        self._buffers = [
+            b for c in self._chunks for b in getattr(c, "all_buffers", [*c.buffers, *c.expert_parallel_buffers])
+        ]
+        self._digest = DIGESTS[DigestMethod(digest)]
+        self._pin = torch.cuda.is_available()
+        in_buffers = {id(p) for b in self._buffers for p in b.params}
+        self._params: dict[str, torch.Tensor] = {}
+        self._extras: dict[str, torch.Tensor] = {}
+        self._sources: dict[str, Source] = {}
+        for prefix, chunk in self._prefixed():
+            globally = _global_experts(chunk)
+            for raw, param in chunk.named_parameters():
+                name = prefix + globally(_strip(raw))
+                self._params[name] = param
+                kind = self._extra_kind(param, extras)
+                if kind is not None:
+                    self._extras[name] = param
+                # An fp32 param is in a DDP buffer, but its "main" is a view of that buffer: a
+                # drop loses it unless it is an extra. Left out, it is uncovered, by name.
+                rebuilt = id(param) in in_buffers and param.dtype != torch.float32
+                self._sources[name] = Source.EXTRAS if kind else Source.PARAM_BUFFER if rebuilt else Source.ELSEWHERE
+            for raw, buffer in chunk.named_buffers():
+                if raw.endswith("expert_bias"):
+                    name = prefix + globally(_strip(raw))
+                    _router_dtype(buffer)
+                    covered = Extra.EXPERT_BIAS in extras
+                    if covered:
+                        self._extras[name] = buffer
+                    self._sources[name] = Source.EXTRAS if covered else Source.ELSEWHERE
+        self._extra_backup: dict[str, torch.Tensor] = {}
+        self._param_backup: list[torch.Tensor] = []
+        self.cast = MainParamCast(self._optimizers)  # one Triton launch where it can, else Megatron's loop
+
+    def _prefixed(self) -> Iterator[tuple[str, Any]]:
+        for i, chunk in enumerate(self._chunks):
+            yield (f"vp_stages.{i}." if len(self._chunks) > 1 else ""), chunk
+
+    @staticmethod
+    def _extra_kind(param: torch.Tensor, extras: Collection[Extra]) -> Extra | None:
+        if not param.requires_grad and Extra.FROZEN in extras:
+            return Extra.FROZEN
+        if param.dtype == torch.float32 and Extra.FP32 in extras:
+            return Extra.FP32
+        return None
+
+    # ---- the Trainer Protocol -------------------------------------------------------------
+
+    def layout(self) -> TrainerLayout:
+        rebuilt = [n for n, s in self._sources.items() if s is Source.PARAM_BUFFER and n in self._params]
+        return TrainerLayout(
+            sync_sources=self._sources,
+            uncovered=tuple(n for n, s in self._sources.items() if s is Source.ELSEWHERE),
+            param_bytes=sum(nbytes(self._params[n]) for n in rebuilt),
+            extras_bytes=sum(nbytes(t) for t in self._extras.values()),
+        )
+
+    def stash(self, mode: Mode) -> int:
+        copied = 0
+        for name, tensor in self._extras.items():
+            backup = self._extra_backup.get(name)
+            if backup is None:
+                backup = self._extra_backup[name] = _host_like(tensor, self._pin)
+            elif (backup.dtype, backup.shape) != (tensor.dtype, tensor.shape):
+                raise StashMismatch(
+                    name, f"{backup.dtype} {list(backup.shape)}", f"{tensor.dtype} {list(tensor.shape)}"
+                )
+            backup.copy_(tensor.detach())
+            copied += nbytes(tensor)
+        if mode is Mode.BACKUP:
+            if not self._param_backup:
+                self._param_backup = [_host_like(b.param_data, self._pin) for b in self._buffers]
+            for backup, buffer in zip(self._param_backup, self._buffers, strict=True):
+                backup.copy_(buffer.param_data, non_blocking=True)
+                copied += nbytes(buffer.param_data)
+        self._synchronize()
+        return copied
+
+    def rebuild(self, mode: Mode) -> int:
+        written = 0
+        if mode is Mode.BACKUP:
+            for backup, buffer in zip(self._param_backup, self._buffers, strict=True):
+                buffer.param_data.copy_(backup, non_blocking=True)
+                written += nbytes(buffer.param_data)
+        else:
+            with _span("rank.cast"):
+                self.cast_mains()
+            with _span("rank.gather"):
+                self.gather_params()
+            written += sum(nbytes(b.param_data) for b in self._buffers)
+        with _span("rank.extras"):
+            written += self.copy_extras_back()
+        # The grad buffers come back holding whatever the resumed pages held: Megatron's train
+        # step zeroes them (`zero_grad_buffer`) before accumulating, so they are not restored.
+        self._synchronize()
+        return written
+
+    def digests(self) -> Mapping[str, str]:
+        with _span("rank.digest", tensors=len(self._params) + len(self._extras)):
+            return self._digest({**self._params, **self._extras})
+
+    def sync_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Read-only (the Trainer Protocol): params are views of the resident param buffer;
+        extras are copies of their backup, made here, so that a transport writing to what it
+        was handed cannot change what the next restore copies back."""
+        for name, source in self._sources.items():
+            if source is Source.EXTRAS:
+                backup = self._extra_backup.get(name)
+                if backup is None:
+                    raise LookupError(f"{name} is an extra with no backup yet: stash first (pause_grads does)")
+                yield name, backup.clone()
+            elif source is Source.PARAM_BUFFER:
+                yield name, self._params[name].detach()
+            else:
+                raise LookupError(f"{name} is in neither a param buffer nor the extras backup")
+
+    def host_pinned_bytes(self) -> int:
+        return sum(nbytes(t) for t in (*self._extra_backup.values(), *self._param_backup))
+
+    def sync_shapes(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The sync tensors' names, shapes and dtypes, as tensors on the meta device: to check a
+        conversion before anything is stashed, paused or sent."""
+        tensors = {**self._params, **self._extras}
+        for name in self._sources:
+            if name in tensors:  # an uncovered buffer is no sync tensor: the lifecycle refuses it at init
+                yield name, torch.empty(tensors[name].shape, dtype=tensors[name].dtype, device="meta")
+
+    # ---- the steps of a rematerialize restore, timed apart by the benchmark -----------------
+
+    def cast_mains(self) -> None:
+        """fp32 main shard → bf16 param buffer shard, in every DistributedOptimizer (`fast_cast`)."""
+        self.cast()
+
+    def gather_params(self) -> None:
+        """All-gather every chunk's param buffers over their (expert) data-parallel groups."""
+        for chunk in self._chunks:
+            groups = getattr(chunk, "all_bucket_groups", [*chunk.bucket_groups, *chunk.expert_parallel_bucket_groups])
+            if all(group.intra_distributed_optimizer_instance_size == 1 for group in groups):
+                continue  # this rank owns every shard: there is nothing to gather
+            chunk.start_param_sync(force_sync=True)
+
+    def copy_extras_back(self) -> int:
+        for name, tensor in self._extras.items():
+            tensor.data.copy_(self._extra_backup[name], non_blocking=True)
+        return sum(nbytes(t) for t in self._extras.values())
+
+    # ---- what the memory regions manage --------------------------------------------------
+
+    def region_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors behind each region tag: param and grad buffers, and the optimizer state.
+
+        `default` lists the fp32 main shards and the Adam moments. Storages shared with the
+        param buffer (the "mains" of fp32 params are views of it) stay in `param_buffer`.
+        """
+        state: list[torch.Tensor] = []
+        for optimizer in self._optimizers:
+            for group in getattr(optimizer, "shard_fp32_from_float16_groups", []):
+                state.extend(group)
+            inner = getattr(optimizer, "optimizer", None)
+            for per_param in getattr(inner, "state", {}).values():
+                state.extend(v for v in per_param.values() if isinstance(v, torch.Tensor) and v.dim() > 0)
+        return {
+            "param_buffer": [b.param_data for b in self._buffers],
+            "grad_buffer": [b.grad_data for b in self._buffers],
+            "default": state,
+        }
+
+    @staticmethod
+    def _synchronize() -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()

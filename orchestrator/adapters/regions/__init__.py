@@ -1,0 +1,1 @@
+"""`MemoryRegions` implementations: storage-freeing regions (CPU) and torch_memory_saver (CUDA)."""

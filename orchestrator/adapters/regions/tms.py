@@ -1,0 +1,93 @@
+"""torch_memory_saver regions (GPU): pause unmaps the physical pages, resume maps fresh ones at
+the same virtual addresses, so every pointer into a paused tensor stays valid.
+
+Megatron allocates each DDP buffer's `param_data` and `grad_data` in one constructor, so no
+`region()` context can tag them apart. Instead of patching Megatron, `TorchMemorySaverRegions`
+re-homes their storages after construction: it frees each storage and reallocates it (same
+size, same storage object, so every param view follows) inside `region(tag)`, where
+torch_memory_saver's `hook_mode="torch"` pool serves the allocation. The optimizer state is
+re-homed into `default` with a CPU backup, so its contents survive a pause. Storages that
+appear later (Adam moments, at the first optimizer step) are re-homed at the next pause.
+
+Import order: Megatron sets `torch_memory_saver.hook_mode = "torch"` when its inference context
+is imported, which fails once torch_memory_saver is initialised, so Megatron is imported first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from orchestrator.adapters.regions.storage import TensorsByTag, as_bytes, storages_by_tag
+from states import Region
+
+_KEEP_CONTENTS = {Region.DEFAULT.value}
+
+
+def _saver() -> Any:
+    with contextlib.suppress(ImportError):  # megatron first: it configures hook_mode itself on import
+        importlib.import_module("megatron.core.inference.contexts.dynamic_context")
+    from torch_memory_saver import torch_memory_saver
+
+    if getattr(torch_memory_saver, "_impl", None) is None:
+        torch_memory_saver.hook_mode = "torch"
+    return torch_memory_saver
+
+
+def _free_device_bytes() -> int:
+    torch.cuda.synchronize()
+    return torch.cuda.mem_get_info()[0]
+
+
+class TorchMemorySaverRegions:
+    """Implements `orchestrator.protocols.MemoryRegions` on torch_memory_saver.
+
+    `tensors` is called at construction and before every pause: each storage it names is
+    re-homed once, the first time it is seen (a host round trip of its bytes). Bytes reported
+    are the device's free memory before and after, as the driver sees them.
+    """
+
+    def __init__(self, tensors: Callable[[], TensorsByTag]) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError("torch_memory_saver needs a CUDA device; use StorageRegions on the CPU")
+        self._tms = _saver()
+        self._tensors = tensors
+        self._homed: set[int] = set()  # data_ptr of re-homed storages: stable across pause and resume
+        self._rehome_new()
+
+    def _rehome_new(self) -> None:
+        moved = False
+        for tag, storages in storages_by_tag(self._tensors()).items():
+            for storage in storages:
+                if storage.data_ptr() not in self._homed:
+                    self._rehome(storage, tag)
+                    moved = True
+        if moved:
+            torch.cuda.empty_cache()  # the pre-re-homing blocks go back to the device
+
+    def _rehome(self, storage: torch.UntypedStorage, tag: str) -> None:
+        nbytes = storage.nbytes()
+        host = as_bytes(storage).cpu()
+        storage.resize_(0)
+        with self._tms.region(tag=tag, enable_cpu_backup=tag in _KEEP_CONTENTS):
+            storage.resize_(nbytes)
+        as_bytes(storage).copy_(host)
+        self._homed.add(storage.data_ptr())
+
+    def tags(self) -> frozenset[str]:
+        return frozenset(r.value for r in Region)
+
+    def pause(self, tag: str) -> int:
+        self._rehome_new()
+        before = _free_device_bytes()
+        self._tms.pause(tag)
+        return _free_device_bytes() - before
+
+    def resume(self, tag: str) -> int:
+        before = _free_device_bytes()
+        self._tms.resume(tag)
+        return before - _free_device_bytes()

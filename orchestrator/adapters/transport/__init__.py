@@ -1,0 +1,1 @@
+"""`WeightTransport`: pushing the trainer's tensors to an engine in buckets."""

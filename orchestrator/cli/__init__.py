@@ -1,0 +1,5 @@
+"""The `colocate` command line: typer commands, and reading the trace files they write."""
+
+from orchestrator.cli.app import app, main
+
+__all__ = ["app", "main"]

@@ -1,0 +1,264 @@
+"""The `colocate` command line."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+
+from orchestrator.core import diagram
+from orchestrator.core.config import Device, EngineKind, WeightSync
+from orchestrator.errors import ConfigError, TraceError
+from orchestrator.plan.command import plan_command
+from states import Mode
+
+
+class RunMode(StrEnum):
+    REMATERIALIZE = Mode.REMATERIALIZE.value
+    BACKUP = Mode.BACKUP.value
+
+
+app = typer.Typer(
+    name="colocate",
+    help="Lifecycle controller for colocated RL post-training (Megatron-core trainer + rollout engine).",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+err = Console(stderr=True, soft_wrap=True)  # never break a path or command across lines
+
+
+@app.callback()
+def _root() -> None:
+    """Lifecycle controller for colocated RL post-training."""
+
+
+def _fail(message: str, code: int = 1) -> None:
+    err.print(f"[bold red]error:[/] {message}")
+    raise typer.Exit(code)
+
+
+@app.command("diagram")
+def diagram_command(
+    fmt: Annotated[diagram.Format, typer.Option("--format", "-f", help="Diagram language.")] = diagram.Format.MERMAID,
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Write here instead of stdout.")] = None,
+    check: Annotated[
+        Path | None, typer.Option("--check", help="Exit 1 if this document's generated diagram is stale.")
+    ] = None,
+    update: Annotated[Path | None, typer.Option("--update", help="Rewrite this document's generated diagram.")] = None,
+) -> None:
+    """Render the lifecycle's state diagram from the transition table."""
+    for document in (check, update):
+        if document is not None and not document.is_file():
+            _fail(f"{document}: no such file")
+    try:
+        if check is not None:
+            if not diagram.check_document(check.read_text()):
+                _fail(f"{check} is stale: run `colocate diagram --update {check}`")
+            err.print(f"{check}: diagram is current")
+            return
+        if update is not None:
+            update.write_text(diagram.update_document(update.read_text()))
+            err.print(f"{update}: diagram updated")
+            return
+        text = diagram.render(fmt)
+        if output is None:
+            typer.echo(text, nl=False)
+        else:
+            output.write_text(text)
+    except ValueError as exc:
+        _fail(str(exc))
+    except OSError as exc:
+        _fail(f"cannot write {exc.filename or output}: {exc.strerror}")
+
+
+@app.command("run")
+def run_command(
+    steps: Annotated[int, typer.Option(help="Training steps, each one full cycle.")] = 30,
+    ranks: Annotated[
+        int | None,
+        typer.Option(
+            help="Trainer ranks; more than 1 runs them as Ray actors.", show_default="2; 1 with --device cuda"
+        ),
+    ] = None,
+    mode: Annotated[RunMode, typer.Option(help="How params survive the rollout.")] = RunMode.REMATERIALIZE,
+    verify_cycles: Annotated[int, typer.Option(help="Check the first N restores bit-identical.")] = 2,
+    seed: Annotated[int, typer.Option(help="Seed for the task and the sampling.")] = 0,
+    device: Annotated[Device, typer.Option(help="Where the ranks train: cuda takes this machine's GPU.")] = Device.CPU,
+    engine: Annotated[
+        EngineKind, typer.Option(help="transformers: started by the job; sglang: running servers.")
+    ] = EngineKind.TRANSFORMERS,
+    engine_url: Annotated[
+        list[str] | None,
+        typer.Option(metavar="URL", help="An SGLang server (repeat for several), e.g. http://127.0.0.1:30000."),
+    ] = None,
+    weight_sync: Annotated[
+        WeightSync,
+        typer.Option(help="SGLang: tensor (CUDA IPC, servers on the trainer's GPUs) or broadcast (servers off them)."),
+    ] = WeightSync.TENSOR,
+    ray_address: Annotated[
+        str | None,
+        typer.Option(
+            envvar="RAY_ADDRESS",
+            metavar="HOST:PORT",
+            help="Run the ranks on this running Ray cluster (its GCS address); unset: a private one on loopback.",
+        ),
+    ] = None,
+    report: Annotated[Path | None, typer.Option(help="Write the run report here, as JSON.")] = None,
+    trace_dir: Annotated[Path | None, typer.Option(help="Write OTLP-JSON traces under this folder.")] = None,
+    log: Annotated[Path | None, typer.Option(help="Write one JSON log line per transition here.")] = None,
+    rank_timeout: Annotated[
+        float, typer.Option(help="Seconds any rank or the engine may take to answer a call (start-up: 300 at least).")
+    ] = 120.0,
+    model: Annotated[
+        str, typer.Option(help="Model preset: tiny (CPU-size), qwen-0.5b or llama-1b (GPU-size, random init).")
+    ] = "tiny",
+) -> None:
+    """Run the colocated GRPO demo: Megatron-core ranks and a rollout engine, one full cycle per step."""
+    from orchestrator.demo.grpo import GRPOConfig
+    from orchestrator.demo.job import RunConfig
+    from orchestrator.demo.presets import preset
+    from orchestrator.demo.run import output_problems, run
+
+    problems: list[str] = output_problems(report=report, log=log, trace_dir=trace_dir)
+    try:
+        grpo = GRPOConfig(model=preset(model))
+    except ValueError as exc:
+        problems.append(f"--model: {exc}")
+        grpo = GRPOConfig()
+    try:
+        config = RunConfig(
+            grpo=grpo,
+            steps=steps,
+            ranks=ranks if ranks is not None else (1 if device is Device.CUDA else 2),
+            mode=Mode(mode.value),
+            verify_cycles=verify_cycles,
+            seed=seed,
+            rank_timeout_s=rank_timeout,
+            device=device,
+            engine=engine,
+            engine_urls=tuple(engine_url or ()),
+            weight_sync=weight_sync,
+            ray_address=ray_address or None,
+        )
+    except ConfigError as exc:
+        problems += [str(v) for v in exc.violations]
+    if problems:  # every problem at once, before any rank starts
+        _fail(str(ConfigError(problems)), code=2)
+    code = run(config, report_path=report, trace_dir=trace_dir, log_path=log, console=Console(), err=err)
+    raise typer.Exit(code)
+
+
+@app.command("engine-config")
+def engine_config_command(
+    folder: Annotated[Path, typer.Argument(help="Where to write config.json (created if missing).")],
+    force: Annotated[bool, typer.Option(help="Replace an existing config.json.")] = False,
+) -> None:
+    """Write the Hugging Face config of the model `colocate run` trains, for an SGLang server to load.
+
+    Start the server with `--load-format dummy`: colocate sends every weight before the first rollout.
+    """
+    from orchestrator.adapters.megatron.convert import hf_llama_config
+    from orchestrator.demo.grpo import GRPOConfig
+
+    target = folder / "config.json"
+    if target.exists() and not force:
+        _fail(f"{target} exists; pass --force to replace it")
+    if folder.exists() and not folder.is_dir():
+        _fail(f"{folder}: exists and is not a folder")
+    try:
+        write_model_config(hf_llama_config(GRPOConfig().model), folder)
+    except OSError as exc:
+        _fail(f"cannot write {target}: {exc.strerror or exc}")
+    err.print(f"{target}: written. Serve it with")
+    typer.echo(
+        f"python -m sglang.launch_server --model-path {folder} --load-format dummy --skip-tokenizer-init "
+        "--enable-memory-saver --port 30000"
+    )
+
+
+def write_model_config(config: Any, folder: Path) -> None:
+    """`config.json` as SGLang and transformers pick and build a model class from it.
+
+    SGLang's model registry chooses the class by `architectures`, transformers' `AutoConfig` the
+    config class by `model_type`, and SGLang's `--dtype auto` reads `torch_dtype`: transformers 5
+    writes `dtype` alone, so the older key is written beside it.
+    """
+    import json
+
+    data = config.to_dict()
+    data["architectures"] = data.get("architectures") or ["LlamaForCausalLM"]
+    data["model_type"] = config.model_type
+    dtype = str(data.get("dtype") or "bfloat16").removeprefix("torch.")
+    data["dtype"] = data["torch_dtype"] = dtype
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+trace_app = typer.Typer(
+    help="Read OTLP-JSON trace files back: a table per lifecycle phase, a picture per step.", no_args_is_help=True
+)
+app.add_typer(trace_app, name="trace")
+TraceFiles = Annotated[list[Path], typer.Argument(help="OTLP-JSON files, or folders of *.jsonl files.")]
+
+
+@trace_app.command("summarize")
+def trace_summarize_command(
+    files: TraceFiles,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the numbers as JSON, for scripts.")] = False,
+) -> None:
+    """Per lifecycle phase: ms per step, p50 and p95, the slowest trainer rank, bytes moved."""
+    import json
+
+    from orchestrator.cli import traces
+
+    try:
+        summary = traces.summarize(traces.load(files))
+    except TraceError as exc:
+        _fail(str(exc))
+    if as_json:
+        typer.echo(json.dumps(summary.to_json(), indent=2))
+        return
+    console = Console()
+    console.print(traces.summary_table(summary))
+    console.print(traces.summary_line(summary))
+    if len(set(summary.steps)) < len(summary.steps):
+        err.print("[yellow]warning:[/] step numbers repeat: these files hold more than one run")
+
+
+@trace_app.command("timeline")
+def trace_timeline_command(
+    files: TraceFiles,
+    output: Annotated[Path, typer.Option("--output", "-o", help="The picture: a .png or .svg file.")],
+    step: Annotated[int | None, typer.Option(help="Which step (default: the last complete one).")] = None,
+) -> None:
+    """Draw one step: the driver's phases, each trainer rank's work and the engine's, in ms."""
+    from orchestrator.cli import traces
+    from orchestrator.cli.traces import timeline
+
+    if output.suffix.lower() not in (".png", ".svg"):
+        _fail(f"--output {output}: use a .png or .svg file")
+    if not output.parent.is_dir():
+        _fail(f"--output {output}: folder {output.parent} does not exist")
+    try:
+        chosen = traces.load(files).step(step)
+        timeline.draw_timeline(chosen, output)
+    except TraceError as exc:
+        _fail(str(exc))
+    err.print(f"{output}: step {chosen.number}, {chosen.root.duration_ms:.1f} ms")
+
+
+app.command("plan")(plan_command)
+
+
+def main() -> None:
+    from orchestrator.demo.interrupt import CTRL_C
+
+    CTRL_C.install()  # once, for the process's life (orchestrator/demo/interrupt.py)
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,224 @@
+"""What each admitted event does: the memory choreography behind the rows of `states.TABLE`.
+
+Guards decide whether an event may run (guards/); these actions only move memory and weights
+through the adapters, and record what they did in `Known`. An action that raises leaves the
+lifecycle FAULTED; `recover` then reconciles what is actually resident with what TRAIN promises.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+from guards.bitexact import restore_bit_identical
+from orchestrator.core.config import LifecycleConfig
+from orchestrator.core.regions import RegionLedger
+from orchestrator.errors import EngineError, RecoveryRefused, RestoreMismatch
+from orchestrator.protocols import RolloutEngine, TrainerControl, WeightTransport, WeightUpdateSessions
+from orchestrator.telemetry.listeners import TransitionRecord
+from states import EngineMemory, Region
+
+Work = Callable[[], Any]
+Action = Callable[[TransitionRecord, "Work | None"], Any]
+
+KV = frozenset({EngineMemory.KV_CACHE, EngineMemory.CUDA_GRAPH})
+WEIGHTS = frozenset({EngineMemory.WEIGHTS})
+_IDLE_POLL_S = 0.05
+
+
+@dataclass(slots=True)
+class Known:
+    """What the controller knows because it did it (never re-derived from the adapters)."""
+
+    step: int = 0
+    engine_resident: frozenset[EngineMemory] = frozenset()
+    engine_synced: bool = False
+    weight_version: int = 0
+    cache_flushed: bool = True
+    trained_since_sync: bool = False
+    extras_stashed: bool = False
+    params_valid: bool = True  # the bf16 params are the ones the fp32 mains (or backup) define
+    cycles: int = 0  # completed drop/restore cycles
+    digests: dict[str, str] | None = None  # taken at the drop of a verified cycle, kept until verified
+    last_restore_verified: bool | None = None
+
+
+class Actions:
+    """The actions the table names, bound to one rank's adapters and its `Known` state."""
+
+    def __init__(
+        self,
+        config: LifecycleConfig,
+        known: Known,
+        trainer: TrainerControl,
+        regions: RegionLedger,
+        engine: RolloutEngine | None,
+        transport: WeightTransport | None,
+    ) -> None:
+        self.config, self.known = config, known
+        self._trainer, self._regions, self._engine, self._transport = trainer, regions, engine, transport
+
+    def by_name(self) -> dict[str, Action]:
+        return {
+            "train_step": self.train_step,
+            "save_checkpoint": self.save_checkpoint,
+            "pause_trainer_state": self.pause_trainer_state,
+            "push_weights": self.push_weights,
+            "refill_engine_weights": self.refill_engine_weights,
+            "drop_param_buffer": self.drop_param_buffer,
+            "serve_rollout": self.serve_rollout,
+            "restore_trainer": self.restore_trainer,
+            "recover": self.recover,
+        }
+
+    def take_over_engine(self) -> None:
+        """Release all of an attached engine's memory, so the trainer starts alone on the device."""
+        self._engine_release(frozenset(EngineMemory), already_resident=True)
+
+    # ---- the cycle ------------------------------------------------------------------------
+
+    def train_step(self, record: TransitionRecord, work: Work | None) -> Any:
+        result = work() if work is not None else None
+        self.known.trained_since_sync = True
+        return result
+
+    def save_checkpoint(self, record: TransitionRecord, work: Work | None) -> Any:
+        return work() if work is not None else None
+
+    def pause_trainer_state(self, record: TransitionRecord, work: Work | None) -> None:
+        # The extras are stashed first: expert_bias lives in `default`, which is paused next.
+        record.attributes["colocate.bytes_stashed"] = self._trainer.stash(self.config.mode)
+        self.known.extras_stashed = True
+        freed = self._regions.pause(Region.GRAD_BUFFER) + self._regions.pause(Region.DEFAULT)
+        record.attributes["colocate.bytes_freed"] = freed
+        record.attributes["colocate.host_pinned_bytes"] = self._trainer.host_pinned_bytes()
+
+    def push_weights(self, record: TransitionRecord, work: Work | None) -> None:
+        version = self.known.weight_version + 1
+        self._sync(record, version)
+        self.known.weight_version, self.known.trained_since_sync = version, False
+
+    def refill_engine_weights(self, record: TransitionRecord, work: Work | None) -> None:
+        """A critic-only step: the actor did not train, so the engine keeps its version. Its weight
+        memory was released at the last restore (contents lost, as SGLang and the transformers
+        engine lose them), so it is resumed and refilled with the same tensors at the same version."""
+        if EngineMemory.WEIGHTS in self.known.engine_resident:
+            return
+        self._sync(record, self.known.weight_version)
+
+    def drop_param_buffer(self, record: TransitionRecord, work: Work | None) -> None:
+        if self.known.cycles < self.config.verify_cycles:
+            self.known.digests = dict(self._trainer.digests())
+            record.attributes["colocate.tensors_digested"] = len(self.known.digests)
+        self.known.params_valid = False
+        record.attributes["colocate.bytes_freed"] = self._regions.pause(Region.PARAM_BUFFER)
+
+    def serve_rollout(self, record: TransitionRecord, work: Work | None) -> Any:
+        self._engine_resume(KV)
+        return work() if work is not None else None
+
+    def restore_trainer(self, record: TransitionRecord, work: Work | None) -> None:
+        self._engine_release(self.known.engine_resident)
+        record.attributes.update(self._bring_trainer_back())
+        cycle, self.known.cycles = self.known.cycles, self.known.cycles + 1
+        self.known.last_restore_verified = None
+        verdict = self._verify(record)
+        if verdict is not None and not verdict.ok:
+            raise RestoreMismatch(cycle, verdict)
+
+    # ---- recovery: reconcile what is resident with what TRAIN promises ----------------------
+
+    def recover(self, record: TransitionRecord, work: Work | None) -> None:
+        """Wait (bounded) for the engine to go idle, release it, resume every paused region,
+        rebuild the params whenever they may be wrong, verify them against the last digests,
+        and re-read the engine's version so the next update is legal."""
+        self._await_engine_idle()
+        self._engine_release(self.known.engine_resident)
+        record.attributes.update(self._bring_trainer_back())
+        verdict = self._verify(record)
+        if verdict is not None and not verdict.ok:
+            raise RecoveryRefused([f"the rebuilt params differ from the digests taken at the drop: {verdict.reason}"])
+        served = self._engine.weight_version() if self._engine is not None else None
+        # A push may have landed before its flush or version check failed: continue past it.
+        self.known.weight_version = max(self.known.weight_version, served or 0)
+        # Whatever the engine holds now is suspect: it must be synced before it serves again.
+        self.known.engine_synced = False
+        record.attributes["colocate.weight_version"] = self.known.weight_version
+
+    def _await_engine_idle(self) -> None:
+        engine = self._engine
+        if engine is None:
+            return
+        deadline = time.monotonic() + self.config.recover_idle_timeout_s
+        while not engine.is_idle():
+            if time.monotonic() >= deadline:
+                raise RecoveryRefused(
+                    [
+                        f"engine {engine.name} still has requests in flight after "
+                        f"{self.config.recover_idle_timeout_s:g} s: releasing it would fail or lose them"
+                    ]
+                )
+            time.sleep(_IDLE_POLL_S)
+
+    # ---- shared steps -----------------------------------------------------------------------
+
+    def _sync(self, record: TransitionRecord, version: int) -> None:
+        engine, transport = self._engine, self._transport
+        if engine is None or transport is None:  # unreachable past engine_attached; says so if not
+            raise EngineError("none", "a weight sync needs an engine and a weight transport")
+        self._engine_resume(WEIGHTS)
+        self.known.cache_flushed = False
+        session: AbstractContextManager[None] = (
+            engine.weight_update_session() if isinstance(engine, WeightUpdateSessions) else nullcontext()
+        )
+        with session:  # closed after the last bucket and the flush, or on a failure between
+            report = transport.push(version)
+            engine.flush_cache()
+        self.known.cache_flushed = True
+        served = engine.weight_version()
+        if served != version:
+            raise EngineError(engine.name, f"serves version {served} after colocate pushed {version}")
+        self.known.engine_synced = True
+        record.attributes.update(
+            {
+                "colocate.weight_version": version,
+                "colocate.tensors": report.tensors,
+                "colocate.bytes_moved": report.bytes,
+                "colocate.buckets": report.buckets,
+            }
+        )
+
+    def _bring_trainer_back(self) -> dict[str, int]:
+        retaken = sum(self._regions.resume(tag) for tag in sorted(self._regions.paused))
+        written = 0
+        if not self.known.params_valid:
+            written = self._trainer.rebuild(self.config.mode)
+            self.known.params_valid = self.known.digests is None  # else valid once verified
+        self.known.extras_stashed = False  # the next optimizer step makes them stale
+        return {"colocate.bytes_retaken": retaken, "colocate.bytes_rebuilt": written}
+
+    def _verify(self, record: TransitionRecord) -> Any:
+        """Compare the params with the digests taken at the drop, if this cycle took any."""
+        if self.known.digests is None:
+            return None
+        verdict = restore_bit_identical(self.known.digests, self._trainer.digests())
+        self.known.last_restore_verified = verdict.ok
+        record.attributes["colocate.restore_verified"] = verdict.ok
+        if verdict.ok:
+            self.known.digests, self.known.params_valid = None, True
+        return verdict
+
+    def _engine_resume(self, tags: frozenset[EngineMemory]) -> None:
+        missing = tags - self.known.engine_resident
+        if missing and self._engine is not None:
+            self._engine.resume(missing)
+            self.known.engine_resident |= missing
+
+    def _engine_release(self, tags: frozenset[EngineMemory], *, already_resident: bool = False) -> None:
+        held = tags if already_resident else tags & self.known.engine_resident
+        if held and self._engine is not None:
+            self._engine.release(held)
+        self.known.engine_resident -= held

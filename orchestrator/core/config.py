@@ -1,0 +1,69 @@
+"""The controller's configuration, validated whole when it is built."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from guards.config import violations
+from guards.verdict import Verdict
+from orchestrator.errors import ConfigError
+from states import MemoryBudget, Mode, TrainingSetup
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LifecycleConfig:
+    """How the controller runs one rank.
+
+    `verify_cycles`: for the first N drop/restore cycles, digest every param at the drop and
+    check the restore against it (2 by default: the second cycle also catches param-gather
+    state damage that only shows one step later).
+
+    `recover_idle_timeout_s`: how long `recover` waits for the engine's requests in flight to
+    finish before it refuses (an engine is never released while busy).
+    """
+
+    mode: Mode = Mode.REMATERIALIZE
+    verify_cycles: int = 2
+    recover_idle_timeout_s: float = 30.0
+    rank: int = 0
+    setup: TrainingSetup = field(default_factory=TrainingSetup)
+    # The memory-budget guard's input, read for each snapshot (orchestrator.plan.MemoryProbe);
+    # None leaves memory unchecked.
+    memory: Callable[[], MemoryBudget] | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in Mode.__members__.values():
+            raise ConfigError([f"mode must be one of {', '.join(Mode)}, got {self.mode!r}"])
+        object.__setattr__(self, "mode", Mode(self.mode))  # accept "backup" as well as Mode.BACKUP
+        problems: list[Verdict | str] = [*violations(self.mode, self.setup)]
+        if self.verify_cycles < 0:
+            problems.append(f"verify_cycles must be >= 0, got {self.verify_cycles}")
+        if not self.recover_idle_timeout_s >= 0:
+            problems.append(f"recover_idle_timeout_s must be >= 0, got {self.recover_idle_timeout_s}")
+        if self.rank < 0:
+            problems.append(f"rank must be >= 0, got {self.rank}")
+        if problems:
+            raise ConfigError(problems)
+
+
+class EngineKind(StrEnum):
+    """The rollout engine of `colocate run`."""
+
+    TRANSFORMERS = "transformers"  # a Hugging Face Llama the job starts itself
+    SGLANG = "sglang"  # running SGLang servers, one --engine-url each
+
+
+class WeightSync(StrEnum):
+    """How `colocate run` moves weights into SGLang servers."""
+
+    TENSOR = "tensor"  # /update_weights_from_tensor: CUDA IPC, servers on the trainer's GPUs
+    BROADCAST = "broadcast"  # /update_weights_from_distributed: a NCCL group, servers off them
+
+
+class Device(StrEnum):
+    """Where the trainer ranks of `colocate run` train."""
+
+    CPU = "cpu"
+    CUDA = "cuda"

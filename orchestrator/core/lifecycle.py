@@ -1,0 +1,299 @@
+"""The lifecycle controller: one `transitions` machine, built from `states.TABLE`.
+
+An event is admitted only if the table has a row for it in the current phase and every guard of
+that row accepts the current snapshot. Its action then moves memory through the adapters; if
+the action raises, the controller goes to FAULTED and keeps the cause. Nothing but `recover`
+is legal there.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from transitions import EventData, Machine
+
+from guards import GUARDS, evaluate, refusals
+from orchestrator.core.actions import Actions, Known, Work
+from orchestrator.core.config import LifecycleConfig
+from orchestrator.core.regions import RegionLedger
+from orchestrator.errors import (
+    ActionFailed,
+    ConfigError,
+    FaultWithoutCause,
+    GuardRejected,
+    IllegalTransition,
+    LifecycleError,
+)
+from orchestrator.protocols import MemoryRegions, RolloutEngine, TrainerControl, WeightTransport
+from orchestrator.telemetry.listeners import FanOut, Listener, TransitionRecord
+from states import INITIAL, TABLE, Event, Mode, Phase, Snapshot, TrainerLayout, Transition
+
+
+@dataclass(slots=True)
+class _Firing:
+    """One event on its way through the machine: handed to every callback by `trigger(...)`."""
+
+    record: TransitionRecord
+    work: Work | None = None
+    result: Any = None
+
+
+def require_restore_coverage(layout: TrainerLayout) -> None:
+    """Every param must come back after a drop: rebuilt from a DDP buffer, or an extra."""
+    if layout.uncovered:
+        raise ConfigError(
+            [
+                f"{name}: not rebuilt from the fp32 mains and not an extra (a drop would lose it)"
+                for name in layout.uncovered
+            ]
+        )
+
+
+class _Machine:
+    """The `transitions` model. Kept apart so its trigger methods never shadow the public API."""
+
+    state: Phase
+    trigger: Callable[..., bool]  # added by Machine
+
+
+class Lifecycle:
+    """Drives one rank through train → pause_grads → update_weights → drop_params → rollout → restore.
+
+    The engine is taken over at construction: its memory is released so the trainer starts
+    alone on the device, as in the TRAIN row of the memory table (docs/lifecycle.md).
+    """
+
+    def __init__(
+        self,
+        *,
+        config: LifecycleConfig,
+        trainer: TrainerControl,
+        regions: MemoryRegions,
+        engine: RolloutEngine | None = None,
+        transport: WeightTransport | None = None,
+        listeners: list[Listener] | tuple[Listener, ...] = (),
+    ) -> None:
+        self.config = config
+        self._check_wiring(engine, transport)
+        self._engine = engine
+        self._regions = RegionLedger(regions)
+        self._layout = trainer.layout()
+        if config.mode is not Mode.TRAIN_ONLY:
+            require_restore_coverage(self._layout)
+        self.listeners = FanOut(listeners)
+        # Versions continue from what an attached engine already serves (an earlier job's
+        # weights), so they keep increasing; it still serves nothing of this job's before a sync.
+        self._known = Known(weight_version=(engine.weight_version() or 0) if engine is not None else 0)
+        actions = Actions(config, self._known, trainer, self._regions, engine, transport)
+        self._actions = actions.by_name()
+        self.fault_cause: BaseException | None = None
+        self._rows = {(row.source, row.event): row for row in TABLE}
+        self._model = _Machine()
+        self._machine = Machine(
+            model=self._model,
+            states=Phase,
+            transitions=[self._spec(row) for row in TABLE],
+            initial=INITIAL,
+            auto_transitions=False,
+            send_event=True,
+        )
+        actions.take_over_engine()
+
+    def _check_wiring(self, engine: RolloutEngine | None, transport: WeightTransport | None) -> None:
+        if self.config.mode is Mode.TRAIN_ONLY:
+            if engine is not None or transport is not None:
+                raise ConfigError(["a train-only run takes no engine and no transport"])
+        elif engine is None or transport is None:
+            raise ConfigError([f"mode {self.config.mode} needs an engine and a weight transport"])
+
+    def _spec(self, row: Transition) -> dict[str, Any]:
+        unknown = [g for g in row.guards if g not in GUARDS] + (
+            [row.action] if row.action and row.action not in self._actions else []
+        )
+        if unknown:
+            raise ConfigError([f"table row {row.source}.{row.event} names unknown {name!r}" for name in unknown])
+        return {
+            "trigger": row.event.value,
+            "source": row.source,
+            "dest": row.dest,
+            "conditions": [partial(self._admit, row)],
+            "before": [partial(self._act, row)],
+        }
+
+    # ---- reading the state -------------------------------------------------------------------
+
+    @property
+    def phase(self) -> Phase:
+        return self._model.state
+
+    @property
+    def weight_version(self) -> int:
+        return self._known.weight_version
+
+    @property
+    def last_restore_verified(self) -> bool | None:
+        """Whether the last restore (or recover) matched the digests of its drop; None if unchecked."""
+        return self._known.last_restore_verified
+
+    def legal_events(self, phase: Phase | None = None) -> tuple[Event, ...]:
+        phase = self.phase if phase is None else phase
+        return tuple(event for (source, event) in self._rows if source is phase)
+
+    def snapshot(self) -> Snapshot:
+        """What guards read. It asks the engine whether it is idle and what it serves."""
+        engine, known = self._engine, self._known
+        return Snapshot(
+            phase=self.phase,
+            mode=self.config.mode,
+            step=known.step,
+            paused=self._regions.paused,
+            engine_attached=engine is not None,
+            engine_resident=known.engine_resident,
+            engine_idle=engine.is_idle() if engine is not None else True,
+            engine_synced=known.engine_synced,
+            engine_version=engine.weight_version() if engine is not None else None,
+            weight_version=known.weight_version,
+            cache_flushed=known.cache_flushed,
+            trained_since_sync=known.trained_since_sync,
+            extras_stashed=known.extras_stashed,
+            layout=self._layout,
+            memory=self.config.memory() if self.config.memory is not None else None,
+        )
+
+    # ---- firing events -----------------------------------------------------------------------
+
+    @contextmanager
+    def step(self, number: int | None = None) -> Iterator[int]:
+        """Group the transitions of one training step (one trace, one parent span)."""
+        known = self._known
+        known.step = known.step + 1 if number is None else number
+        self.listeners.on_step_start(known.step, self.config.rank)
+        try:
+            yield known.step
+        except BaseException as exc:
+            self.listeners.on_step_end(known.step, self.config.rank, exc)
+            raise
+        self.listeners.on_step_end(known.step, self.config.rank, None)
+
+    def _record(self, event: Event, dst: Phase) -> TransitionRecord:
+        return TransitionRecord(
+            event, self.phase, dst, self._known.step, self.config.rank, self.config.mode, time.perf_counter_ns()
+        )
+
+    def fire(self, event: Event, work: Work | None = None) -> Any:
+        """Admit `event`, run its action (and `work`, the caller's part of it), change phase.
+
+        Raises IllegalTransition or GuardRejected with the phase unchanged, or ActionFailed
+        once the lifecycle is FAULTED. Returns what `work` returned. A fault needs a cause:
+        fire it through `fault(cause)`.
+        """
+        src = self.phase
+        row = self._rows.get((src, event))
+        record = self._record(event, row.dest if row else src)
+        if row is None:
+            self._reject(record, IllegalTransition(src, event, self.legal_events(src)))
+        if event is Event.FAULT:
+            self._reject(record, FaultWithoutCause())
+        firing = _Firing(record, work)
+        try:
+            moved = self._model.trigger(event.value, firing)
+        except Exception as exc:
+            self._fail(record, exc)
+        if not moved:
+            self._reject(record, GuardRejected(src, event, refusals(record.verdicts)))
+        if event is Event.RECOVER:
+            self.fault_cause = None  # kept until the invariants of TRAIN hold again
+        record.ended_ns = time.perf_counter_ns()
+        self.listeners.on_transition(record)
+        return firing.result
+
+    def _admit(self, row: Transition, event: EventData) -> bool:
+        if not row.guards:
+            return True  # nothing to judge: a fault must get through even with the engine dead
+        firing: _Firing
+        (firing,) = event.args  # what fire() handed to trigger(...)
+        firing.record.verdicts = evaluate((GUARDS[name] for name in row.guards), self.snapshot())
+        return all(v.ok for v in firing.record.verdicts)
+
+    def _act(self, row: Transition, event: EventData) -> None:
+        firing: _Firing
+        (firing,) = event.args
+        self.listeners.on_begin(firing.record)
+        if row.action is not None:
+            firing.result = self._actions[row.action](firing.record, firing.work)
+
+    def _reject(self, record: TransitionRecord, error: LifecycleError) -> None:
+        record.ended_ns = time.perf_counter_ns()
+        record.dst = record.src  # refused: it stays where it was
+        self.listeners.on_rejected(record, error)
+        raise error
+
+    def _fail(self, record: TransitionRecord, exc: Exception) -> None:
+        record.ended_ns = time.perf_counter_ns()
+        record.cause = exc
+        error = ActionFailed(record.src, record.event, exc)
+        self.listeners.on_fault(record, error)
+        if record.src is Phase.FAULTED and self.fault_cause is not None:
+            self.fault_cause.add_note(f"{record.event.value} failed too: {type(exc).__name__}: {exc}")
+        elif record.src is not Phase.FAULTED:
+            self.fault(exc)
+        raise error from exc
+
+    def fault(self, cause: BaseException | str) -> None:
+        """Move to FAULTED from outside (a rank died, a watchdog fired). Only `recover` leaves it.
+
+        The first cause is kept in `fault_cause`; a fault while FAULTED is refused, and its cause
+        becomes a note on the kept one.
+        """
+        if not cause:
+            raise FaultWithoutCause()
+        error = cause if isinstance(cause, BaseException) else RuntimeError(cause)
+        record = self._record(Event.FAULT, Phase.FAULTED)
+        record.cause = error
+        record.attributes["colocate.cause"] = f"{type(error).__name__}: {error}"
+        if self.phase is Phase.FAULTED:
+            if self.fault_cause is not None:
+                self.fault_cause.add_note(f"a later fault: {type(error).__name__}: {error}")
+            self._reject(record, IllegalTransition(self.phase, Event.FAULT, self.legal_events()))
+        self.fault_cause = error
+        self._model.trigger(Event.FAULT.value, _Firing(record))
+        record.ended_ns = time.perf_counter_ns()
+        self.listeners.on_transition(record)
+
+    # The cycle, as a run loop reads it.
+    def train(self, work: Work | None = None) -> Any:
+        return self.fire(Event.TRAIN, work)
+
+    def save(self, work: Work | None = None) -> Any:
+        return self.fire(Event.SAVE, work)
+
+    def pause_grads(self) -> None:
+        self.fire(Event.PAUSE_GRADS)
+
+    def update_weights(self) -> None:
+        self.fire(Event.UPDATE_WEIGHTS)
+
+    def skip_update(self) -> None:
+        self.fire(Event.SKIP_UPDATE)
+
+    def drop_params(self) -> None:
+        self.fire(Event.DROP_PARAMS)
+
+    def rollout(self, work: Work | None = None) -> Any:
+        return self.fire(Event.ROLLOUT, work)
+
+    def restore(self) -> None:
+        self.fire(Event.RESTORE)
+
+    def recover(self) -> None:
+        """Leave FAULTED for TRAIN by reconciling what is resident (docs/lifecycle.md, recovery).
+
+        Raises ActionFailed (its cause a RecoveryRefused naming what does not hold, or the
+        adapter's error) with the lifecycle still FAULTED and the first cause kept.
+        """
+        self.fire(Event.RECOVER)

@@ -1,0 +1,307 @@
+"""The Ray cluster the ranks run on: the user's, attached to, or a private one on loopback.
+
+`attach(address)` joins a running cluster as its driver (`ray start --head` on one node, `ray
+start --address` on the others). colocate starts no Ray process there; `close` only disconnects,
+which ends this job's actors and placement group and leaves the cluster and its other jobs as
+they were.
+
+`start_private(cpus)` is the default: a one-node cluster of the run's own, stopped with it. Every
+socket it listens on is bound to loopback, and every call to it must carry Ray's token
+(`RAY_AUTH_MODE=token`), so that nobody who can reach the machine can submit work to it.
+
+ray is imported inside the functions, so that the rest of colocate imports without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from orchestrator.errors import ConfigError, RayUnreachable
+
+LOOPBACK = "127.0.0.1"
+# ray.init rewrites 127.0.0.1 and localhost in an address to this host's outward IP (it assumes
+# every node must be reachable from the others), where a loopback-only cluster does not listen.
+# The same loopback address, written IPv4-mapped, is one it leaves alone.
+LOOPBACK_FOR_RAY = "[::ffff:127.0.0.1]"
+REACH_S = 5.0  # how long the address of a cluster may take to accept a connection
+HEAD_START_S = 120.0  # `ray start --head` on a loaded machine
+STOP_S = 5.0  # how long the private cluster's processes, once killed, may take to be gone
+
+
+@dataclass(frozen=True, slots=True)
+class RayCluster:
+    """The cluster this process is the driver of."""
+
+    address: str  # the GCS address, as this process connected to it
+    private: bool  # started by colocate for this run, and stopped with it
+    temp_dir: Path | None  # the private cluster's session folder root; None when attached
+    close: Callable[[], None]  # disconnects; a private cluster is stopped and its folder removed too
+
+
+def address_problems(address: str) -> list[str]:
+    """What is wrong with a `--ray-address` (empty: nothing). No connection is tried here."""
+    if address.startswith("ray://"):
+        return [f"--ray-address {address}: Ray Client (ray://) is not supported; give the GCS address HOST:PORT"]
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        return [f"--ray-address {address!r}: expected HOST:PORT, the address `ray start --head` prints"]
+    return []
+
+
+def driver_ip(address: str | None) -> str:
+    """The IP of this host on the way to the cluster at `address`: where ranks on other nodes
+    reach the driver. Loopback for the private cluster, or one given by a loopback address."""
+    if address is None or _keep_loopback(address) != address:
+        return LOOPBACK
+    host, _, port = address.rpartition(":")
+    try:
+        family, kind, proto, _, where = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.connect(where)  # UDP: picks the route, sends nothing
+            return str(probe.getsockname()[0])
+    except OSError as exc:
+        raise RayUnreachable(address, exc) from exc
+
+
+def connect(address: str | None, *, cpus: int, runtime_env: Mapping[str, Any]) -> RayCluster:
+    """Attach to the cluster at `address`, or start a private one with `cpus` logical CPUs."""
+    if address is not None:
+        return attach(address, runtime_env=runtime_env)
+    return start_private(cpus, runtime_env=runtime_env)
+
+
+def attach(address: str, *, runtime_env: Mapping[str, Any]) -> RayCluster:
+    """This process as a driver of the cluster at `address`; it starts no Ray process.
+
+    Token authentication is Ray's own business here: the driver sends a token when this
+    process's environment says so (`RAY_AUTH_MODE=token`, the token in `~/.ray/auth_token` or
+    `RAY_AUTH_TOKEN`), as for any Ray driver.
+    """
+    import ray
+
+    target = _keep_loopback(address)
+    _check_reachable(address, target)
+    try:
+        ray.init(address=target, **_driver_options(runtime_env))
+    except Exception as exc:  # a refused token, a version mismatch, not a Ray GCS at all
+        # Ray reports a refused driver as a failed connection: say what a token cluster needs.
+        token = os.environ.get("RAY_AUTH_MODE", "").lower() == "token"
+        hint = "" if token else "a cluster with token authentication also needs RAY_AUTH_MODE=token and its token here"
+        raise RayUnreachable(address, exc, hint) from exc
+    # ray.shutdown, for a driver of a cluster it did not start, only disconnects.
+    return RayCluster(address=target, private=False, temp_dir=None, close=ray.shutdown)
+
+
+def start_private(cpus: int, *, runtime_env: Mapping[str, Any]) -> RayCluster:
+    """A one-node cluster on loopback with token authentication on, and this process its driver."""
+    import ray
+
+    _token_mode_for_this_process()
+    temp_dir = Path(tempfile.mkdtemp(prefix="colocate-ray-"))  # short: Ray's socket paths must fit in 107 bytes
+    reaper = _start_reaper(temp_dir)
+    try:
+        address = _start_head(cpus, temp_dir)
+        ray.init(address=address, **_driver_options(runtime_env))
+    except BaseException:
+        _stop_reaper(reaper, temp_dir)
+        raise
+
+    def close() -> None:
+        try:
+            ray.shutdown()
+        finally:
+            _stop_reaper(reaper, temp_dir)
+
+    return RayCluster(address=address, private=True, temp_dir=temp_dir, close=close)
+
+
+def _driver_options(runtime_env: Mapping[str, Any]) -> dict[str, Any]:
+    return {"log_to_driver": False, "logging_level": logging.WARNING, "runtime_env": dict(runtime_env)}
+
+
+def _keep_loopback(address: str) -> str:
+    """`address` with a loopback host written so that ray.init keeps it (see `LOOPBACK_FOR_RAY`)."""
+    host, _, port = address.rpartition(":")
+    bare = host.strip("[]")
+    with contextlib.suppress(ValueError):
+        if bare == "localhost" or (ipaddress.ip_address(bare).version == 4 and ipaddress.ip_address(bare).is_loopback):
+            return f"{LOOPBACK_FOR_RAY}:{port}"
+    return address
+
+
+def _check_reachable(address: str, target: str) -> None:
+    """Fail at once, naming `address`, where nothing accepts a connection: ray.init itself would
+    retry for minutes."""
+    host, _, port = target.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=REACH_S).close()
+    except OSError as exc:
+        raise RayUnreachable(address, exc) from exc
+
+
+_TOKEN_MODE = threading.Lock()
+
+
+def _token_mode_for_this_process() -> None:
+    """Put this process's Ray in token mode, once, for the life of the process.
+
+    Ray reads its auth mode from `RAY_AUTH_MODE` into a configuration that is process-wide, and a
+    driver not in token mode cannot talk to a cluster that is: there is no per-call setting.
+    Ray's own `ray.init()` of a new local cluster does exactly this; ours is started by `ray
+    start`, so it is done here. A user's explicit `RAY_AUTH_MODE=disabled` is refused
+    rather than overridden: the private cluster does not run without authentication.
+    """
+    # What ray.init() calls for a new local cluster, less its warning, whose advice (set
+    # RAY_AUTH_MODE=disabled) is the opposite of ours.
+    from ray._private.authentication.authentication_token_setup import _enable_token_auth
+
+    with _TOKEN_MODE:
+        mode = os.environ.get("RAY_AUTH_MODE")
+        if mode is not None and mode.lower() != "token":
+            raise ConfigError(
+                [
+                    f"RAY_AUTH_MODE={mode} is set, and colocate's own Ray cluster keeps token authentication on: "
+                    "unset it, or start a cluster yourself and pass --ray-address"
+                ]
+            )
+        if mode is None:
+            _enable_token_auth()
+
+
+def _ray_cli() -> list[str]:
+    """The `ray` command of the Ray this process imports."""
+    return [sys.executable, "-m", "ray.scripts.scripts"]
+
+
+def _start_head(cpus: int, temp_dir: Path) -> str:
+    """`ray start --head` on loopback; returns the address the driver connects to."""
+    # The settings go to the Ray processes through their own environment and arguments, not this
+    # process's: RAY_AUTH_MODE=token turns the token check on in every one of them, and
+    # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 keeps Ray from replacing --node-ip-address 127.0.0.1
+    # with the host's outward IP. With a loopback node IP, Ray binds its GCS, raylet, workers and
+    # agents to loopback. The dashboard, which would listen on a port of its own, is not started.
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    env.pop("RAY_ADDRESS", None)
+    # The token is Ray's own, in ~/.ray/auth_token; `ray start` wants one there already.
+    _ray(["get-auth-token", "--generate"], env)
+    # `ray start` also serves Ray Client where its dependencies are installed, on 10001 unless
+    # told otherwise (it cannot be turned off): a free port, so that two runs do not collide.
+    from ray._private.utils import get_ray_client_dependency_error
+
+    client = [] if get_ray_client_dependency_error() else [f"--ray-client-server-port={_free_port()}"]
+    _ray(
+        [
+            "start",
+            *client,
+            "--head",
+            f"--node-ip-address={LOOPBACK}",
+            "--port=0",
+            f"--num-cpus={cpus}",  # GPUs: those this process sees (none where CUDA_VISIBLE_DEVICES is empty)
+            "--include-dashboard=false",
+            "--dashboard-agent-listen-port=0",
+            "--metrics-export-port=0",
+            "--disable-usage-stats",
+            f"--temp-dir={temp_dir}",
+        ],
+        env,
+    )
+    written = (temp_dir / "ray_current_cluster").read_text().strip()
+    return f"{LOOPBACK_FOR_RAY}:{written.rpartition(':')[2]}"
+
+
+def _free_port() -> int:
+    with socket.create_server((LOOPBACK, 0)) as probe:
+        return int(probe.getsockname()[1])
+
+
+def _ray(args: list[str], env: Mapping[str, str]) -> None:
+    done = subprocess.run(
+        [*_ray_cli(), *args], env=dict(env), capture_output=True, text=True, timeout=HEAD_START_S, check=False
+    )
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
+        raise RuntimeError(f"`ray {args[0]}` failed (exit {done.returncode}): " + " / ".join(tail))
+
+
+def head_processes(temp_dir: Path) -> list[Any]:
+    """Every process of the private cluster at `temp_dir` (psutil.Process): those with that
+    folder (unique to the run) or the cluster's GCS address on their command line (Ray Client's
+    server has only the latter), and their descendants."""
+    import psutil
+
+    marks = [str(temp_dir)]
+    with contextlib.suppress(OSError):
+        gcs_port = (temp_dir / "ray_current_cluster").read_text().strip().rpartition(":")[2]
+        marks.append(f"={LOOPBACK}:{gcs_port} ")
+    found: dict[int, Any] = {}
+    for proc in psutil.process_iter(["cmdline"]):
+        with contextlib.suppress(psutil.Error):
+            line = " ".join(proc.info["cmdline"] or []) + " "
+            if any(mark in line for mark in marks):
+                found[proc.pid] = proc
+                found.update((child.pid, child) for child in proc.children(recursive=True))
+    found.pop(os.getpid(), None)
+    return list(found.values())
+
+
+def _start_reaper(temp_dir: Path) -> subprocess.Popen[bytes]:
+    """A process that stops the cluster at `temp_dir` once this one is gone, however it went
+    (`kill -9` too): it waits for the end of a pipe only this process holds. `ray start` detaches
+    the cluster's processes, so nothing else would. Its own session: a Ctrl-C to the terminal's
+    process group does not end it before it has done its work."""
+    command = [sys.executable, "-m", "orchestrator.demo.ray_cluster", "--reap"]
+    reaper = subprocess.Popen(command, stdin=subprocess.PIPE, start_new_session=True)
+    if reaper.stdin is not None:  # the folder goes by the pipe: on its command line, `head_processes` would count it
+        reaper.stdin.write(f"{temp_dir}\n".encode())
+        reaper.stdin.flush()
+    return reaper
+
+
+def _stop_reaper(reaper: subprocess.Popen[bytes], temp_dir: Path) -> None:
+    """Stop the cluster here, then let the reaper go (it finds nothing left to stop)."""
+    try:
+        _stop_head(temp_dir)
+    finally:
+        if reaper.stdin is not None:
+            reaper.stdin.close()
+        try:
+            reaper.wait(timeout=STOP_S)
+        except subprocess.TimeoutExpired:
+            reaper.kill()
+            reaper.wait()
+
+
+def _stop_head(temp_dir: Path) -> None:
+    """Stop the private cluster's processes (by process, never by name: other Ray clusters on
+    the machine are left alone) and remove its folder."""
+    import psutil
+
+    try:
+        procs = head_processes(temp_dir)
+        # SIGKILL at once: nothing of a private cluster outlives the run, so there is nothing to
+        # flush, and a stopped process (SIGSTOP) would hold SIGTERM until it is continued.
+        for proc in procs:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+        psutil.wait_procs(procs, timeout=STOP_S)
+    finally:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--reap"]:  # the reaper (`_start_reaper`)
+    folder = Path(sys.stdin.buffer.readline().decode().strip())
+    sys.stdin.buffer.read()  # returns once the driver's end of the pipe is closed
+    _stop_head(folder)

@@ -1,0 +1,103 @@
+"""The run report: built from the lifecycle's own transitions by a listener, written as JSON."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from orchestrator.telemetry.listeners import Listener, TransitionRecord
+from states import Event, Phase
+
+
+@dataclass
+class StepReport:
+    step: int
+    phases: list[str] = field(default_factory=list)
+    reward_mean: float = 0.0
+    weight_version: int = 0
+    restore_verified: bool | None = None
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+    loss: float | None = None
+    engine_matches_trainer: bool | None = None
+    bytes_freed_at_drop: int = 0
+    # GPU runs: each GPU's free bytes (cudaMemGetInfo, in rank order) on entering each phase
+    gpu_free_bytes: dict[str, list[int]] = field(default_factory=dict)
+
+
+@dataclass
+class RunReport:
+    mode: str
+    ranks: int
+    steps: list[StepReport] = field(default_factory=list)
+    host_pinned_bytes_per_rank: int = 0
+    param_bytes_bf16_per_rank: int = 0
+    engine_matches_trainer: bool | None = None  # None: never compared (the engine cannot report its weights)
+    trace_file: str | None = None
+    error: str | None = None
+    interrupted: bool = False  # stopped by Ctrl-C (SIGINT): the steps before it are kept
+    gpu_total_bytes: list[int] = field(default_factory=list)  # GPU runs: each rank's GPU, in rank order
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    def write(self, path: Path) -> None:
+        path.write_text(self.to_json() + "\n")
+
+
+class ReportListener(Listener):
+    """Records, per step, the phases visited in order and the seconds each event took.
+
+    `phases` starts with the phase the step began in and adds each new phase entered, so a full
+    step reads TRAIN, GRADS_PAUSED, WEIGHTS_SYNCED, PARAMS_DROPPED, ROLLOUT, TRAIN.
+    """
+
+    def __init__(self, report: RunReport) -> None:
+        self.report = report
+
+    @property
+    def current(self) -> StepReport:
+        return self.report.steps[-1]
+
+    def on_step_start(self, step: int, rank: int) -> None:
+        self.report.steps.append(StepReport(step=step))
+
+    def on_transition(self, record: TransitionRecord) -> None:
+        if not self.report.steps:
+            return
+        step = self.current
+        if not step.phases:
+            step.phases.append(record.src.value)
+        if record.dst.value != step.phases[-1]:
+            step.phases.append(record.dst.value)
+        step.phase_seconds[record.event.value] = round(record.seconds, 6)
+        attributes: dict[str, Any] = record.attributes
+        if record.event is Event.UPDATE_WEIGHTS:
+            step.weight_version = int(attributes["colocate.weight_version"])
+        elif record.event is Event.DROP_PARAMS:
+            step.bytes_freed_at_drop = int(attributes["colocate.bytes_freed"])
+        elif record.event is Event.RESTORE:
+            verified = attributes.get("colocate.restore_verified")
+            step.restore_verified = None if verified is None else bool(verified)
+
+
+class DeviceMemory(Protocol):
+    def device_memory(self) -> list[tuple[int, int]]:
+        """(free, total) bytes of each rank's GPU, in rank order."""
+        ...
+
+
+class DeviceMemoryListener(Listener):
+    """On GPUs: each GPU's free memory on entering each phase, read by the rank on that GPU
+    after the transition's action, so the lifecycle's memory order can be checked per GPU."""
+
+    def __init__(self, report: RunReport, devices: DeviceMemory) -> None:
+        self.report, self.devices = report, devices
+
+    def on_transition(self, record: TransitionRecord) -> None:
+        # Not into FAULTED: a rank may be dead or hung then, and asking it would only wait out
+        # the rank timeout and log a second failure beside the one the fault names.
+        if self.report.steps and record.dst is not Phase.FAULTED:
+            free = [f for f, _ in self.devices.device_memory()]
+            self.report.steps[-1].gpu_free_bytes[record.dst.value] = free

@@ -1,0 +1,215 @@
+"""`colocate run`: the job with a progress bar, a summary table, a report and traces."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from opentelemetry import trace
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from orchestrator.demo.interrupt import CTRL_C
+from orchestrator.demo.job import ColocatedJob, RunConfig
+from orchestrator.demo.report import RunReport
+from orchestrator.errors import LifecycleError
+from orchestrator.telemetry.listeners import Listener
+from orchestrator.telemetry.logs import LoggingListener, configure_logging
+from orchestrator.telemetry.tracing import TracingListener, configure_tracing
+from states import Event
+
+SPARK = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: list[float]) -> str:
+    low, high = min(values, default=0.0), max(values, default=0.0)
+    span = (high - low) or 1.0
+    return "".join(SPARK[round((v - low) / span * (len(SPARK) - 1))] for v in values)
+
+
+def summary(report: RunReport, seconds: float) -> Table:
+    rewards = [s.reward_mean for s in report.steps if s.loss is not None]  # steps that finished
+    table = Table(
+        title=f"colocate run: {report.mode}, {report.ranks} rank(s), {len(rewards)} steps done, {seconds:.0f} s"
+    )
+    table.add_column("what")
+    table.add_column("value", overflow="fold")
+    if rewards:
+        first, last = rewards[: min(5, len(rewards))], rewards[-min(5, len(rewards)) :]
+        table.add_row("reward curve", f"{sparkline(rewards)}  {rewards[0]:.2f} → {rewards[-1]:.2f}")
+        table.add_row("mean reward, first / last 5", f"{sum(first) / len(first):.3f} / {sum(last) / len(last):.3f}")
+    for event in (
+        Event.PAUSE_GRADS,
+        Event.UPDATE_WEIGHTS,
+        Event.DROP_PARAMS,
+        Event.ROLLOUT,
+        Event.RESTORE,
+        Event.TRAIN,
+    ):
+        times = [s.phase_seconds[event] for s in report.steps if event in s.phase_seconds]
+        if times:
+            table.add_row(f"{event} s (mean)", f"{sum(times) / len(times):.4f}")
+    table.add_row("pinned host bytes per rank", f"{report.host_pinned_bytes_per_rank:,}")
+    table.add_row("bf16 param bytes per rank", f"{report.param_bytes_bf16_per_rank:,}")
+    freed = [s.bytes_freed_at_drop for s in report.steps if s.bytes_freed_at_drop]
+    if freed:
+        table.add_row("freed at drop, all ranks", f"{freed[-1]:,} bytes")
+    for row in _gpu_rows(report):
+        table.add_row(*row)
+    verified = [s.restore_verified for s in report.steps if s.restore_verified is not None]
+    table.add_row("restores verified bit-identical", f"{sum(verified)} of {len(verified)} checked")
+    matches = report.engine_matches_trainer
+    table.add_row(
+        "engine matches trainer",
+        "not checked: the engine cannot report its weights" if matches is None else str(matches),
+    )
+    if report.trace_file:
+        table.add_row("trace file", report.trace_file)
+    return table
+
+
+def _gpu_rows(report: RunReport) -> list[tuple[str, str]]:
+    """GPU runs: each GPU's free memory on entering each phase of the last full step, in GiB."""
+    steps = [s for s in report.steps if s.gpu_free_bytes and s.loss is not None]
+    if not steps:
+        return []
+    gib = 1 << 30
+    return [
+        (f"GPU free at {phase}, GiB", " / ".join(f"{b / gib:.2f}" for b in free))
+        for phase, free in steps[-1].gpu_free_bytes.items()
+    ]
+
+
+def _file_problem(option: str, path: Path) -> str | None:
+    """Why `path` cannot be written as a file, or None."""
+    if path.is_dir():
+        return f"{option} {path}: is a folder; name a file"
+    if not path.parent.is_dir():
+        return f"{option} {path}: folder {path.parent} does not exist"
+    if not os.access(path if path.exists() else path.parent, os.W_OK):
+        return f"{option} {path}: not writable"
+    return None
+
+
+def _folder_problem(option: str, path: Path) -> str | None:
+    """Why `path` cannot be (or be made) a folder to write in, or None."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        what = "exists and is not a folder" if existing == path else f"{existing} is a file, not a folder"
+        return f"{option} {path}: {what}"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{option} {path}: {existing} is not writable"
+    return None
+
+
+def output_problems(*, report: Path | None, log: Path | None, trace_dir: Path | None) -> list[str]:
+    """Every output path that cannot be written, checked before any rank starts: a run must not
+    end after its work only to lose the report."""
+    found = [
+        _file_problem("--report", report) if report is not None else None,
+        _file_problem("--log", log) if log is not None else None,
+        _folder_problem("--trace-dir", trace_dir) if trace_dir is not None else None,
+    ]
+    if report is not None and log is not None and report.resolve() == log.resolve():
+        found.append(f"--report and --log name the same file, {report}")
+    return [problem for problem in found if problem is not None]
+
+
+def merge_traces(parts: Path, into: Path) -> None:
+    """Concatenate the per-process OTLP-JSON files: each line is a whole export request."""
+    with into.open("w") as out:
+        for part in sorted(parts.glob("*.otlp.jsonl")):  # none if the run ended before any span
+            out.write(part.read_text())
+            part.unlink()
+    if parts.is_dir():
+        parts.rmdir()
+
+
+def _progress(console: Console) -> Progress:
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("reward {task.fields[reward]}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    )
+
+
+def _close(job: ColocatedJob, err: Console) -> None:
+    try:
+        job.close()
+    except Exception as exc:  # the report and the spans still matter more
+        err.print(f"[yellow]warning:[/] stopping the job's processes: {type(exc).__name__}: {exc}")
+
+
+def run(
+    config: RunConfig,
+    *,
+    report_path: Path | None,
+    trace_dir: Path | None,
+    log_path: Path | None,
+    console: Console,
+    err: Console,
+) -> int:
+    """Run the job; returns the exit code."""
+    steps, ranks, mode = config.steps, config.ranks, config.mode
+    run_name = f"colocate-{mode}-{time.strftime('%Y%m%d-%H%M%S')}"
+    trace_file = trace_dir / f"{run_name}.otlp.jsonl" if trace_dir else None
+    parts = trace_dir / f".{run_name}" if trace_dir else None  # one file per process, merged at the end
+    provider = configure_tracing(rank=0, trace_file=parts / "driver.otlp.jsonl" if parts else None)
+    listeners: list[Listener] = []
+    if provider is not None:
+        trace.set_tracer_provider(provider)  # adapters in this process trace through it
+        listeners.append(TracingListener(provider))
+    log_file = log_path.open("a") if log_path is not None else None
+    if log_file is not None:
+        listeners.append(LoggingListener(sink=configure_logging(log_file)))
+    start = time.perf_counter()
+    job: ColocatedJob | None = None
+    error: str | None = None
+    interrupted = False
+    with _progress(console) as progress:
+        task = progress.add_task("starting ranks and engine", total=steps, reward="-")
+        try:
+            job = ColocatedJob(config, listeners, trace_dir=parts)
+            progress.update(task, description=f"{mode} x{ranks} {config.device}, {config.engine} engine")
+            for _ in range(steps):
+                if CTRL_C.requested.is_set():
+                    raise KeyboardInterrupt
+                outcome = job.run_step()
+                progress.update(task, advance=1, reward=f"{outcome.reward_mean:.3f}")
+        except KeyboardInterrupt:
+            interrupted = True
+        except Exception as exc:  # a LifecycleError names what failed; anything else, its type
+            # A terminal's Ctrl-C reaches the whole process group: a rank may die of it first.
+            interrupted = CTRL_C.requested.is_set()
+            error = str(exc) if isinstance(exc, LifecycleError) else f"{type(exc).__name__}: {exc}"
+            phase = job.lifecycle.phase if job is not None else "start-up"
+            err.print(f"[bold red]error:[/] {error}\n[red]the lifecycle is {phase}; the run stopped[/]")
+        finally:
+            if job is not None:
+                _close(job, err)
+    report = job.report if job is not None else RunReport(mode=mode.value, ranks=ranks)
+    report.trace_file = str(trace_file) if trace_file else None
+    report.error, report.interrupted = error, interrupted
+    if interrupted:
+        done = sum(s.loss is not None for s in report.steps)
+        kept = f"; the report keeps them in {report_path}" if report_path is not None else ""
+        err.print(f"[bold yellow]interrupted[/] after {done} of {steps} step(s){kept}")
+    if provider is not None:
+        provider.shutdown()  # flushes every span, the fault's too
+    if trace_file is not None and parts is not None:
+        merge_traces(parts, trace_file)
+    if log_file is not None:
+        log_file.close()
+    if report_path is not None:
+        report.write(report_path)
+    if report.steps:
+        console.print(summary(report, time.perf_counter() - start))
+    return 130 if interrupted else 1 if error else 0  # 130: the shell's code for a run ended by SIGINT

@@ -1,0 +1,95 @@
+"""One rollout-engine replica in its process: a `TransformersEngine` whose calls are spans."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from orchestrator.demo.workers.staging import Slot, attach
+from orchestrator.demo.workers.traced import Traced
+from orchestrator.protocols import Named
+from states import EngineMemory
+
+
+class EngineReplica(Traced):
+    """Replica `index` of `replicas`: serves its share of each rollout and loads the weights its
+    colocated rank pushes. transformers is imported here, only in a process that serves rollouts.
+    """
+
+    role = "engine"
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        max_batch: int,
+        max_len: int,
+        index: int = 0,
+        replicas: int = 1,
+        own_process: bool = False,
+        trace_file: str | None = None,
+    ) -> None:
+        # Replicas' spans carry the rank of their GPU; a lone engine's carry none.
+        self.rank = index if replicas > 1 else None
+        if own_process:
+            self.start_tracing(trace_file, rank=self.rank)
+        from orchestrator.adapters.engines.transformers import TransformersEngine
+
+        self.index, self.replicas = index, replicas
+        name = "transformers" if replicas == 1 else f"transformers[{index}]"
+        self.engine = TransformersEngine(model, max_batch=max_batch, max_len=max_len, name=name)
+        self._staging: torch.Tensor | None = None
+
+    def __repr__(self) -> str:
+        return f"EngineReplica(index={self.index})"
+
+    # The RolloutEngine Protocol, for this replica.
+    def release(self, tags: frozenset[EngineMemory]) -> None:
+        self.engine.release(tags)
+
+    def resume(self, tags: frozenset[EngineMemory]) -> None:
+        self.engine.resume(tags)
+
+    def flush_cache(self) -> None:
+        self.engine.flush_cache()
+
+    def weight_version(self) -> int | None:
+        return self.engine.weight_version()
+
+    def is_idle(self) -> bool:
+        return self.engine.is_idle()
+
+    def digests(self) -> dict[str, str]:
+        return self.engine.digests()
+
+    # Weights.
+    def update_weights(self, named: Sequence[Named], version: int) -> int:
+        return self.engine.update_weights(named, version)
+
+    def attach_staging(self, handle: Any) -> int:
+        """Open the staging buffer of the rank on this GPU (`TrainerRank.share_staging`)."""
+        self._staging = attach(handle)
+        return self._staging.numel()
+
+    def load_staged(self, slots: Sequence[Slot], version: int) -> int:
+        """Load the tensors the rank packed into the staging buffer; returns the bytes written."""
+        if self._staging is None:
+            raise RuntimeError(f"engine replica {self.index}: load_staged before attach_staging")
+        written = self.engine.update_weights([(s.name, s.view(self._staging)) for s in slots], version)
+        torch.cuda.synchronize()  # the rank refills the buffer as soon as this returns
+        return written
+
+    # Serving.
+    def generate(
+        self, prompts: torch.Tensor, *, max_new_tokens: int, temperature: float, seed: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This replica's contiguous share of the rows (replica i of n: the i-th n-th), sampled
+        with `seed + index`; on the host, for the driver to concatenate."""
+        rows = prompts.shape[0] // self.replicas
+        share = prompts[self.index * rows : (self.index + 1) * rows]
+        completions, logprobs = self.engine.generate(
+            share, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed + self.index
+        )
+        return completions.cpu(), logprobs.cpu()

@@ -1,0 +1,171 @@
+"""The driver's view of its workers as the lifecycle's Protocols.
+
+Each call fans out to every worker and waits for all of them (`WorkerPool`), so the lifecycle's
+order holds on every GPU: no replica resumes its KV cache before every rank has dropped its
+params, and no rank rebuilds before every replica has released.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from orchestrator.demo.workers.engine_replica import EngineReplica
+from orchestrator.demo.workers.pool import WorkerPool
+from orchestrator.demo.workers.staging import Slot
+from orchestrator.demo.workers.trainer_rank import Batch, TrainerRank
+from orchestrator.errors import ConfigError
+from orchestrator.protocols import BucketSink, Named, TransferReport
+from states import EngineMemory, Mode, TrainerLayout, TrainingSetup
+
+
+class DistributedTrainer:
+    """Trainer + MemoryRegions over every rank, as one object."""
+
+    def __init__(self, ranks: WorkerPool[TrainerRank]) -> None:
+        self.ranks = ranks
+
+    def layout(self) -> TrainerLayout:
+        return self.ranks.one(0, TrainerRank.layout)
+
+    def setup(self) -> TrainingSetup:
+        """The ranks' Megatron configs as a `TrainingSetup`; ranks that disagree are a ConfigError."""
+        setups = self.ranks.all(TrainerRank.setup)
+        if any(s != setups[0] for s in setups):
+            raise ConfigError([f"rank {r} is configured differently: {s}" for r, s in enumerate(setups)])
+        return setups[0]
+
+    def stash(self, mode: Mode) -> int:
+        return sum(self.ranks.all(TrainerRank.stash, mode))
+
+    def rebuild(self, mode: Mode) -> int:
+        return sum(self.ranks.all(TrainerRank.rebuild, mode))
+
+    def digests(self) -> Mapping[str, str]:
+        """Every rank's digests, so a mismatch names the rank as well as the tensor."""
+        per_rank = self.ranks.all(TrainerRank.digests)
+        return {f"rank{r}:{name}": d for r, digests in enumerate(per_rank) for name, d in digests.items()}
+
+    def host_pinned_bytes(self) -> int:
+        """Per rank: every rank pins the same."""
+        return max(self.ranks.all(TrainerRank.host_pinned_bytes))
+
+    def tags(self) -> frozenset[str]:
+        return frozenset(self.ranks.one(0, TrainerRank.tags))
+
+    def pause(self, tag: str) -> int:
+        return sum(self.ranks.all(TrainerRank.pause, tag))
+
+    def resume(self, tag: str) -> int:
+        return sum(self.ranks.all(TrainerRank.resume, tag))
+
+    def train(self, batch: Batch) -> float:
+        losses = self.ranks.all(TrainerRank.train, batch)
+        return sum(losses) / len(losses)
+
+    def device_memory(self) -> list[tuple[int, int]]:
+        """(free, total) bytes of each rank's GPU, in rank order."""
+        return self.ranks.all(TrainerRank.device_memory)
+
+    def converted_digests(self) -> dict[str, str]:
+        return self.ranks.one(0, TrainerRank.converted_digests)
+
+
+class ReplicaSet:
+    """The RolloutEngine Protocol (and the engine's work) over every engine replica: one call
+    is made on all of them, and a rollout is split between them in contiguous shares."""
+
+    def __init__(self, replicas: WorkerPool[EngineReplica]) -> None:
+        self.replicas = replicas
+        self.name = "transformers" if len(replicas) == 1 else f"transformers x{len(replicas)}"
+        if replicas.remote:
+            self.name += " (ray actor)" if len(replicas) == 1 else " (ray actors)"
+
+    def release(self, tags: frozenset[EngineMemory]) -> None:
+        self.replicas.all(EngineReplica.release, tags)
+
+    def resume(self, tags: frozenset[EngineMemory]) -> None:
+        self.replicas.all(EngineReplica.resume, tags)
+
+    def flush_cache(self) -> None:
+        self.replicas.all(EngineReplica.flush_cache)
+
+    def weight_version(self) -> int | None:
+        """The version every replica serves; None while any serves none. Replicas that disagree
+        report the oldest, so the guards judge the staler one."""
+        versions = self.replicas.all(EngineReplica.weight_version)
+        return None if any(v is None for v in versions) else min(v for v in versions if v is not None)
+
+    def is_idle(self) -> bool:
+        return all(self.replicas.all(EngineReplica.is_idle))
+
+    def update_weights(self, named: Sequence[Named], version: int) -> int:
+        """Every replica loads the same bucket (a BucketSink); returns the bytes one replica wrote."""
+        return max(self.replicas.all(EngineReplica.update_weights, list(named), version))
+
+    def load_staged(self, index: int, slots: Sequence[Slot], version: int) -> int:
+        return self.replicas.one(index, EngineReplica.load_staged, list(slots), version)
+
+    def attach_staging(self, handles: Sequence[object]) -> None:
+        for index, handle in enumerate(handles):
+            self.replicas.one(index, EngineReplica.attach_staging, handle)
+
+    def generate(
+        self, prompts: torch.Tensor, *, max_new_tokens: int, temperature: float, seed: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each replica samples its share of the rows at once; the shares joined in order."""
+        shares = self.replicas.all(
+            EngineReplica.generate, prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed
+        )
+        return torch.cat([c for c, _ in shares]), torch.cat([lp for _, lp in shares])
+
+    def digests(self) -> dict[str, str]:
+        """Replica 0's digests when every replica holds the same weights; else each replica's,
+        keyed by replica, which match no trainer's."""
+        per_replica = self.replicas.all(EngineReplica.digests)
+        if all(d == per_replica[0] for d in per_replica):
+            return per_replica[0]
+        return {f"replica{i}:{name}": d for i, digests in enumerate(per_replica) for name, d in digests.items()}
+
+
+def _total(reports: Sequence[TransferReport]) -> TransferReport:
+    return TransferReport(
+        tensors=sum(r.tensors for r in reports),
+        bytes=sum(r.bytes for r in reports),
+        buckets=sum(r.buckets for r in reports),
+    )
+
+
+class RankZeroPush:
+    """WeightTransport: rank 0 pushes its converted weights straight into the engine."""
+
+    def __init__(self, ranks: WorkerPool[TrainerRank], engine: BucketSink, bucket_bytes: int) -> None:
+        self.ranks, self.engine, self.bucket_bytes = ranks, engine, bucket_bytes
+
+    def push(self, version: int) -> TransferReport:
+        return self.ranks.one(0, TrainerRank.push_weights, self.engine, version, self.bucket_bytes)
+
+
+class ReplicaIpcPush:
+    """WeightTransport: every rank pushes its converted weights into the replica on its GPU by
+    CUDA IPC, through its staging buffer (`workers.staging`), all ranks at once. The buffer holds
+    `bucket_bytes` or the largest tensor, whichever is more, and stays allocated for the run."""
+
+    def __init__(self, ranks: WorkerPool[TrainerRank], replicas: ReplicaSet, bucket_bytes: int) -> None:
+        self.ranks, self.replicas, self.bucket_bytes = ranks, replicas, bucket_bytes
+        replicas.attach_staging(ranks.all(TrainerRank.share_staging, bucket_bytes))
+
+    def push(self, version: int) -> TransferReport:
+        return _total(self.ranks.all(TrainerRank.push_to_replica, self.replicas, version))
+
+
+class BroadcastPush:
+    """WeightTransport: rank 0 broadcasts its converted weights over the group it joined
+    (`TrainerRank.join_weight_group`), to servers off its GPUs."""
+
+    def __init__(self, ranks: WorkerPool[TrainerRank], bucket_bytes: int) -> None:
+        self.ranks, self.bucket_bytes = ranks, bucket_bytes
+
+    def push(self, version: int) -> TransferReport:
+        return self.ranks.one(0, TrainerRank.broadcast_weights, version, self.bucket_bytes)

@@ -1,0 +1,117 @@
+"""The job's actors on a local Ray, in one placement group.
+
+On GPUs a bundle is one GPU (and one CPU), shared by its rank and its engine replica: each takes
+half of the bundle, so Ray places both there and shows both that GPU alone. On the CPU each rank
+has a bundle of one CPU, and the engine one more.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+from orchestrator.demo.workers.engine_replica import EngineReplica
+from orchestrator.demo.workers.fanout import ReplicaSet
+from orchestrator.demo.workers.pool import WorkerPool, control, remote_class
+from orchestrator.demo.workers.traced import Traced
+from orchestrator.demo.workers.trainer_rank import TrainerRank
+from orchestrator.errors import RankFailed
+
+FLUSH_S = 2.0  # how long the processes together may take to flush their spans when the job ends
+
+
+class RayPlacement:
+    """Starts (or attaches to) Ray, then a placement group for `ranks` ranks (and the engine), then the actors.
+
+    `trace_file(role)` names the file a process of that role writes its spans to (or None).
+    `close` ends every actor it started and Ray, whatever state they are in.
+    """
+
+    def __init__(
+        self,
+        *,
+        ranks: int,
+        cuda: bool,
+        engine_bundle: bool,
+        timeout: float,
+        trace_file: Callable[[str], str | None],
+        address: str | None = None,
+        store_host: str = "127.0.0.1",
+    ) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+
+        from orchestrator.demo.ray_cluster import connect
+
+        self.ranks, self.cuda, self.timeout, self.trace_file = ranks, cuda, timeout, trace_file
+        self.store_host = store_host  # where the ranks reach the driver's rendezvous store
+        self.actors: list[Any] = []  # ranks, then the engine replicas
+        # The user's cluster at `address`, or a private one on loopback (`ray_cluster`).
+        cluster = connect(address, cpus=ranks + 1, runtime_env={"env_vars": {"TORCHDYNAMO_DISABLE": "1"}})
+        self._shutdown = cluster.close
+        try:
+            bundles = [{"CPU": 1, "GPU": 1}] * ranks if cuda else [{"CPU": 1}] * (ranks + engine_bundle)
+            self._group = placement_group(bundles, strategy="PACK")
+            ray.get(self._group.ready(), timeout=timeout)
+        except BaseException:
+            self._shutdown()
+            raise
+
+    def _options(self, bundle: int) -> dict[str, Any]:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        strategy = PlacementGroupSchedulingStrategy(placement_group=self._group, placement_group_bundle_index=bundle)
+        share = {"num_cpus": 0.5, "num_gpus": 0.5} if self.cuda else {"num_cpus": 1}
+        return {**share, "scheduling_strategy": strategy, "max_restarts": 0}
+
+    def start_ranks(self, port: int, model: Any, clip_eps: float) -> WorkerPool[TrainerRank]:
+        """One rank per bundle, waited for until built."""
+        rank_cls = remote_class(TrainerRank)
+        workers = [
+            rank_cls.options(**self._options(r)).remote(
+                r, self.ranks, port, model, clip_eps, own_process=True, trace_file=self.trace_file(f"rank{r}"),
+                device="cuda" if self.cuda else "cpu", store_host=self.store_host,
+            )
+            for r in range(self.ranks)
+        ]  # fmt: skip
+        self.actors += workers
+        ranks: WorkerPool[TrainerRank] = WorkerPool(workers, label="rank", remote=True, timeout=self.timeout)
+        ranks.start()
+        return ranks
+
+    def start_engine(self, model: Any, *, rows: int, max_len: int) -> ReplicaSet:
+        """On GPUs a replica in each rank's bundle, each serving `rows / ranks` of a rollout; on
+        the CPU one engine, in the last bundle."""
+        count = self.ranks if self.cuda else 1
+        replica_cls = remote_class(EngineReplica)
+        actors = [
+            replica_cls.options(**self._options(i if self.cuda else self.ranks)).remote(
+                model, max_batch=rows // count, max_len=max_len, index=i, replicas=count, own_process=True,
+                trace_file=self.trace_file("engine" if count == 1 else f"engine{i}"),
+            )
+            for i in range(count)
+        ]  # fmt: skip
+        self.actors += actors
+        replicas: WorkerPool[EngineReplica] = WorkerPool(actors, label="engine", remote=True, timeout=self.timeout)
+        try:
+            replicas.start()
+        except Exception as exc:
+            raise RankFailed("engine", "start", exc) from exc
+        return ReplicaSet(replicas)
+
+    def close(self, *, flush: bool) -> None:
+        """Flush the spans of every process that has some to give (if `flush`), within `FLUSH_S`
+        in all (a dead or stopped one has none), then end the actors and Ray."""
+        import ray
+
+        try:
+            if flush and self.actors:
+                refs = [control(actor, Traced.flush_traces) for actor in self.actors]
+                ray.wait(refs, num_returns=len(refs), timeout=FLUSH_S)
+            for actor in self.actors:  # SIGKILL: a stopped process obeys it too
+                with contextlib.suppress(Exception):
+                    ray.kill(actor, no_restart=True)
+        finally:
+            self.actors = []
+            self._shutdown()

@@ -1,0 +1,178 @@
+"""The driver's calls to its workers: typed, bounded, and naming the worker at fault.
+
+    ranks = WorkerPool(actors, label="rank", remote=True)
+    freed = ranks.all(TrainerRank.pause, "param_buffer")     # list[int], in worker order
+    report = ranks.one(0, TrainerRank.push_weights, ...)     # rank 0 only
+
+The method is a reference to the worker class's own function, so mypy checks its arguments and
+result; the wire carries its name to `Traced.invoke` in the worker's process.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
+
+from orchestrator.demo.workers.traced import Traced
+from orchestrator.errors import LifecycleError, RankFailed
+
+RANK_TIMEOUT_S = 120.0
+# Building a worker (imports, the model, the process group) on a loaded host takes far longer than
+# a call should: start-up waits at least this long, whatever --rank-timeout says.
+START_TIMEOUT_S = 300.0
+CONTROL = "control"  # each actor's second thread: probes and span flushes, never blocked by the work
+PROBE_S = 2.0  # how long a live process's control thread may take to answer, on a loaded machine
+
+W = TypeVar("W", bound=Traced)
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def remote_class(cls: type) -> Any:
+    """`cls` as a Ray actor class whose `probe` and `flush_traces` run on a thread of their own."""
+    import ray
+
+    return ray.remote(concurrency_groups={CONTROL: 1})(cls)  # type: ignore[call-overload]
+
+
+def control(actor: Any, method: Callable[[Any], Any]) -> Any:
+    """Call `method` (no arguments) on an actor's control thread; returns the ref."""
+    return actor.invoke.options(concurrency_group=CONTROL).remote({}, method.__name__)
+
+
+def _outcome(ref: Any) -> tuple[str, BaseException | None]:
+    """Where a remote call stands now: ok, pending, died (its process) or raised."""
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+    try:
+        ray.get(ref, timeout=0)
+    except GetTimeoutError as exc:
+        return "pending", exc
+    except RayTaskError as exc:  # it ran and raised, if only because an actor it called died
+        return "raised", exc
+    except RayActorError as exc:
+        return "died", exc
+    except Exception as exc:
+        return "raised", exc
+    return "ok", None
+
+
+class WorkerPool(Generic[W]):
+    """Calls one method on every worker (or one) and returns the results in worker order.
+
+    Workers are objects in this process (`remote=False`) or Ray actors of their class. When a
+    remote call fails, the worker named is the one at fault, not the first still busy: one whose
+    process died comes first (the first call to fail, if several died), then one that is stopped
+    or answers no probe (a hang), then the first to raise. Workers blocked in a collective, waiting for that one, still answer probes.
+    `label` names them in errors: "rank 1 (died)", "engine replica 0".
+    """
+
+    def __init__(self, workers: Sequence[Any], *, label: str, remote: bool, timeout: float = RANK_TIMEOUT_S) -> None:
+        self.workers, self.label, self.remote, self.timeout = list(workers), label, remote, timeout
+        self.pids: dict[int, int] = {}  # index → process id, once `start` has seen them ready
+
+    def __len__(self) -> int:
+        return len(self.workers)
+
+    def _name(self, index: int) -> str:
+        return self.label if len(self.workers) == 1 and self.label != "rank" else f"{self.label} {index}"
+
+    def start(self) -> None:
+        """Wait for every worker to be built (within `START_TIMEOUT_S` at least); note its process."""
+        timeout, self.timeout = self.timeout, max(self.timeout, START_TIMEOUT_S)
+        try:
+            self.pids = dict(enumerate(self.all(Traced.ready)))
+        finally:
+            self.timeout = timeout
+
+    def all(self, method: Callable[Concatenate[W, P], R], *args: P.args, **kwargs: P.kwargs) -> list[R]:
+        """`method(*args, **kwargs)` on every worker at once; their results in worker order."""
+        return self._call(list(range(len(self.workers))), method.__name__, args, kwargs)
+
+    def one(self, index: int, method: Callable[Concatenate[W, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
+        """`method(*args, **kwargs)` on worker `index` alone."""
+        return self._call([index], method.__name__, args, kwargs)[0]
+
+    def _call(self, targets: list[int], method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+        from orchestrator.telemetry.tracing import carrier
+
+        headers = carrier()
+        if not self.remote:
+            return [self._local(index, headers, method, args, kwargs) for index in targets]
+        refs = {i: self.workers[i].invoke.remote(headers, method, *args, **kwargs) for i in targets}
+        return self._gather(method, refs)
+
+    def _local(
+        self, index: int, headers: dict[str, str], method: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        try:
+            return self.workers[index].invoke(headers, method, *args, **kwargs)
+        except LifecycleError:
+            raise
+        except Exception as exc:
+            raise RankFailed(self._name(index), method, exc) from exc
+
+    def _gather(self, method: str, refs: dict[int, Any]) -> list[Any]:
+        import ray
+
+        pending = {ref: index for index, ref in refs.items()}
+        results: dict[int, Any] = {}
+        deadline = time.monotonic() + self.timeout
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise self._blame(method, refs, None)
+            index = pending.pop(ready[0])
+            try:
+                results[index] = ray.get(ready[0])
+            except Exception as exc:  # RayActorError, or the worker's own exception
+                raise self._blame(method, refs, (index, exc)) from exc
+        return [results[index] for index in refs]
+
+    def _blame(self, method: str, refs: dict[int, Any], first: tuple[int, BaseException] | None) -> RankFailed:
+        """The failure of `method`, naming the worker at fault (see the class docstring)."""
+        import ray
+
+        probes = {i: control(self.workers[i], Traced.probe) for i in refs}
+        unanswered, deadline = list(probes.values()), time.monotonic() + PROBE_S
+        while unanswered and time.monotonic() < deadline:
+            _, unanswered = ray.wait(unanswered, num_returns=len(unanswered), timeout=0.1)
+            if all(self._stopped(i) for i, ref in probes.items() if ref in unanswered):
+                break  # a stopped process will not answer: no need to wait it out
+        died: list[tuple[int, BaseException | None]] = []
+        hung: list[int] = []
+        for i in refs:
+            (call, call_error), (probe, probe_error) = _outcome(refs[i]), _outcome(probes[i])
+            if "died" in (call, probe):
+                died.append((i, call_error if call == "died" else probe_error))
+            elif probe != "ok" or self._stopped(i):
+                hung.append(i)
+        if died:
+            # The first call to fail, if its process died: a peer blocked in a collective with it
+            # may be torn down by NCCL a moment later, and died too by the time it is probed.
+            i, cause = next(((r, c) for r, c in died if first is not None and r == first[0]), died[0])
+            return RankFailed(f"{self._name(i)} (died)", method, cause or RuntimeError("died"))
+        if hung:
+            i = min(hung, key=lambda r: (not self._stopped(r), r))
+            how = "its process is stopped" if self._stopped(i) else f"no answer to a probe within {PROBE_S:g} s"
+            when = f"no answer within {self.timeout:g} s" if first is None else f"{self._name(first[0])} failed first"
+            return RankFailed(f"{self._name(i)} (no answer)", method, TimeoutError(f"{when}; {how}"))
+        if first is not None:
+            return RankFailed(self._name(first[0]), method, first[1])
+        busy = ", ".join(str(i) for i in refs)
+        cause = TimeoutError(f"no answer within {self.timeout:g} s, though every one is alive and answers probes")
+        return RankFailed(f"{self.label}(s) {busy} (alive, still working)", method, cause)
+
+    def _stopped(self, index: int) -> bool:
+        """Whether the worker's process is stopped (SIGSTOP, a debugger) or a zombie."""
+        import psutil
+
+        pid = self.pids.get(index)
+        if pid is None:
+            return False
+        try:
+            return psutil.Process(pid).status() in (psutil.STATUS_STOPPED, psutil.STATUS_ZOMBIE)
+        except psutil.Error:
+            return False

@@ -1,0 +1,200 @@
+"""One trainer rank in its process: Megatron-core DDP + DistributedOptimizer, its memory regions,
+its shard of each batch, and the weight push to the engine."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from orchestrator.adapters.transport.bucketed import push_in_buckets
+from orchestrator.demo.workers.traced import Traced
+from orchestrator.protocols import BucketSink, MemoryRegions, Named, TransferReport
+from states import Mode, TrainerLayout, TrainingSetup
+
+if TYPE_CHECKING:
+    from orchestrator.demo.workers.fanout import ReplicaSet
+    from orchestrator.demo.workers.staging import StagingBuffer
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """One step's rollout, as the trainer consumes it. Rank r trains on rows r::world_size."""
+
+    prompts: torch.Tensor
+    completions: torch.Tensor
+    old_logprobs: torch.Tensor
+    advantages: torch.Tensor
+
+    def shard(self, rank: int, world_size: int) -> Batch:
+        rows = slice(rank, None, world_size)
+        return Batch(self.prompts[rows], self.completions[rows], self.old_logprobs[rows], self.advantages[rows])
+
+
+class TrainerRank(Traced):
+    """One trainer rank: Megatron-core DDP + DistributedOptimizer, its memory regions, its shard.
+
+    On the CPU: gloo and `StorageRegions`. On a GPU (`device="cuda"`): NCCL and
+    torch_memory_saver regions, which return the device memory and keep the addresses. As a Ray
+    actor, Ray's `CUDA_VISIBLE_DEVICES` shows it its bundle's GPU alone, as device 0.
+    """
+
+    role = "rank"
+    rank: int
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        port: int,  # of the driver's rendezvous store (`job.rendezvous_store`)
+        model: Any,
+        clip_eps: float,
+        threads: int = 1,
+        own_process: bool = False,
+        trace_file: str | None = None,
+        device: str = "cpu",
+        store_host: str = "127.0.0.1",  # where the store listens: the driver's IP as the cluster reaches it
+    ) -> None:
+        os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+        torch.set_num_threads(threads)  # ranks share the host's cores
+        self.rank = rank
+        if own_process:
+            self.start_tracing(trace_file, rank)
+        # megatron.core before anything that may import torch_memory_saver (design §4)
+        from orchestrator.adapters.megatron.build import build_gpt, init_process_group
+        from orchestrator.adapters.megatron.trainer import MegatronTrainer
+        from orchestrator.adapters.regions.storage import StorageRegions
+
+        cuda = device == "cuda"
+        if cuda != torch.cuda.is_available():
+            raise RuntimeError(f"rank {rank}: device {device}, but torch.cuda.is_available() is {not cuda}")
+        self.world_size, self.model, self.clip_eps = world_size, model, clip_eps
+        self._staging: StagingBuffer | None = None
+        # The driver holds the rendezvous store, bound before any rank starts: no port to race for.
+        store = torch.distributed.TCPStore(store_host, port, is_master=False, timeout=timedelta(minutes=5))
+        init_process_group(rank, world_size, port, "nccl" if cuda else "gloo", seed=model.seed, store=store)
+        self.chunks, self.optimizer = build_gpt(model)
+        self.trainer = MegatronTrainer(self.chunks, self.optimizer)
+        if cuda:
+            from orchestrator.adapters.regions.tms import TorchMemorySaverRegions
+
+            self.regions: MemoryRegions = TorchMemorySaverRegions(self.trainer.region_tensors)
+        else:
+            self.regions = StorageRegions(self.trainer.region_tensors)
+
+    def __repr__(self) -> str:  # Ray names the actor by it in its logs and `ray list actors`
+        return f"TrainerRank(rank={self.rank})"
+
+    def close(self) -> None:
+        """Leave the process group (in the driver's process, so a later job can make its own)."""
+        from orchestrator.adapters.megatron.build import destroy_process_group
+
+        if torch.distributed.is_initialized():
+            destroy_process_group()
+
+    def setup(self) -> TrainingSetup:
+        """What this rank's real Megatron configs say (DDP config, optimizer config)."""
+        from orchestrator.adapters.megatron.trainer import megatron_setup
+
+        return megatron_setup(self.chunks, self.optimizer)
+
+    def device_memory(self) -> tuple[int, int]:
+        """(free, total) bytes of this rank's GPU, as the driver sees them (`cudaMemGetInfo`):
+        the engine replica sharing the GPU counts too."""
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        return int(free), int(total)
+
+    # Trainer and MemoryRegions, for this rank.
+    def layout(self) -> TrainerLayout:
+        return self.trainer.layout()
+
+    def stash(self, mode: Mode) -> int:
+        return self.trainer.stash(mode)
+
+    def rebuild(self, mode: Mode) -> int:
+        return self.trainer.rebuild(mode)
+
+    def digests(self) -> dict[str, str]:
+        return dict(self.trainer.digests())
+
+    def host_pinned_bytes(self) -> int:
+        return self.trainer.host_pinned_bytes()
+
+    def tags(self) -> frozenset[str]:
+        return self.regions.tags()
+
+    def pause(self, tag: str) -> int:
+        return self.regions.pause(tag)
+
+    def resume(self, tag: str) -> int:
+        return self.regions.resume(tag)
+
+    # The work of a step.
+    def train(self, batch: Batch) -> float:
+        from orchestrator.demo.grpo import grpo_train_step
+
+        shard = batch.shard(self.rank, self.world_size)
+        stats = grpo_train_step(
+            self.chunks,
+            self.optimizer,
+            shard.prompts,
+            shard.completions,
+            shard.old_logprobs,
+            shard.advantages,
+            clip_eps=self.clip_eps,
+        )
+        return float(stats.loss)
+
+    def converted(self) -> Iterator[Named]:
+        from orchestrator.adapters.megatron.convert import to_hf
+
+        for name, tensor in self.trainer.sync_tensors():
+            yield from to_hf(name, tensor, self.model)
+
+    def converted_digests(self) -> dict[str, str]:
+        from orchestrator.adapters.digest import sha256_digests
+
+        return sha256_digests(dict(self.converted()))
+
+    def push_weights(self, engine: BucketSink, version: int, bucket_bytes: int) -> TransferReport:
+        """Rank 0 sends every (converted) weight to the engine: with TP = 1 it holds them all."""
+        return push_in_buckets(self.converted(), engine, version, bucket_bytes=bucket_bytes)
+
+    def share_staging(self, bucket_bytes: int) -> Any:
+        """Allocate this rank's staging buffer for the CUDA IPC push and return its IPC handle.
+
+        The params live in torch_memory_saver regions (cuMemCreate + cuMemMap), which legacy
+        CUDA IPC (`cudaIpcGetMemHandle`, what torch shares tensors by) refuses with "invalid
+        argument". So weights travel through this buffer, a plain allocation outside every
+        region, at least as large as the largest converted tensor."""
+        from orchestrator.demo.workers.staging import StagingBuffer
+
+        largest = max(t.numel() * t.element_size() for _, t in self.converted())
+        self._staging = StagingBuffer(max(bucket_bytes, largest))
+        return self._staging.handle()
+
+    def push_to_replica(self, replicas: ReplicaSet, version: int) -> TransferReport:
+        """Every (converted) weight into the engine replica on this rank's GPU, through the
+        staging buffer: each rank holds every weight (DP), and its replica reads them by CUDA IPC.
+        A bucket is as large as the buffer: each one costs a call to the replica."""
+        if self._staging is None:
+            raise RuntimeError(f"rank {self.rank}: push_to_replica before share_staging")
+        sink = self._staging.sink(replicas, self.rank)
+        return push_in_buckets(self.converted(), sink, version, bucket_bytes=self._staging.buffer.numel())
+
+    def join_weight_group(self, urls: Sequence[str], tp_sizes: Sequence[int], port: int) -> None:
+        """Host SGLang's weight-update group for servers off this rank's GPU (rank 0 of it)."""
+        from orchestrator.adapters.engines.sglang import SGLangEngine, WeightBroadcaster
+
+        engines = [SGLangEngine(url, tp_size=tp) for url, tp in zip(urls, tp_sizes, strict=True)]
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        self.broadcaster = WeightBroadcaster(engines, master_port=port, backend=backend)
+
+    def broadcast_weights(self, version: int, bucket_bytes: int) -> TransferReport:
+        """Rank 0 broadcasts every (converted) weight over the group `join_weight_group` made."""
+        return push_in_buckets(self.converted(), self.broadcaster, version, bucket_bytes=bucket_bytes)

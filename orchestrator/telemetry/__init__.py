@@ -1,0 +1,1 @@
+"""Telemetry: transition listeners, OpenTelemetry tracing (spans, propagation, OTLP/JSON files), structlog logs."""

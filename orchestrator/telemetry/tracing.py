@@ -1,0 +1,285 @@
+"""Each transition as one OpenTelemetry span, children of one span per training step.
+
+`configure_tracing` builds an SDK tracer provider from the standard `OTEL_*` variables and
+returns None when nothing asks for export, so an unconfigured run pays for no-op spans only.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from opentelemetry import context, propagate, trace
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter, SpanExportResult
+from opentelemetry.trace import Span, Status, StatusCode
+
+from orchestrator.errors import GuardRejected, LifecycleError
+from orchestrator.telemetry.listeners import AttributeValue, Listener, TransitionRecord
+
+SCOPE = "colocate.lifecycle"
+
+
+def _otlp_exporter(env: Mapping[str, str]) -> SpanExporter:
+    protocol = (
+        env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf"
+    )
+    if protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as Grpc
+
+        return Grpc()
+    if protocol == "http/protobuf":
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as Http
+
+        return Http()
+    raise ValueError(f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r}: colocate supports 'http/protobuf' and 'grpc'")
+
+
+_ID_FIELDS = ("traceId", "spanId", "parentSpanId")
+
+
+def _recode_ids(request: dict[str, Any], recode: Callable[[str], str]) -> dict[str, Any]:
+    """OTLP/JSON writes ids as hex where the generic protobuf mapping writes base64."""
+    for resource in request.get("resourceSpans", []):
+        for scope in resource.get("scopeSpans", []):
+            for span in scope.get("spans", []):
+                for item in (span, *span.get("links", [])):
+                    for key in _ID_FIELDS:
+                        if isinstance(item.get(key), str):
+                            item[key] = recode(item[key])
+    return request
+
+
+def parse_otlp_json(line: str | dict[str, Any]) -> Any:
+    """One OTLP/JSON line (or its decoded object) → `ExportTraceServiceRequest`, through the
+    official protobuf mapping once the hex ids are turned back into the mapping's base64."""
+    from google.protobuf.json_format import ParseDict
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    data = json.loads(line) if isinstance(line, str) else line
+    request = _recode_ids(data, lambda v: base64.b64encode(bytes.fromhex(v)).decode())
+    return ParseDict(request, ExportTraceServiceRequest())
+
+
+class OtlpJsonFileExporter(SpanExporter):
+    """Appends each batch as one line of OTLP/JSON: `ExportTraceServiceRequest` in the protobuf
+    JSON mapping, with OTLP's two deviations (hex ids, integer enums). It is what the OpenTelemetry
+    Collector's file exporter writes and its otlpjsonfile receiver reads, and what Jaeger's UI loads."""
+
+    def __init__(self, path: Path) -> None:
+        from google.protobuf.json_format import MessageToDict
+        from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+
+        self.path, self._encode, self._to_dict = path, encode_spans, MessageToDict
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        request = self._to_dict(self._encode(spans), use_integers_for_enums=True)
+        _recode_ids(request, lambda v: base64.b64decode(v).hex())
+        with self.path.open("a") as out:
+            out.write(json.dumps(request, separators=(",", ":")) + "\n")
+        return SpanExportResult.SUCCESS
+
+
+def carrier() -> dict[str, str]:
+    """The current trace context as W3C `traceparent` headers, to send with a remote call."""
+    headers: dict[str, str] = {}
+    propagate.inject(headers)
+    return headers
+
+
+_RANK = context.create_key("colocate.rank")  # the trainer rank a process-side call works for
+
+
+@contextmanager
+def continued(headers: Mapping[str, str], *, rank: int | None = None) -> Iterator[None]:
+    """Make the caller's trace context (from `carrier()`) current for a call in another process;
+    with `rank`, every `process_span` within the call says which trainer rank it works for."""
+    ctx = propagate.extract(headers)
+    if rank is not None:
+        ctx = context.set_value(_RANK, rank, ctx)
+    token = context.attach(ctx)
+    try:
+        yield
+    finally:
+        context.detach(token)
+
+
+def rss_bytes() -> int | None:
+    """This process's resident set size, or None where psutil is not installed."""
+    try:
+        import psutil
+    except ImportError:
+        return None
+    return int(psutil.Process().memory_info().rss)
+
+
+@contextmanager
+def process_span(name: str, attributes: Mapping[str, AttributeValue] | None = None) -> Iterator[Span]:
+    """A span of work in a rank or engine process, with the fixed keys of every process-side span:
+    `colocate.rank` (where the call came from a rank, `continued(..., rank=)`) and the host memory
+    before and after (RSS). Memory is read only when the span records."""
+    with trace.get_tracer("colocate").start_as_current_span(name, attributes=attributes) as span:
+        recording = span.is_recording()
+        if recording:
+            rank = context.get_value(_RANK)
+            if isinstance(rank, int):
+                span.set_attribute("colocate.rank", rank)
+            _set_memory(span, "colocate.memory_before")
+        try:
+            yield span
+        finally:
+            if recording:
+                _set_memory(span, "colocate.memory_after")
+
+
+def _set_memory(span: Span, key: str) -> None:
+    rss = rss_bytes()
+    if rss is not None:
+        span.set_attribute(key, rss)
+
+
+def exporters_requested(env: Mapping[str, str] | None = None) -> list[str]:
+    """The exporters the `OTEL_*` variables ask for (empty: none)."""
+    env = os.environ if env is None else env
+    if env.get("OTEL_SDK_DISABLED", "").lower() == "true":
+        return []
+    wants_otlp = any(k in env for k in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"))
+    names = [n.strip() for n in env.get("OTEL_TRACES_EXPORTER", "otlp" if wants_otlp else "none").split(",")]
+    return [name for name in names if name not in ("none", "")]
+
+
+def configure_tracing(
+    service_name: str = "colocate",
+    rank: int | None = 0,
+    env: Mapping[str, str] | None = None,
+    trace_file: Path | None = None,
+    role: str = "driver",
+) -> TracerProvider | None:
+    """A tracer provider exporting where `OTEL_*` says, or None if tracing is not asked for.
+
+    Honoured: OTEL_SDK_DISABLED, OTEL_TRACES_EXPORTER (otlp, console, none), the
+    OTEL_EXPORTER_OTLP_* endpoint/protocol/header variables, OTEL_SERVICE_NAME and
+    OTEL_RESOURCE_ATTRIBUTES (the last two read by the SDK's Resource). `trace_file` adds an
+    OTLP-JSON file exporter.
+    """
+    env = os.environ if env is None else env
+    exporters: list[SpanExporter] = []
+    for name in exporters_requested(env):
+        if name == "otlp":
+            exporters.append(_otlp_exporter(env))
+        elif name == "console":
+            exporters.append(ConsoleSpanExporter())
+        else:
+            raise ValueError(f"OTEL_TRACES_EXPORTER={name!r}: colocate supports otlp, console and none")
+    if trace_file is not None:
+        exporters.append(OtlpJsonFileExporter(trace_file))
+    if not exporters:
+        return None
+    attributes: dict[str, str | int] = {
+        "service.name": env.get("OTEL_SERVICE_NAME", service_name),
+        "colocate.role": role,
+    }
+    if rank is not None:  # the engine's process serves every rank: it has none of its own
+        attributes["colocate.rank"] = rank
+    provider = TracerProvider(resource=Resource.create(attributes))
+    for exporter in exporters:
+        provider.add_span_processor(BatchSpanProcessor(exporter))  # export never blocks a transition
+    return provider
+
+
+class TracingListener(Listener):
+    """Spans `colocate.step` and `lifecycle.<event>` with fixed `colocate.*` attributes.
+
+    Each span belongs to the record (or step) it traces, so a hook that arrives without its
+    opening one (a fault raised while an event was being admitted) still gets a span of its own,
+    and no other span is ended early.
+    """
+
+    def __init__(self, provider: trace.TracerProvider | None = None) -> None:
+        self._provider = provider or trace.get_tracer_provider()
+        self._tracer = self._provider.get_tracer(SCOPE)
+        self._steps: dict[int, tuple[Span, object]] = {}  # step → (span, context token)
+        self._spans: dict[int, tuple[Span, object]] = {}  # id(record) → (span, context token)
+
+    def _open(self, span: Span) -> tuple[Span, object]:
+        return span, context.attach(trace.set_span_in_context(span))
+
+    @staticmethod
+    def _close(opened: tuple[Span, object]) -> Span:
+        span, token = opened
+        context.detach(token)  # type: ignore[arg-type]
+        return span
+
+    def _span_of(self, record: TransitionRecord) -> Span:
+        """The span `on_begin` opened for `record`, or a new one if it never began."""
+        opened = self._spans.pop(id(record), None)
+        if opened is None:
+            return self._tracer.start_span(f"lifecycle.{record.event.value}", attributes=_attributes(record))
+        return self._close(opened)
+
+    def on_step_start(self, step: int, rank: int) -> None:
+        span = self._tracer.start_span("colocate.step", attributes={"colocate.step": step, "colocate.rank": rank})
+        self._steps[step] = self._open(span)
+
+    def on_step_end(self, step: int, rank: int, error: BaseException | None) -> None:
+        opened = self._steps.pop(step, None)
+        if opened is None:
+            return
+        span = self._close(opened)
+        if error is not None:
+            span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
+        span.end()
+
+    def on_begin(self, record: TransitionRecord) -> None:
+        span = self._tracer.start_span(f"lifecycle.{record.event.value}", attributes=_attributes(record))
+        self._spans[id(record)] = self._open(span)
+
+    def on_transition(self, record: TransitionRecord) -> None:
+        span = self._span_of(record)
+        span.set_attributes(record.attributes)  # the fixed keys were set when the span started
+        if record.cause is not None:  # the fault transition: its span carries the cause
+            span.record_exception(record.cause)
+            span.set_status(Status(StatusCode.ERROR, f"{type(record.cause).__name__}: {record.cause}"))
+        span.end()
+
+    def on_rejected(self, record: TransitionRecord, error: LifecycleError) -> None:
+        # A refused event never reached a destination: its span names none.
+        span = self._tracer.start_span(f"lifecycle.{record.event.value}", attributes=_attributes(record, reached=False))
+        span.set_attributes(record.attributes)
+        for verdict in error.verdicts if isinstance(error, GuardRejected) else ():
+            span.add_event("guard.rejected", {"colocate.guard": verdict.guard, "colocate.reason": verdict.reason})
+        span.set_attribute("colocate.refused", True)
+        span.set_status(Status(StatusCode.ERROR, str(error)))
+        span.end()
+
+    def on_fault(self, record: TransitionRecord, error: LifecycleError) -> None:
+        span = self._span_of(record)
+        span.set_attributes(record.attributes)
+        # The cause, with its own type and traceback (`raise ... from` has not linked it yet).
+        span.record_exception(record.cause if record.cause is not None else error)
+        span.set_status(Status(StatusCode.ERROR, str(error)))
+        span.end()
+        flush = getattr(self._provider, "force_flush", None)  # the SDK's; the API's no-op has none
+        if flush is not None:
+            flush()  # a faulted run may not live to its next batch
+
+
+def _attributes(record: TransitionRecord, *, reached: bool = True) -> dict[str, str | bool | int | float]:
+    attributes: dict[str, str | bool | int | float] = {
+        "colocate.event": record.event.value,
+        "colocate.source": record.src.value,
+        "colocate.destination": record.dst.value,
+        "colocate.step": record.step,
+        "colocate.rank": record.rank,
+        "colocate.mode": record.mode.value,
+    }
+    if not reached:
+        del attributes["colocate.destination"]
+    return attributes

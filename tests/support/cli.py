@@ -1,0 +1,43 @@
+"""Running the `colocate` command as a user does: the installed script, or `python -m` without one."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+CYCLE = ["TRAIN", "GRADS_PAUSED", "WEIGHTS_SYNCED", "PARAMS_DROPPED", "ROLLOUT", "TRAIN"]
+
+
+def colocate(*args: str) -> list[str]:
+    exe = shutil.which("colocate")
+    return [exe, *args] if exe else [sys.executable, "-m", "orchestrator.cli", *args]
+
+
+def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(colocate(*args), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+@contextlib.contextmanager
+def sglang_stand_ins(
+    folder: Path, count: int = 1, device: str = "cpu", join_groups: bool = False
+) -> Iterator[list[str]]:
+    """Servers speaking SGLang's HTTP API, started as the README starts SGLang: `colocate
+    engine-config FOLDER`, then one server per URL loading it (tests/support/sglang_server.py)."""
+    done = run("engine-config", str(folder))
+    assert done.returncode == 0, done.stderr
+    command = [sys.executable, "-m", "tests.support.sglang_server", "--model-path", str(folder), "--device", device]
+    command += ["--join-groups"] if join_groups else []
+    procs = [subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, text=True) for _ in range(count)]
+    try:
+        urls = [p.stdout.readline().strip() if p.stdout is not None else "" for p in procs]
+        assert all(u.startswith("http://") for u in urls), f"a stand-in server did not start: {urls}"
+        yield urls
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
