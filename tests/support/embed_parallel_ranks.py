@@ -107,13 +107,13 @@ def _connect(address: tuple[str, int]) -> RemoteEngine:
 def _train_step(chunks: list[Any], optimizer: Any, batch: torch.Tensor) -> None:
     from megatron.core.distributed import finalize_model_grads
 
-    from tests.integration.test_convert_parallel import _schedule
+    from tests.support.megatron_parallel import schedule
 
     for chunk in chunks:
         chunk.train()
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    _schedule(chunks, batch, forward_only=False)
+    schedule(chunks, batch, forward_only=False)
     finalize_model_grads(chunks)
     optimizer.step()
 
@@ -177,14 +177,14 @@ def embed_parallel_scenario(rank: int, tp: int, pp: int) -> dict[str, Any]:
     from orchestrator import ActionFailed, colocate_megatron
     from orchestrator.adapters.megatron.convert import Family, is_sync_source
     from orchestrator.adapters.megatron.embed import gpt_shape
-    from tests.integration.test_convert_parallel import SEQ, _batches, _build
+    from tests.support.megatron_parallel import SEQ, batches, build
 
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     tensor_parallel.model_parallel_cuda_manual_seed(1234)
     torch.manual_seed(1234)
-    chunks, optimizer = _build(Family.LLAMA, tp, pp, 1)
-    batches = _batches(CYCLES + 2)
-    _train_step(chunks, optimizer, batches[0])
+    chunks, optimizer = build(Family.LLAMA, tp, pp, 1)
+    inputs = batches(CYCLES + 2)
+    _train_step(chunks, optimizer, inputs[0])
 
     engine: SharedEngine | RemoteEngine
     if rank == 0:
@@ -198,7 +198,7 @@ def embed_parallel_scenario(rank: int, tp: int, pp: int) -> dict[str, Any]:
 
     lifecycle = colocate_megatron(chunks, optimizer, engine)  # the default converter: hf_buckets
     result: dict[str, Any] = {"source": is_sync_source(), "cycles": []}
-    cycle = partial(_cycle, lifecycle, engine, chunks, optimizer, batches)
+    cycle = partial(_cycle, lifecycle, engine, chunks, optimizer, inputs)
     result["cycles"] = [cycle(step) for step in range(CYCLES)]
     if tp > 1:
         # The bad day: the engine refuses rank 0's first bucket. TP rank 1 sends nothing, yet its
