@@ -34,6 +34,9 @@ stage sends before every rank has resumed the engine's weights, no rank reads th
 before the last stage has sent, and a send that fails on one rank fails the update on every rank
 (`PeerPushFailed` on the others), each lifecycle `FAULTED`. The engine's memory calls are made on
 every rank: a shared engine's handle must take them once (this module does not choose a rank).
+An engine replica per rank (each rank's own, loading the whole model) is not what this wires: a
+rank that is no source would leave its replica empty, and its update fails naming the version the
+replica serves. Pass `transport=` for that layout.
 
 Nothing moves before every check has passed: a setup Megatron's configs refuse, a model the
 conversion cannot map, an engine that cannot load weights each raise `ConfigError`, naming the
