@@ -39,6 +39,7 @@ import torch
 
 from orchestrator.adapters.transport.bucketed import buckets
 from orchestrator.protocols import LoadsWeights, Named, Trainer, TransferReport
+from orchestrator.telemetry import semconv
 from orchestrator.telemetry.tracing import process_span
 from states import Source
 
@@ -147,9 +148,9 @@ class MegatronTransport:
                 continue  # walked for the other ranks' collectives
             try:
                 if self.source:
-                    with process_span("rank.bucket", {"colocate.tensors": len(bucket)}) as span:
+                    with process_span(semconv.BUCKET_SPAN, {semconv.TENSORS: len(bucket)}) as span:
                         sent = self._engine.update_weights(bucket, version)
-                        span.set_attribute("colocate.bytes", sent)
+                        span.set_attribute(semconv.BYTES, sent)
                     moved += sent
                     tensors += len(bucket)
                     count += 1
