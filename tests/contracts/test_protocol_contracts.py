@@ -37,15 +37,6 @@ BROKEN = {
         "(storage.py says so; protocols.MemoryRegions promises the same addresses)",
         strict=False,  # mmap may hand the old address back
     ),
-    **{
-        (make, "a_partial_load_does_not_serve_the_new_version"): pytest.mark.xfail(
-            reason="SGLang records the weight_version of every /update_weights_from_tensor (the stand-in plays "
-            "it): an update that failed after its first bucket already reports the new version. The lifecycle "
-            "copes (recover takes the version served and marks the engine unsynced); the docstring does not say so",
-            strict=True,
-        )
-        for make in ("sglang_engine", "sglang_group")
-    },
 }
 
 

@@ -94,7 +94,8 @@ def test_every_request_matches_its_sglang_class(engine: SGLangEngine, server: SG
     assert update["load_format"] == "flattened_bucket"
     assert update["flush_cache"] is False and update["weight_version"] == "1"
     (dist,) = sent(server, "/update_weights_from_distributed")
-    assert dist["dtypes"] == ["bfloat16"] and dist["shapes"] == [[32, 8]] and dist["weight_version"] == "2"
+    assert dist["dtypes"] == ["bfloat16"] and dist["shapes"] == [[32, 8]]
+    assert dist["weight_version"] is None, "one weight of several: version 2 is not complete"
     assert sent(server, "/generate")[0]["return_logprob"] is True
     assert server.state.paused is None
 
@@ -122,6 +123,57 @@ def test_bucket_arrives_with_names_shapes_dtypes_and_values(engine: SGLangEngine
     for name, tensor in named:
         assert torch.equal(server.state.loaded[name], tensor)
     assert engine.weight_version() == 7
+
+
+def test_only_the_bucket_that_completes_the_weights_carries_the_version(
+    engine: SGLangEngine, server: SGLangStandIn
+) -> None:
+    """SGLang serves any weight_version a successful update carries: colocate sends it with the
+    bucket that completes the model's weights (learned from the first update), so an update that
+    fails partway leaves the old version served, and its retry starts over."""
+    named = tensors()
+    first, rest = named[:1], named[1:]
+
+    def versions() -> list[str | None]:
+        return [body["weight_version"] for body in sent(server, "/update_weights_from_tensor")]
+
+    with engine.weight_update_session():  # the first update names the model's weights
+        engine.update_weights(first, version=1)
+        engine.update_weights(rest, version=1)
+    assert versions() == ["1", "1"] and engine.weight_version() == 1
+
+    with engine.weight_update_session():
+        engine.update_weights(first, version=2)
+        assert engine.weight_version() == 1, "one bucket of two arrived"
+        engine.update_weights(rest, version=2)
+    assert versions()[2:] == [None, "2"] and engine.weight_version() == 2
+
+    server.state.fail_next_update = "Failed to load weights: out of memory"
+    with pytest.raises(EngineError, match="out of memory"), engine.weight_update_session():
+        engine.update_weights(rest, version=3)
+        engine.update_weights(first, version=3)
+    assert versions()[4:] == [None] and engine.weight_version() == 2, "the failed update is not served"
+    assert not server.state.session_open
+
+    with engine.weight_update_session():  # the retry resends every bucket: the last one completes it
+        engine.update_weights(first, version=3)
+        assert engine.weight_version() == 2, "the failed attempt's bucket does not count"
+        engine.update_weights(rest, version=3)
+    assert versions()[5:] == [None, "3"] and engine.weight_version() == 3
+
+
+def test_a_first_update_that_fails_teaches_no_weight_names(engine: SGLangEngine, server: SGLangStandIn) -> None:
+    named = tensors()
+    server.state.fail_next_update = "Failed to load weights: out of memory"
+    with pytest.raises(EngineError, match="out of memory"), engine.weight_update_session():
+        engine.update_weights(named[:1], version=1)
+    with engine.weight_update_session():  # still the first update: every bucket carries its version
+        engine.update_weights(named[:1], version=1)
+        engine.update_weights(named[1:], version=1)
+    assert [b["weight_version"] for b in sent(server, "/update_weights_from_tensor")] == ["1", "1", "1"]
+    with engine.weight_update_session():
+        engine.update_weights(named[1:], version=2)
+    assert engine.weight_version() == 1, "learned from the whole first update, not its failed attempt"
 
 
 def test_one_payload_per_tp_rank() -> None:

@@ -10,7 +10,10 @@ behaviours colocate relies on (sglang 0.5.23, design §4):
 - /flush_cache answers 400 while requests are in flight (`hold`), 200 once they finish.
 - release while requests are in flight fails (SGLang's scheduler asserts idle); resuming a tag
   that is not released fails (SGLang's `offload_tags.remove`).
-- `weight_version` sent with an update is what /model_info reports afterwards ("default" before).
+- `weight_version` sent with a successful update is what /model_info reports afterwards ("default"
+  before); an update without one leaves it unchanged, as SGLang's `TokenizerControlMixin`
+  (tokenizer_control_mixin.py: `update_weights_from_tensor`, `update_weights_from_distributed`) sets
+  it only when the update succeeded and `weight_version` is not None.
 - Weight updates only inside a session, as 0.5.23's `SchedulerWeightUpdaterManager` requires:
   /update_weights_from_tensor and /update_weights_from_distributed between /begin_weight_update
   and /end_weight_update; opening an open session or closing a closed one fails.
@@ -332,8 +335,8 @@ def _update_from_tensor(server: SGLangStandIn, state: StandInState, body: dict[s
     state.buckets.append([(n, tuple(t.shape), t.dtype) for n, t in named])
     if body.get("weight_version") is not None:
         state.weight_version = body["weight_version"]
-    if state.model is not None:
-        state.model.update_weights(named, int(state.weight_version))
+    if state.model is not None:  # one loading tag per session: a bucket may carry no weight_version
+        state.model.update_weights(named, state.sessions + 1)
     return 200, {"success": True, "message": "Success"}
 
 
@@ -398,7 +401,7 @@ def _update_from_distributed(server: SGLangStandIn, state: StandInState, body: d
         state.loaded.update(named)
         state.buckets.append([(n, tuple(t.shape), t.dtype) for n, t in named])
         if state.model is not None:
-            state.model.update_weights(named, int(body["weight_version"]))
+            state.model.update_weights(named, state.sessions + 1)
     if body.get("weight_version") is not None:
         state.weight_version = body["weight_version"]
     return 200, {"success": True, "message": "Succeeded to update parameter online."}

@@ -153,6 +153,11 @@ class SGLangEngine:
             "server.address": parts.hostname or "",
             "server.port": parts.port or (443 if parts.scheme == "https" else 80),
         }
+        # Which bucket carries `weight_version` (see `_version_tag`): the model's weight names, learned
+        # from the first update whose session closed cleanly, and the names arrived at `_arriving`.
+        self._weight_names: frozenset[str] | None = None
+        self._arriving: int | None = None
+        self._arrived: set[str] = set()
 
     def close(self) -> None:
         self._session.close()
@@ -283,8 +288,39 @@ class SGLangEngine:
         self._call("POST", "/begin_weight_update", {})
 
     def end_weight_update(self) -> None:
-        """Close the session (SGLang finalizes the loaded weights here)."""
+        """Close the session (SGLang finalizes the loaded weights here). The first session that
+        closes with weights loaded names the model's weights (see `_version_tag`)."""
         self._call("POST", "/end_weight_update", {})
+        if self._weight_names is None and self._arrived:
+            self._weight_names = frozenset(self._arrived)
+
+    def _version_tag(self, names: Sequence[str], version: int) -> str | None:
+        """The `weight_version` this bucket carries: `str(version)` on the bucket that completes the
+        model's weights at `version`, None (SGLang keeps the version it serves) on the others.
+
+        SGLang 0.5.23 moves the version it serves on any successful update that carries one, and
+        only then: `TokenizerControlMixin.update_weights_from_tensor` and
+        `update_weights_from_distributed` (sglang/srt/managers/tokenizer_control_mixin.py, the value
+        /model_info reports) call `_update_weight_version_if_provided` only when the update
+        succeeded and its `weight_version` is not None; the scheduler's
+        `Scheduler.record_weight_version_change` (scheduler.py) returns on None; io_struct.py's
+        `UpdateWeightsFromTensorReqInput` and `UpdateWeightsFromDistributedReqInput` default it to
+        None. Tagging only the completing bucket keeps `LoadsWeights`' promise: an update that stops
+        early leaves the old version served.
+
+        Until the model's weight names are known (the first update after construction), every
+        bucket carries the version: the engine serves nothing colocate synced before it.
+        """
+        if version != self._arriving:
+            self._arriving, self._arrived = version, set()
+        self._arrived.update(names)
+        if self._weight_names is None or self._arrived >= self._weight_names:
+            return str(version)
+        return None
+
+    def _abandon_update(self) -> None:
+        """Forget the names arrived so far: the update failed, and its retry starts over."""
+        self._arriving, self._arrived = None, set()
 
     @contextmanager
     def weight_update_session(self) -> Iterator[None]:
@@ -298,7 +334,8 @@ class SGLangEngine:
         self.end_weight_update()
 
     def update_weights(self, named: Sequence[Named], version: int) -> int:
-        """Send one bucket of HF-named tensors, tagged `version`; returns the bytes sent.
+        """Send one bucket of HF-named tensors at `version`; returns the bytes sent. SGLang serves
+        `version` once the bucket that completes the model's weights arrived (`_version_tag`).
 
         The flattened tensor stays referenced until SGLang answers: its CUDA IPC handle is only
         valid while this process holds the memory. The cache is not flushed here (`flush_cache=False`):
@@ -313,7 +350,7 @@ class SGLangEngine:
                 "serialized_named_tensors": payloads,
                 "load_format": "flattened_bucket",
                 "flush_cache": False,
-                "weight_version": str(version),
+                "weight_version": self._version_tag([name for name, _ in named], version),
             },
         )
         return int(bucket["flattened_tensor"].numel())
@@ -350,7 +387,8 @@ class SGLangEngine:
         flattened: bool = False,
     ) -> None:
         """Announce tensors the trainer broadcasts over `group_name`; returns once SGLang received
-        them. `flattened`: one uint8 broadcast laid out as `flattened_bucket` lays it out."""
+        them. `flattened`: one uint8 broadcast laid out as `flattened_bucket` lays it out. SGLang
+        serves `version` once the announcement that completes the model's weights succeeded."""
         if not len(names) == len(dtypes) == len(shapes):
             raise ValueError(f"{len(names)} names, {len(dtypes)} dtypes, {len(shapes)} shapes")
         body = {
@@ -359,7 +397,7 @@ class SGLangEngine:
             "shapes": [list(s) for s in shapes],
             "group_name": group_name,
             "flush_cache": False,
-            "weight_version": str(version),
+            "weight_version": self._version_tag(names, version),
         }
         if flattened:
             body["load_format"] = "flattened_bucket"
@@ -404,6 +442,7 @@ def _close_quietly(engines: Sequence[SGLangEngine], error: BaseException) -> Non
     """End each server's session while `error` is on its way out: it stays the one raised, and
     a server that also refused to close is a note on it."""
     for engine in engines:
+        engine._abandon_update()
         try:
             engine.end_weight_update()
         except EngineError as exc:
