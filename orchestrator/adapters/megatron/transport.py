@@ -30,6 +30,7 @@ import torch
 
 from orchestrator.adapters.transport.bucketed import buckets
 from orchestrator.protocols import LoadsWeights, Named, Trainer, TransferReport
+from orchestrator.telemetry import semconv
 from orchestrator.telemetry.tracing import process_span
 from states import Source
 
@@ -107,9 +108,9 @@ class MegatronTransport:
         watched = _Watched(self._trainer.sync_tensors(), self._views)
         tensors = moved = count = 0
         for bucket in self._convert(watched, bucket_bytes=self._bucket_bytes):
-            with process_span("rank.bucket", {"colocate.tensors": len(bucket)}) as span:
+            with process_span(semconv.BUCKET_SPAN, {semconv.TENSORS: len(bucket)}) as span:
                 sent = self._engine.update_weights(bucket, version)
-                span.set_attribute("colocate.bytes", sent)
+                span.set_attribute(semconv.BYTES, sent)
             watched.check()
             moved += sent
             tensors += len(bucket)

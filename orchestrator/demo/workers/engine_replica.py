@@ -10,6 +10,7 @@ import torch
 from orchestrator.demo.workers.staging import Slot, attach
 from orchestrator.demo.workers.traced import Traced
 from orchestrator.protocols import Named
+from orchestrator.telemetry import semconv
 from states import EngineMemory
 
 
@@ -18,7 +19,7 @@ class EngineReplica(Traced):
     colocated rank pushes. transformers is imported here, only in a process that serves rollouts.
     """
 
-    role = "engine"
+    role = semconv.ROLE_ENGINE
 
     def __init__(
         self,

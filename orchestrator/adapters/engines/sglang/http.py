@@ -24,6 +24,7 @@ from requests.adapters import HTTPAdapter
 from urllib3.util.retry import Retry
 
 from orchestrator.errors import EngineError
+from orchestrator.telemetry import semconv
 
 
 def _session(retries: int) -> requests.Session:
@@ -86,7 +87,7 @@ class SGLangHTTP:
         if method == "GET":
             return self._request(method, path, body)
         attributes = {**self._server_attributes, "url.full": self.name + path, "http.request.method": method}
-        with trace.get_tracer("colocate").start_as_current_span(
+        with trace.get_tracer(semconv.TRACER).start_as_current_span(
             f"sglang {method} {path.split('?', 1)[0]}", kind=trace.SpanKind.CLIENT, attributes=attributes
         ) as span:
             response = self._request(method, path, body)
