@@ -32,11 +32,6 @@ REGION_ADAPTERS = [
 ]
 # (adapter, contract) pairs where the adapter breaks a Protocol docstring's promise, and why.
 BROKEN = {
-    ("storage_regions", "resume_keeps_the_addresses"): pytest.mark.xfail(
-        reason="StorageRegions reallocates a resized storage: views follow it, raw addresses do not "
-        "(storage.py says so; protocols.MemoryRegions promises the same addresses)",
-        strict=False,  # mmap may hand the old address back
-    ),
     **{
         (make, "a_partial_load_does_not_serve_the_new_version"): pytest.mark.xfail(
             reason="SGLang records the weight_version of every /update_weights_from_tensor (the stand-in plays "
