@@ -31,13 +31,7 @@ REGION_ADAPTERS = [
     pytest.param(cases.tms_regions, id="torch-memory-saver", marks=pytest.mark.gpu),
 ]
 # (adapter, contract) pairs where the adapter breaks a Protocol docstring's promise, and why.
-BROKEN = {
-    ("storage_regions", "resume_keeps_the_addresses"): pytest.mark.xfail(
-        reason="StorageRegions reallocates a resized storage: views follow it, raw addresses do not "
-        "(storage.py says so; protocols.MemoryRegions promises the same addresses)",
-        strict=False,  # mmap may hand the old address back
-    ),
-}
+BROKEN: dict[tuple[str, str], pytest.MarkDecorator] = {}
 
 
 def _xfail_if_broken(request: pytest.FixtureRequest, make: Make, contract: str) -> None:

@@ -39,6 +39,7 @@ class RegionsCase:
     free: Callable[[], int]
     tolerance: int
     grows: bool = False  # calls back for its tensors at every pause: tensors added later are paused too
+    keeps_addresses: bool = True  # resume maps the same virtual addresses (see MemoryRegions.resume)
 
 
 def _rss() -> int:
@@ -86,7 +87,7 @@ def storage_regions() -> Iterator[RegionsCase]:
     tensors: dict[str, list[torch.Tensor]] = {}
     regions = StorageRegions(lambda: tensors)
     tensors.update(_tagged(16 * MiB))
-    yield RegionsCase(regions, tensors, free=lambda: -_rss(), tolerance=2 * MiB, grows=True)
+    yield RegionsCase(regions, tensors, free=lambda: -_rss(), tolerance=2 * MiB, grows=True, keeps_addresses=False)
 
 
 @contextmanager
