@@ -113,6 +113,24 @@ def test_a_full_update_window_passes_sglangs_session_and_loads_every_tensor(
     assert served.scheduler.weight_versions == ["1", "1"]
 
 
+def test_only_the_completing_bucket_carries_the_version_through_sglangs_parsing(
+    group: SGLangGroup, served: tier.Served
+) -> None:
+    """Buckets before the last send `weight_version: null`: SGLang's request parsing takes it, and
+    its weight updater hands None on (which its scheduler and tokenizer manager ignore)."""
+    named = trainer_tensors(served)
+    group.connect()
+    with group.weight_update_session():  # the first update names the model's weights
+        group.update_weights(named[:2], version=1)
+        group.update_weights(named[2:], version=1)
+    with group.weight_update_session():
+        group.update_weights(named[:2], version=2)
+        assert group.weight_version() == 1, "two weights of three arrived"
+        group.update_weights(named[2:], version=2)
+    assert group.weight_version() == 2
+    assert served.scheduler.weight_versions == ["1", "1", None, "2"]
+
+
 def test_an_update_outside_the_session_is_refused_by_sglangs_scheduler(group: SGLangGroup, served: tier.Served) -> None:
     with pytest.raises(EngineError, match=r"must run between begin_weight_update\(\) and end_weight_update\(\)"):
         group.update_weights(trainer_tensors(served), version=1)
