@@ -42,12 +42,9 @@ class CorruptAfterSync(Listener):
 
 def test_a_corrupted_engine_weight_is_reported_as_a_mismatch() -> None:
     holder: list[ColocatedJob] = []
-    job = ColocatedJob(RunConfig(steps=2, ranks=1), listeners=[CorruptAfterSync(holder, step=2)])
-    holder.append(job)
-    try:
+    with ColocatedJob(RunConfig(steps=2, ranks=1), listeners=[CorruptAfterSync(holder, step=2)]) as job:
+        holder.append(job)
         first, second = job.run_step(), job.run_step()
-    finally:
-        job.close()
     assert first.engine_matches_trainer is True
     assert second.engine_matches_trainer is False
     assert job.report.engine_matches_trainer is False
@@ -56,18 +53,15 @@ def test_a_corrupted_engine_weight_is_reported_as_a_mismatch() -> None:
 def test_a_failure_between_transitions_leaves_the_lifecycle_faulted_with_its_cause() -> None:
     """The engine fails while the driver compares digests, after update_weights and before
     drop_params: no transition is running, and the step still ends in FAULTED."""
-    job = ColocatedJob(RunConfig(steps=1, ranks=1))
     gone = ConnectionError("the engine went away")
 
     def digests() -> dict[str, str]:
         raise gone
 
-    job.engine.replicas.workers[0].engine.digests = digests  # the in-process engine's own method
-    try:
+    with ColocatedJob(RunConfig(steps=1, ranks=1)) as job:
+        job.engine.replicas.workers[0].engine.digests = digests  # the in-process engine's own method
         with pytest.raises(RankFailed, match="engine failed in digests: ConnectionError"):
             job.run_step()
-    finally:
-        job.close()
     assert job.lifecycle.phase is Phase.FAULTED
     assert isinstance(job.lifecycle.fault_cause, RankFailed) and job.lifecycle.fault_cause.cause is gone
     assert job.report.steps[-1].phases[-2:] == ["WEIGHTS_SYNCED", "FAULTED"]
@@ -96,11 +90,8 @@ def spans() -> Iterator[InMemorySpanExporter]:
 
 
 def test_every_process_side_span_has_its_rank_memory_and_a_parent(spans: InMemorySpanExporter) -> None:
-    job = ColocatedJob(RunConfig(steps=1, ranks=1), listeners=[TracingListener(trace.get_tracer_provider())])
-    try:
+    with ColocatedJob(RunConfig(steps=1, ranks=1), listeners=[TracingListener(trace.get_tracer_provider())]) as job:
         job.run_step()
-    finally:
-        job.close()
     found = spans.get_finished_spans()
     by_id = {s.context.span_id: s for s in found}
     names = {s.name for s in found}
