@@ -4,6 +4,7 @@ failure between transitions, the rendezvous port, and the spans of every process
 from __future__ import annotations
 
 import errno
+import os
 import socket
 from collections.abc import Iterator
 
@@ -65,6 +66,40 @@ def test_a_failure_between_transitions_leaves_the_lifecycle_faulted_with_its_cau
     assert job.lifecycle.phase is Phase.FAULTED
     assert isinstance(job.lifecycle.fault_cause, RankFailed) and job.lifecycle.fault_cause.cause is gone
     assert job.report.steps[-1].phases[-2:] == ["WEIGHTS_SYNCED", "FAULTED"]
+
+
+def test_a_cpu_run_leaves_the_drivers_environment_as_it_was() -> None:
+    """The rank and the engine in this process take the CPU because they are told to, not because
+    the driver hid its GPUs from itself: colocate changes nothing of `os.environ`. The one write
+    is Megatron-core's own: building a GPT model sets Transformer Engine's attention-backend flags
+    (`LanguageModule._set_attention_backend`), the same values at every build."""
+    megatrons = {"NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"}
+
+    def environment() -> dict[str, str]:
+        return {k: v for k, v in os.environ.items() if k not in megatrons}
+
+    before = environment()
+    job = ColocatedJob(RunConfig(steps=1, ranks=1))
+    assert not torch.distributed.is_initialized(), "a job starts nothing before `with` (or start())"
+    with job:
+        assert torch.distributed.is_initialized()
+        job.run_step()
+        assert environment() == before
+    assert environment() == before
+    assert {p.device.type for p in job.engine.replicas.workers[0].engine.model.parameters()} == {"cpu"}
+
+
+class Abort(BaseException):
+    """Neither an error nor Ctrl-C."""
+
+
+def test_leaving_the_with_block_by_any_exception_stops_the_job() -> None:
+    with pytest.raises(Abort), ColocatedJob(RunConfig(steps=1, ranks=1)) as job:
+        assert job.phase == Phase.TRAIN and torch.distributed.is_initialized()
+        raise Abort
+    assert not torch.distributed.is_initialized(), "the in-process rank left its process group"
+    with pytest.raises(RuntimeError, match="the job has not started"):
+        ColocatedJob(RunConfig(steps=1, ranks=1)).lifecycle
 
 
 def test_the_rendezvous_port_is_held_before_any_rank_hears_of_it() -> None:
