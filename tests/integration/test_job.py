@@ -99,7 +99,7 @@ def test_leaving_the_with_block_by_any_exception_stops_the_job() -> None:
         raise Abort
     assert not torch.distributed.is_initialized(), "the in-process rank left its process group"
     with pytest.raises(RuntimeError, match="the job has not started"):
-        ColocatedJob(RunConfig(steps=1, ranks=1)).lifecycle
+        _ = ColocatedJob(RunConfig(steps=1, ranks=1)).lifecycle
 
 
 def test_the_rendezvous_port_is_held_before_any_rank_hears_of_it() -> None:

@@ -62,6 +62,6 @@ def test_the_transformers_engine_is_built_on_the_device_asked_for() -> None:
 
 def test_a_served_engine_refuses_a_spec_without_urls_before_any_connection() -> None:
     pytest.importorskip("requests")
-    with pytest.raises(ConfigError, match="no SGLang server URL given"):
-        with ENGINES["sglang"].build(EngineSpec(model=None, max_batch=1, max_len=1)):
-            pass
+    spec = EngineSpec(model=None, max_batch=1, max_len=1)
+    with pytest.raises(ConfigError, match="no SGLang server URL given"), ENGINES["sglang"].build(spec):
+        pass
