@@ -15,6 +15,9 @@ by CUDA IPC; a rollout is split between the replicas. With one rank, the engine 
 same Llama on that GPU or running SGLang servers (`engine="sglang"`, one URL
 each), which receive the weights by CUDA IPC from the rank's own memory, or, off the trainer's
 GPUs (`weight_sync="broadcast"`), over a process group rank 0 hosts.
+
+The engine is chosen by name in `orchestrator.adapters.registry.ENGINES`, the weight sync in
+`workers.fanout.WEIGHT_SYNCS`; where the workers run (this process, or Ray actors) in `workers.placement`.
 """
 
 from __future__ import annotations
@@ -159,6 +162,7 @@ class ColocatedJob:
         self._step = 0
         self._started = contextlib.ExitStack()  # what `start` acquired, released in reverse order
         self._lifecycle: Lifecycle | None = None
+        self._store: torch.distributed.TCPStore | None = None  # the ranks' rendezvous, held while they run
 
     def __enter__(self) -> ColocatedJob:
         self.start()
@@ -198,12 +202,12 @@ class ColocatedJob:
         # Before any rank starts: an unreachable server fails the run at once, by its URL.
         served = self._started.enter_context(adapter.build(spec)) if adapter.served else None
         store_host = driver_ip(cfg.ray_address)
-        self._store: torch.distributed.TCPStore | None = rendezvous_store(store_host)
+        self._store = rendezvous_store(store_host)
         self._started.callback(setattr, self, "_store", None)  # the port goes back once no rank needs it
         placement = self._place(store_host, engine_bundle=served is None)
         self._started.callback(placement.close, flush=self.trace_dir is not None or bool(exporters_requested()))
         ranks = placement.start_ranks(int(self._store.port), grpo.model, grpo.clip_eps)
-        self.engine: JobEngine = served or placement.start_engine(cfg.engine, spec)
+        self.engine: JobEngine = served if served is not None else placement.start_engine(cfg.engine, spec)
         self.trainer = DistributedTrainer(ranks)
         listeners = [ReportListener(self.report), *self.listeners]
         if cfg.device is Device.CUDA:  # the report shows each GPU's free memory per phase
