@@ -21,12 +21,13 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from transitions import Machine
 
+import states
 from orchestrator import Lifecycle, LifecycleConfig, Listener, TransferReport
 from orchestrator.telemetry.logs import LoggingListener, configure_logging
 from orchestrator.telemetry.tracing import TracingListener
 from states import INITIAL, TABLE, EngineMemory, Mode, Phase, Region, Source, TrainerLayout
 
-CYCLE = ("pause_grads", "update_weights", "drop_params", "rollout", "restore", "train")
+CYCLE = tuple(row.event.value for row in states.CYCLE)
 
 
 class Discard(SpanExporter):

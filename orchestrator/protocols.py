@@ -48,7 +48,9 @@ class MemoryRegions(Protocol):
         ...
 
     def resume(self, tag: str) -> int:
-        """Map memory for the tag again, at the same addresses. Returns the bytes retaken."""
+        """Map memory for the tag again behind the same tensors (views included). Returns the bytes
+        retaken. torch_memory_saver maps the same virtual addresses again; storage resizing
+        (`StorageRegions`) allocates new ones, which the tensors follow."""
         ...
 
 

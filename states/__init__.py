@@ -3,9 +3,10 @@
 from states.phases import EngineMemory, Event, Mode, Phase, Region, Source
 from states.setup import TrainingSetup
 from states.snapshot import MemoryBudget, Snapshot, TrainerLayout
-from states.table import INITIAL, TABLE, Transition
+from states.table import CYCLE, INITIAL, TABLE, Transition
 
 __all__ = [
+    "CYCLE",
     "INITIAL",
     "TABLE",
     "EngineMemory",

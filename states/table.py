@@ -1,8 +1,9 @@
 """The one table of legal transitions. Nothing else declares a transition.
 
-Read it top to bottom: it is the colocated step. Guards and actions are named here and resolved
-once when the controller is built (guards/ and orchestrator/core/lifecycle.py), so an unknown name
-fails at import, not mid-run.
+Read it top to bottom: it is the colocated step, and `CYCLE` reads that step off it for whatever
+lists a step's events or phases in order. Guards and actions are named here and resolved once when
+the controller is built (guards/ and orchestrator/core/lifecycle.py), so an unknown name fails at
+import, not mid-run.
 """
 
 from __future__ import annotations
@@ -48,3 +49,27 @@ TABLE: tuple[Transition, ...] = (
 del P, E
 
 INITIAL = Phase.TRAIN
+
+
+def _cycle(table: tuple[Transition, ...], initial: Phase) -> tuple[Transition, ...]:
+    """One colocated step, read off the table: the first row that stays in `initial` (the step's
+    own work), then out of each phase the first row listed that leaves it, until back in `initial`.
+    The other rows (save, skip_update, fault, recover) are alternatives to the cycle, not part of it."""
+
+    def first(phase: Phase, stays: bool) -> Transition:
+        rows = [t for t in table if t.source is phase and (t.dest is phase) is stays and t.dest is not Phase.FAULTED]
+        if not rows:
+            raise ValueError(f"the table has no row {'staying in' if stays else 'leaving'} {phase}: no cycle")
+        return rows[0]
+
+    cycle = [first(initial, stays=True), first(initial, stays=False)]
+    while cycle[-1].dest is not initial:
+        row = first(cycle[-1].dest, stays=False)
+        if row in cycle:
+            raise ValueError(f"the table's cycle never returns to {initial}: {row.source} → {row.dest} repeats")
+        cycle.append(row)
+    return tuple(cycle)
+
+
+# The colocated step's rows in order, for whatever lists a step's events or phases.
+CYCLE = _cycle(TABLE, INITIAL)

@@ -18,6 +18,7 @@ from orchestrator.core.config import LifecycleConfig
 from orchestrator.core.regions import RegionLedger
 from orchestrator.errors import EngineError, RecoveryRefused, RestoreMismatch
 from orchestrator.protocols import RolloutEngine, TrainerControl, WeightTransport, WeightUpdateSessions
+from orchestrator.telemetry import semconv
 from orchestrator.telemetry.listeners import TransitionRecord
 from states import EngineMemory, Region
 
@@ -90,11 +91,11 @@ class Actions:
 
     def pause_trainer_state(self, record: TransitionRecord, work: Work | None) -> None:
         # The extras are stashed first: expert_bias lives in `default`, which is paused next.
-        record.attributes["colocate.bytes_stashed"] = self._trainer.stash(self.config.mode)
+        record.attributes[semconv.BYTES_STASHED] = self._trainer.stash(self.config.mode)
         self.known.extras_stashed = True
         freed = self._regions.pause(Region.GRAD_BUFFER) + self._regions.pause(Region.DEFAULT)
-        record.attributes["colocate.bytes_freed"] = freed
-        record.attributes["colocate.host_pinned_bytes"] = self._trainer.host_pinned_bytes()
+        record.attributes[semconv.BYTES_FREED] = freed
+        record.attributes[semconv.HOST_PINNED_BYTES] = self._trainer.host_pinned_bytes()
 
     def push_weights(self, record: TransitionRecord, work: Work | None) -> None:
         version = self.known.weight_version + 1
@@ -112,9 +113,9 @@ class Actions:
     def drop_param_buffer(self, record: TransitionRecord, work: Work | None) -> None:
         if self.known.cycles < self.config.verify_cycles:
             self.known.digests = dict(self._trainer.digests())
-            record.attributes["colocate.tensors_digested"] = len(self.known.digests)
+            record.attributes[semconv.TENSORS_DIGESTED] = len(self.known.digests)
         self.known.params_valid = False
-        record.attributes["colocate.bytes_freed"] = self._regions.pause(Region.PARAM_BUFFER)
+        record.attributes[semconv.BYTES_FREED] = self._regions.pause(Region.PARAM_BUFFER)
 
     def serve_rollout(self, record: TransitionRecord, work: Work | None) -> Any:
         self._engine_resume(KV)
@@ -146,7 +147,7 @@ class Actions:
         self.known.weight_version = max(self.known.weight_version, served or 0)
         # Whatever the engine holds now is suspect: it must be synced before it serves again.
         self.known.engine_synced = False
-        record.attributes["colocate.weight_version"] = self.known.weight_version
+        record.attributes[semconv.WEIGHT_VERSION] = self.known.weight_version
 
     def _await_engine_idle(self) -> None:
         engine = self._engine
@@ -184,10 +185,10 @@ class Actions:
         self.known.engine_synced = True
         record.attributes.update(
             {
-                "colocate.weight_version": version,
-                "colocate.tensors": report.tensors,
-                "colocate.bytes_moved": report.bytes,
-                "colocate.buckets": report.buckets,
+                semconv.WEIGHT_VERSION: version,
+                semconv.TENSORS: report.tensors,
+                semconv.BYTES_MOVED: report.bytes,
+                semconv.BUCKETS: report.buckets,
             }
         )
 
@@ -198,7 +199,7 @@ class Actions:
             written = self._trainer.rebuild(self.config.mode)
             self.known.params_valid = self.known.digests is None  # else valid once verified
         self.known.extras_stashed = False  # the next optimizer step makes them stale
-        return {"colocate.bytes_retaken": retaken, "colocate.bytes_rebuilt": written}
+        return {semconv.BYTES_RETAKEN: retaken, semconv.BYTES_REBUILT: written}
 
     def _verify(self, record: TransitionRecord) -> Any:
         """Compare the params with the digests taken at the drop, if this cycle took any."""
@@ -206,7 +207,7 @@ class Actions:
             return None
         verdict = restore_bit_identical(self.known.digests, self._trainer.digests())
         self.known.last_restore_verified = verdict.ok
-        record.attributes["colocate.restore_verified"] = verdict.ok
+        record.attributes[semconv.RESTORE_VERIFIED] = verdict.ok
         if verdict.ok:
             self.known.digests, self.known.params_valid = None, True
         return verdict

@@ -30,6 +30,7 @@ from orchestrator.errors import (
     LifecycleError,
 )
 from orchestrator.protocols import MemoryRegions, RolloutEngine, TrainerControl, WeightTransport
+from orchestrator.telemetry import semconv
 from orchestrator.telemetry.listeners import FanOut, Listener, TransitionRecord
 from states import INITIAL, TABLE, Event, Mode, Phase, Snapshot, TrainerLayout, Transition
 
@@ -255,7 +256,7 @@ class Lifecycle:
         error = cause if isinstance(cause, BaseException) else RuntimeError(cause)
         record = self._record(Event.FAULT, Phase.FAULTED)
         record.cause = error
-        record.attributes["colocate.cause"] = f"{type(error).__name__}: {error}"
+        record.attributes[semconv.CAUSE] = f"{type(error).__name__}: {error}"
         if self.phase is Phase.FAULTED:
             if self.fault_cause is not None:
                 self.fault_cause.add_note(f"a later fault: {type(error).__name__}: {error}")

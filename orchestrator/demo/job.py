@@ -44,6 +44,7 @@ from orchestrator.demo.workers.pool import RANK_TIMEOUT_S
 from orchestrator.demo.workers.trainer_rank import Batch
 from orchestrator.errors import ConfigError
 from orchestrator.protocols import JobEngine
+from orchestrator.telemetry import semconv
 from orchestrator.telemetry.listeners import Listener
 from orchestrator.telemetry.tracing import exporters_requested
 from states import Mode, Phase
@@ -186,7 +187,7 @@ class ColocatedJob:
         """Connect to a served engine, start the ranks (and the engine the job runs), build the lifecycle."""
         try:
             # One trace for the start-up, so the engine's first release has a parent.
-            with trace.get_tracer("colocate").start_as_current_span("colocate.start"):
+            with trace.get_tracer(semconv.TRACER).start_as_current_span(semconv.START_SPAN):
                 self._start()
         except BaseException:
             self.close()  # a job that never started leaves no Ray, actors or folders behind
@@ -246,10 +247,10 @@ class ColocatedJob:
         with lc.step(self._step), self._fault_on_error():
             lc.pause_grads()
             lc.update_weights()
-            with trace.get_tracer("colocate").start_as_current_span("colocate.engine_matches_trainer") as span:
+            with trace.get_tracer(semconv.TRACER).start_as_current_span(semconv.ENGINE_MATCHES_TRAINER_SPAN) as span:
                 matches = self.engine_matches_trainer()
                 if matches is not None:
-                    span.set_attribute("colocate.engine_matches_trainer", matches)
+                    span.set_attribute(semconv.ENGINE_MATCHES_TRAINER, matches)
             lc.drop_params()
             batch, reward = lc.rollout(self._rollout)
             lc.restore()

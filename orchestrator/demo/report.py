@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from orchestrator.telemetry import semconv
 from orchestrator.telemetry.listeners import Listener, TransitionRecord
 from states import Event, Phase
 
@@ -50,7 +51,7 @@ class ReportListener(Listener):
     """Records, per step, the phases visited in order and the seconds each event took.
 
     `phases` starts with the phase the step began in and adds each new phase entered, so a full
-    step reads TRAIN, GRADS_PAUSED, WEIGHTS_SYNCED, PARAMS_DROPPED, ROLLOUT, TRAIN.
+    step reads the phases of `states.CYCLE` in order, from TRAIN back to TRAIN.
     """
 
     def __init__(self, report: RunReport) -> None:
@@ -74,11 +75,11 @@ class ReportListener(Listener):
         step.phase_seconds[record.event.value] = round(record.seconds, 6)
         attributes: dict[str, Any] = record.attributes
         if record.event is Event.UPDATE_WEIGHTS:
-            step.weight_version = int(attributes["colocate.weight_version"])
+            step.weight_version = int(attributes[semconv.WEIGHT_VERSION])
         elif record.event is Event.DROP_PARAMS:
-            step.bytes_freed_at_drop = int(attributes["colocate.bytes_freed"])
+            step.bytes_freed_at_drop = int(attributes[semconv.BYTES_FREED])
         elif record.event is Event.RESTORE:
-            verified = attributes.get("colocate.restore_verified")
+            verified = attributes.get(semconv.RESTORE_VERIFIED)
             step.restore_verified = None if verified is None else bool(verified)
 
 

@@ -20,16 +20,9 @@ from orchestrator.demo.report import RunReport
 from orchestrator.errors import LifecycleError
 from orchestrator.telemetry.listeners import Listener
 from orchestrator.telemetry.logs import LoggingListener, configure_logging
+from orchestrator.telemetry.sparkline import sparkline
 from orchestrator.telemetry.tracing import TracingListener, configure_tracing
-from states import Event
-
-SPARK = "▁▂▃▄▅▆▇█"
-
-
-def sparkline(values: list[float]) -> str:
-    low, high = min(values, default=0.0), max(values, default=0.0)
-    span = (high - low) or 1.0
-    return "".join(SPARK[round((v - low) / span * (len(SPARK) - 1))] for v in values)
+from states import CYCLE
 
 
 def summary(report: RunReport, seconds: float) -> Table:
@@ -43,14 +36,7 @@ def summary(report: RunReport, seconds: float) -> Table:
         first, last = rewards[: min(5, len(rewards))], rewards[-min(5, len(rewards)) :]
         table.add_row("reward curve", f"{sparkline(rewards)}  {rewards[0]:.2f} → {rewards[-1]:.2f}")
         table.add_row("mean reward, first / last 5", f"{sum(first) / len(first):.3f} / {sum(last) / len(last):.3f}")
-    for event in (
-        Event.PAUSE_GRADS,
-        Event.UPDATE_WEIGHTS,
-        Event.DROP_PARAMS,
-        Event.ROLLOUT,
-        Event.RESTORE,
-        Event.TRAIN,
-    ):
+    for event in (row.event for row in CYCLE):
         times = [s.phase_seconds[event] for s in report.steps if event in s.phase_seconds]
         if times:
             table.add_row(f"{event} s (mean)", f"{sum(times) / len(times):.4f}")

@@ -14,6 +14,7 @@ import structlog
 from opentelemetry import trace
 
 from orchestrator.errors import ActionFailed, GuardRejected, LifecycleError
+from orchestrator.telemetry import semconv
 from orchestrator.telemetry.listeners import Listener, TransitionRecord
 
 
@@ -33,7 +34,7 @@ def _keys(record: TransitionRecord) -> dict[str, Any]:
         "mode": record.mode.value,
         "seconds": round(record.seconds, 6),
         **_ids(),
-        **{k.removeprefix("colocate."): v for k, v in record.attributes.items()},
+        **{k.removeprefix(semconv.PREFIX): v for k, v in record.attributes.items()},
     }
 
 

@@ -21,9 +21,8 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExport
 from opentelemetry.trace import Span, Status, StatusCode
 
 from orchestrator.errors import GuardRejected, LifecycleError
+from orchestrator.telemetry import semconv
 from orchestrator.telemetry.listeners import AttributeValue, Listener, TransitionRecord
-
-SCOPE = "colocate.lifecycle"
 
 
 def _otlp_exporter(env: Mapping[str, str]) -> SpanExporter:
@@ -94,7 +93,7 @@ def carrier() -> dict[str, str]:
     return headers
 
 
-_RANK = context.create_key("colocate.rank")  # the trainer rank a process-side call works for
+_RANK = context.create_key(semconv.RANK)  # the trainer rank a process-side call works for
 
 
 @contextmanager
@@ -125,18 +124,18 @@ def process_span(name: str, attributes: Mapping[str, AttributeValue] | None = No
     """A span of work in a rank or engine process, with the fixed keys of every process-side span:
     `colocate.rank` (where the call came from a rank, `continued(..., rank=)`) and the host memory
     before and after (RSS). Memory is read only when the span records."""
-    with trace.get_tracer("colocate").start_as_current_span(name, attributes=attributes) as span:
+    with trace.get_tracer(semconv.TRACER).start_as_current_span(name, attributes=attributes) as span:
         recording = span.is_recording()
         if recording:
             rank = context.get_value(_RANK)
             if isinstance(rank, int):
-                span.set_attribute("colocate.rank", rank)
-            _set_memory(span, "colocate.memory_before")
+                span.set_attribute(semconv.RANK, rank)
+            _set_memory(span, semconv.MEMORY_BEFORE)
         try:
             yield span
         finally:
             if recording:
-                _set_memory(span, "colocate.memory_after")
+                _set_memory(span, semconv.MEMORY_AFTER)
 
 
 def _set_memory(span: Span, key: str) -> None:
@@ -160,7 +159,7 @@ def configure_tracing(
     rank: int | None = 0,
     env: Mapping[str, str] | None = None,
     trace_file: Path | None = None,
-    role: str = "driver",
+    role: str = semconv.ROLE_DRIVER,
 ) -> TracerProvider | None:
     """A tracer provider exporting where `OTEL_*` says, or None if tracing is not asked for.
 
@@ -184,10 +183,10 @@ def configure_tracing(
         return None
     attributes: dict[str, str | int] = {
         "service.name": env.get("OTEL_SERVICE_NAME", service_name),
-        "colocate.role": role,
+        semconv.ROLE: role,
     }
     if rank is not None:  # the engine's process serves every rank: it has none of its own
-        attributes["colocate.rank"] = rank
+        attributes[semconv.RANK] = rank
     provider = TracerProvider(resource=Resource.create(attributes))
     for exporter in exporters:
         provider.add_span_processor(BatchSpanProcessor(exporter))  # export never blocks a transition
@@ -204,7 +203,7 @@ class TracingListener(Listener):
 
     def __init__(self, provider: trace.TracerProvider | None = None) -> None:
         self._provider = provider or trace.get_tracer_provider()
-        self._tracer = self._provider.get_tracer(SCOPE)
+        self._tracer = self._provider.get_tracer(semconv.LIFECYCLE_SCOPE)
         self._steps: dict[int, tuple[Span, object]] = {}  # step → (span, context token)
         self._spans: dict[int, tuple[Span, object]] = {}  # id(record) → (span, context token)
 
@@ -221,11 +220,11 @@ class TracingListener(Listener):
         """The span `on_begin` opened for `record`, or a new one if it never began."""
         opened = self._spans.pop(id(record), None)
         if opened is None:
-            return self._tracer.start_span(f"lifecycle.{record.event.value}", attributes=_attributes(record))
+            return self._tracer.start_span(semconv.lifecycle_span(record.event), attributes=_attributes(record))
         return self._close(opened)
 
     def on_step_start(self, step: int, rank: int) -> None:
-        span = self._tracer.start_span("colocate.step", attributes={"colocate.step": step, "colocate.rank": rank})
+        span = self._tracer.start_span(semconv.STEP_SPAN, attributes={semconv.STEP: step, semconv.RANK: rank})
         self._steps[step] = self._open(span)
 
     def on_step_end(self, step: int, rank: int, error: BaseException | None) -> None:
@@ -238,7 +237,7 @@ class TracingListener(Listener):
         span.end()
 
     def on_begin(self, record: TransitionRecord) -> None:
-        span = self._tracer.start_span(f"lifecycle.{record.event.value}", attributes=_attributes(record))
+        span = self._tracer.start_span(semconv.lifecycle_span(record.event), attributes=_attributes(record))
         self._spans[id(record)] = self._open(span)
 
     def on_transition(self, record: TransitionRecord) -> None:
@@ -251,11 +250,13 @@ class TracingListener(Listener):
 
     def on_rejected(self, record: TransitionRecord, error: LifecycleError) -> None:
         # A refused event never reached a destination: its span names none.
-        span = self._tracer.start_span(f"lifecycle.{record.event.value}", attributes=_attributes(record, reached=False))
+        span = self._tracer.start_span(
+            semconv.lifecycle_span(record.event), attributes=_attributes(record, reached=False)
+        )
         span.set_attributes(record.attributes)
         for verdict in error.verdicts if isinstance(error, GuardRejected) else ():
-            span.add_event("guard.rejected", {"colocate.guard": verdict.guard, "colocate.reason": verdict.reason})
-        span.set_attribute("colocate.refused", True)
+            span.add_event(semconv.GUARD_REJECTED_EVENT, {semconv.GUARD: verdict.guard, semconv.REASON: verdict.reason})
+        span.set_attribute(semconv.REFUSED, True)
         span.set_status(Status(StatusCode.ERROR, str(error)))
         span.end()
 
@@ -273,13 +274,13 @@ class TracingListener(Listener):
 
 def _attributes(record: TransitionRecord, *, reached: bool = True) -> dict[str, str | bool | int | float]:
     attributes: dict[str, str | bool | int | float] = {
-        "colocate.event": record.event.value,
-        "colocate.source": record.src.value,
-        "colocate.destination": record.dst.value,
-        "colocate.step": record.step,
-        "colocate.rank": record.rank,
-        "colocate.mode": record.mode.value,
+        semconv.EVENT: record.event.value,
+        semconv.SOURCE: record.src.value,
+        semconv.DESTINATION: record.dst.value,
+        semconv.STEP: record.step,
+        semconv.RANK: record.rank,
+        semconv.MODE: record.mode.value,
     }
     if not reached:
-        del attributes["colocate.destination"]
+        del attributes[semconv.DESTINATION]
     return attributes

@@ -236,6 +236,22 @@ def test_a_model_the_family_cannot_compute_is_refused(family: Family, change: di
         ModelSpec(**{**MOE.to_dict(), **change, "family": family})
 
 
+@pytest.mark.parametrize(
+    ("experts", "qk_layernorm", "family"),
+    [
+        (None, False, Family.LLAMA),
+        (0, False, Family.LLAMA),
+        (None, True, Family.QWEN3),
+        (8, True, Family.QWEN3_MOE),
+        (8, False, Family.QWEN3_MOE),  # read as Qwen3-MoE, and refused there: not converted as a Llama
+    ],
+)
+def test_the_family_is_read_from_megatrons_config(experts: int | None, qk_layernorm: bool, family: Family) -> None:
+    from types import SimpleNamespace
+
+    assert Family.of(SimpleNamespace(num_moe_experts=experts, qk_layernorm=qk_layernorm)) is family
+
+
 def test_a_bucket_budget_must_be_positive() -> None:
     with pytest.raises(ValueError, match="bucket_bytes must be positive, not 0"):
         next(hf_buckets([], family="llama", bucket_bytes=0))

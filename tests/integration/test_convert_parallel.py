@@ -14,7 +14,6 @@ import json
 import os
 import traceback
 import weakref
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +26,10 @@ pytest.importorskip("transformers")
 pytest.importorskip("megatron.core")
 
 from orchestrator.adapters.megatron.convert import Family, ModelSpec, hf_config, hf_names
+from tests.support.megatron_parallel import batches, build, schedule
 from tests.support.spawn import spawn_ranks
 
-SEQ, BATCH, VOCAB, STEPS = 16, 4, 128, 3
+STEPS = 3
 BUCKET_BYTES = 40 << 10  # above the largest tensor, well below a stage's params
 LARGEST = 2 * 128 * 64 * 2  # bytes of the largest whole tensor: the dense linear_fc1, [2·ffn, hidden] bf16
 # max |Δlogit| of a token, over logits of mean magnitude about 0.8; measured at most 0.11 dense.
@@ -46,132 +46,6 @@ LAYOUTS: dict[str, tuple[int, int, int, int]] = {
 }
 
 
-def _config(family: Family, tp: int, pp: int, ep: int) -> Any:
-    import torch.nn.functional as F
-    from megatron.core.transformer import TransformerConfig
-
-    moe: dict[str, Any] = {}
-    if family is Family.QWEN3_MOE:
-        moe = dict(
-            num_moe_experts=4,
-            moe_ffn_hidden_size=32,
-            moe_router_topk=2,
-            moe_router_score_function="softmax",
-            moe_router_load_balancing_type="none",
-            moe_grouped_gemm=False,
-            moe_layer_freq=[0, 1],  # layer 0 dense, layer 1 MoE: both kinds, on both PP stages
-            moe_token_dispatcher_type="allgather",
-        )
-    return TransformerConfig(
-        num_layers=2,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_query_groups=2,
-        kv_channels=16,
-        ffn_hidden_size=128,
-        qk_layernorm=family is not Family.LLAMA,
-        normalization="RMSNorm",
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        init_method_std=0.125,  # Megatron's 0.02 leaves logits near 0, where a wrong mapping hides
-        bf16=True,
-        params_dtype=torch.bfloat16,
-        pipeline_dtype=torch.bfloat16,
-        use_cpu_initialization=True,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        expert_model_parallel_size=ep if moe else 1,  # a dense model keeps its params data-parallel
-        expert_tensor_parallel_size=tp if ep == 1 else 1,
-        **moe,
-    )
-
-
-def _build(family: Family, tp: int, pp: int, ep: int) -> tuple[list[Any], Any]:
-    """Megatron's own block spec and GPTModel, in Float16Module, DDP and DistributedOptimizer."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.transformer.module import Float16Module
-
-    config = _config(family, tp, pp, ep)
-    gpt = GPTModel(
-        config=config,
-        transformer_layer_spec=get_gpt_decoder_block_spec(
-            config, use_transformer_engine=False, normalization="RMSNorm"
-        ),
-        vocab_size=VOCAB,
-        max_sequence_length=SEQ,
-        pre_process=ps.is_pipeline_first_stage(),
-        post_process=ps.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=False,
-        position_embedding_type="rope",
-        rotary_base=500000,  # not HF's default, so a theta that is not passed through shows
-    )
-    ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
-    chunk = DistributedDataParallel(config, ddp, Float16Module(config, gpt))
-    chunk.broadcast_params()
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer="adam",
-            lr=0.02,
-            bf16=True,
-            params_dtype=torch.bfloat16,
-            use_distributed_optimizer=True,
-            clip_grad=1.0,
-        ),
-        [chunk],
-    )
-    return [chunk], optimizer
-
-
-def _batches(steps: int) -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(0)
-    return [torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=generator) for _ in range(steps)]
-
-
-def _forward_step(batch: Any, model: Any) -> tuple[torch.Tensor, Any]:
-    tokens = next(batch)
-    inputs, labels = tokens[:, :-1], tokens[:, 1:]
-    positions = torch.arange(SEQ).expand_as(inputs)
-    out = model(inputs, positions, None, labels=labels if model.training else None)
-    return out, partial(_loss, labels.numel())
-
-
-def _loss(tokens: int, out: torch.Tensor, non_loss_data: bool = False) -> Any:
-    if non_loss_data:  # forward only: the logits, whole over the vocab (TP shards it)
-        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
-        return gather_from_tensor_model_parallel_region(out).float()
-    loss = out.float().sum()
-    return loss, torch.tensor(tokens), {"loss": loss.detach()}
-
-
-def _schedule(chunks: list[Any], batch: torch.Tensor, *, forward_only: bool) -> list[Any]:
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    return get_forward_backward_func()(
-        forward_step_func=_forward_step,
-        data_iterator=iter([batch]),
-        model=chunks,
-        num_microbatches=1,
-        seq_length=SEQ,
-        micro_batch_size=BATCH,
-        forward_only=forward_only,
-        collect_non_loss_data=forward_only,
-    )
-
-
 def _train(chunks: list[Any], optimizer: Any) -> None:
     """`STEPS` optimizer steps through Megatron's own schedule (1F1B across the PP stages).
 
@@ -185,11 +59,11 @@ def _train(chunks: list[Any], optimizer: Any) -> None:
     moe_at_tp = bool(chunks[0].config.num_moe_experts) and ps.get_tensor_model_parallel_world_size() > 1
     for chunk in chunks:
         chunk.train(not moe_at_tp)
-    for batch in _batches(STEPS):
+    for batch in batches(STEPS):
         for chunk in chunks:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
-        _schedule(chunks, batch, forward_only=False)
+        schedule(chunks, batch, forward_only=False)
         finalize_model_grads(chunks)
         optimizer.step()
 
@@ -198,7 +72,7 @@ def _logits(chunks: list[Any], batch: torch.Tensor) -> torch.Tensor | None:
     for chunk in chunks:
         chunk.eval()
     with torch.no_grad():
-        out = _schedule(chunks, batch, forward_only=True)
+        out = schedule(chunks, batch, forward_only=True)
     return out[0] if out else None  # only the last stage has them
 
 
@@ -294,12 +168,12 @@ def _rank(rank: int, world: int, port: int, out: str, layout: tuple[int, int, in
             expert_model_parallel_size=ep,
             expert_tensor_parallel_size=tp if ep == 1 else 1,
         )
-        batch = _batches(STEPS + 1)[-1]  # one the model was not trained on
+        batch = batches(STEPS + 1)[-1]  # one the model was not trained on
         tensors: dict[str, Any] = {"tokens": batch[:, :-1]}
         for family in Family:
             tensor_parallel.model_parallel_cuda_manual_seed(1234)
             torch.manual_seed(1234)
-            chunks, optimizer = _build(family, tp, pp, ep)
+            chunks, optimizer = build(family, tp, pp, ep)
             _train(chunks, optimizer)
             synced = _sync(chunks, family)
             logits = _logits(chunks, batch)

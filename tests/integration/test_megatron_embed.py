@@ -12,6 +12,7 @@ import torch
 pytest.importorskip("megatron.core")
 pytest.importorskip("transformers")
 
+from states import Phase
 from tests.support.embed_ranks import rank_main
 from tests.support.spawn import spawn_ranks
 
@@ -55,9 +56,11 @@ def test_setup_is_read_from_megatrons_configs_not_taken_on_trust(embed: dict[str
 def test_what_the_one_call_refuses_is_named_and_leaves_the_engine_untouched(embed: dict[str, Any]) -> None:
     assert "mode must be one of" in embed["bad_mode"] and "'rematerialise'" in embed["bad_mode"]
     assert "'no-update-weights' has no update_weights" in embed["no_update_weights"]
-    # The conversion refuses a MoE model by its config, once, and names the family that has experts.
-    assert "no HF llama equivalent: num_experts=2" in embed["moe"], embed["moe"]
-    assert "use qwen3_moe" in embed["moe"] and embed["moe"].count("num_experts=2") == 1, embed["moe"]
+    # Experts make the default conversion read the model as Qwen3-MoE, which it is not: refused by
+    # its config, once (not per expert tensor), naming each difference.
+    assert "1 configuration problem(s)" in embed["moe"], embed["moe"]
+    assert "no HF qwen3_moe equivalent: no qk_layernorm" in embed["moe"], embed["moe"]
+    assert "moe_router_enable_expert_bias" in embed["moe"], embed["moe"]
     assert "decoder.layers.1.mlp.router.expert_bias: not rebuilt from the fp32 mains" in embed["uncovered"]
     for problem in ("normalization='LayerNorm'", "share_embeddings_and_output_weights=True"):
         assert problem in embed["not_llama"], embed["not_llama"]
@@ -70,3 +73,52 @@ def test_a_converter_that_writes_to_a_live_param_faults_the_update_naming_it(emb
     assert "read-only" in written["message"]
     assert written["phase"] == embed["faulted"]
     assert written["engine_version"] is None, "the engine serves no version of a failed update"
+
+
+@pytest.fixture(scope="module")
+def parallel(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    """Per layout ("tp2", "pp2"), the two gloo ranks' results; one spawn runs both layouts."""
+    from tests.support.embed_parallel_ranks import rank_main as parallel_rank
+
+    ranks = spawn_ranks(parallel_rank, 2, tmp_path_factory.mktemp("embed-parallel"))
+    return {layout: [rank[layout] for rank in ranks] for layout in ranks[0]}
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_one_call_at_tp2_and_pp2_syncs_the_gathered_model_once(
+    parallel: dict[str, list[dict[str, Any]]], layout: str
+) -> None:
+    """Two gloo ranks through `colocate_megatron` with its default converter, one engine for both:
+    after every sync the engine holds exactly the trainer's params gathered and converted to HF,
+    each HF tensor arrived once, and only the sync sources sent."""
+    first, second = parallel[layout]
+    versions = [1, 2, 3] if layout == "tp2" else [1, 2]  # tp2: the third after a recovery
+    for rank in (first, second):
+        assert [c["version"] for c in rank["cycles"]] == versions
+        assert [c["verified"] for c in rank["cycles"]][:2] == [True, True]  # verify_cycles=2
+    for cycle in first["cycles"]:
+        assert cycle["engine_equals_trainer"], cycle["differ"]
+    params = first["engine_params"]
+    for version in versions:
+        assert first["received"][str(version)] == dict.fromkeys(params, 1), first["received"][str(version)]
+    if layout == "tp2":  # TP rank 1 joins every gather and sends nothing
+        assert (first["source"], second["source"]) == (True, False)
+        assert second["sent"] == 0
+    else:  # each pipeline stage is a source and sends its own layers
+        assert (first["source"], second["source"]) == (True, True)
+        stage_1 = [n for n in params if n.startswith(("model.layers.1.", "model.norm.", "lm_head."))]
+        assert second["sent"] == 2 * len(stage_1), second["sent"]
+
+
+def test_a_send_that_fails_on_one_rank_faults_the_update_on_every_rank(
+    parallel: dict[str, list[dict[str, Any]]],
+) -> None:
+    """TP=2: the engine refuses the source's first bucket. TP rank 1 joins the rest of the gathers,
+    learns of the failure in the closing all-reduce, and faults too; nobody hangs. Both recover
+    and the next update syncs the whole model (the previous test checks that cycle)."""
+    first, second = (rank["failed"] for rank in parallel["tp2"])
+    assert first["cause"] == "EngineError" and "injected" in first["message"], first
+    assert second["cause"] == "PeerPushFailed" and "another rank" in second["message"], second
+    for failed in (first, second):
+        assert (failed["phase"], failed["recovered"]) == (Phase.FAULTED.value, Phase.TRAIN.value), failed
+        assert failed["engine_version"] == 2, "the engine serves the last complete version"

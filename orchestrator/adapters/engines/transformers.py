@@ -27,7 +27,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import Cache, StaticLayer
 
 from orchestrator.adapters.digest import sha256_digests
-from orchestrator.adapters.megatron.convert import hf_llama_config
+from orchestrator.adapters.megatron.convert import ModelSpec, hf_llama_config
 from orchestrator.adapters.megatron.gpt import TinyGPTConfig
 from orchestrator.adapters.regions.storage import return_large_frees_to_the_os
 from orchestrator.adapters.transport.bucketed import nbytes
@@ -99,16 +99,16 @@ def _kv_slab(config: LlamaConfig, model: LlamaForCausalLM, max_batch: int, max_l
 class TransformersEngine:
     """Implements `orchestrator.protocols.RolloutEngine` on an HF Llama, with no hub download.
 
-    `model` is the trainer's GPT config (anything `TinyGPTConfig`: it is converted by
-    `hf_llama_config`) or a ready `LlamaConfig`. A plain constructor, so that a Ray actor can be
-    made of it. The weights it starts with are throwaway: it serves nothing until the first
-    complete `update_weights`. `max_len` bounds prompt + completion (default: the config's
-    `max_position_embeddings`).
+    `model` is the trainer's GPT shape (a `ModelSpec`, as `gpt_shape(model)` reads it from a
+    Megatron model, or a `TinyGPTConfig`: converted by `hf_llama_config`) or a ready
+    `LlamaConfig`. A plain constructor, so that a Ray actor can be made of it. The weights it
+    starts with are throwaway: it serves nothing until the first complete `update_weights`.
+    `max_len` bounds prompt + completion (default: the config's `max_position_embeddings`).
     """
 
     def __init__(
         self,
-        model: TinyGPTConfig | LlamaConfig,
+        model: ModelSpec | TinyGPTConfig | LlamaConfig,
         *,
         max_batch: int = 64,
         max_len: int | None = None,

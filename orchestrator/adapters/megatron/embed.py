@@ -18,7 +18,7 @@ argument that replaces each choice:
 | trainer | `MegatronTrainer(model, optimizer)`: expert_bias, fp32 and frozen params are extras | `extras=` |
 | regions | torch_memory_saver where the param buffers are on a GPU, storage resizing on the CPU | `regions=` |
 | setup | read from the DDP and optimizer configs (`megatron_setup`); the trainer's other flags as keywords | `**flags` |
-| transport | `MegatronTransport` through `hf_llama`: Megatron GPT → HF Llama at TP = PP = 1 | `convert=`, `transport=` |
+| transport | `MegatronTransport` through `hf_buckets` (`orchestrator.adapters.megatron.convert`): Megatron GPT → HF at any TP, PP and EP, the family read from the config (`Family.of`); only sync sources send (`is_sync_source`) | `convert=`, `transport=` |
 | listeners | spans to the trainer's global tracer provider, else to one the `OTEL_*` variables ask for (set as the global one: `otel_listeners`); structlog lines | `listeners=` |
 | rank | torch.distributed's | `rank=` |
 
@@ -26,107 +26,81 @@ On a CUDA-less host it applies `enable_cpu_path()` (idempotent): the restore's c
 all-gather run Megatron code that assumes CUDA. Building the model needs it too, so call it
 yourself before you build.
 
+Every rank of the model makes the call, with its handle on the one engine they share (an SGLang
+server over their GPUs, say). The conversion's gathers are collectives, so every rank runs each
+sync; only one rank per pipeline stage sends (`is_sync_source`: tensor-, data- and
+context-parallel rank 0). Every push starts and ends in an all-reduce over the default group: no
+stage sends before every rank has resumed the engine's weights, no rank reads the engine's version
+before the last stage has sent, and a send that fails on one rank fails the update on every rank
+(`PeerPushFailed` on the others), each lifecycle `FAULTED`. The engine's memory calls are made on
+every rank: a shared engine's handle must take them once (this module does not choose a rank).
+An engine replica per rank (each rank's own, loading the whole model) is not what this wires: a
+rank that is no source would leave its replica empty, and its update fails naming the version the
+replica serves. Pass `transport=` for that layout.
+
 Nothing moves before every check has passed: a setup Megatron's configs refuse, a model the
 conversion cannot map, an engine that cannot load weights each raise `ConfigError`, naming the
-problems, with the engine untouched. Once they pass, the `Lifecycle` takes the engine over
-(releases its memory) as it always does.
+problems (a model-wide one once), with the engine untouched. Once they pass, the `Lifecycle`
+takes the engine over (releases its memory) as it always does.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
-from functools import partial
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from orchestrator.adapters.digest import DigestMethod
-from orchestrator.adapters.megatron.gpt import TinyGPTConfig
+from orchestrator.adapters.megatron.convert import (
+    ModelSpec,
+    conversion_problems,
+    hf_buckets,
+    is_sync_source,
+    model_spec,
+)
 from orchestrator.adapters.megatron.trainer import ALL_EXTRAS, Extra, MegatronTrainer, megatron_setup
-from orchestrator.adapters.megatron.transport import Converter, MegatronTransport, per_tensor
+from orchestrator.adapters.megatron.transport import Converter, MegatronTransport
 from orchestrator.core.config import LifecycleConfig
 from orchestrator.core.lifecycle import Lifecycle, require_restore_coverage
 from orchestrator.errors import ConfigError
-from orchestrator.protocols import LoadsWeights, MemoryRegions, RolloutEngine, WeightTransport
+from orchestrator.protocols import LoadsWeights, MemoryRegions, Named, RolloutEngine, WeightTransport
 from orchestrator.telemetry.listeners import Listener
 from states import Mode
 
-__all__ = ["colocate_megatron", "gpt_shape", "hf_llama", "otel_listeners"]
+__all__ = ["colocate_megatron", "gpt_shape", "hf_converter", "otel_listeners"]
 
 
-def _gpt(chunk: Any) -> Any:
-    """The GPTModel inside DDP(Float16Module(GPTModel))."""
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
+def _chunks(model: Sequence[Any] | Any) -> list[Any]:
+    return list(model) if isinstance(model, Sequence) else [model]  # Megatron's list of chunks, or one
 
 
-def gpt_shape(model: Sequence[Any]) -> TinyGPTConfig:
-    """The shape of a Megatron GPT, read from its `TransformerConfig` and `GPTModel`: what the
-    Llama conversion and an HF engine are built from (`TransformersEngine(gpt_shape(model))`)."""
-    gpt = _gpt(model[0])
-    config = gpt.config
-    return TinyGPTConfig(
-        hidden_size=config.hidden_size,
-        num_layers=config.num_layers,
-        num_attention_heads=config.num_attention_heads,
-        num_query_groups=config.num_query_groups or config.num_attention_heads,
-        ffn_hidden_size=config.ffn_hidden_size,
-        vocab_size=gpt.vocab_size,
-        seq_len=gpt.max_sequence_length,
-        num_experts=config.num_moe_experts or 0,
-        rotary_base=int(gpt.rotary_base),
-    )
+def gpt_shape(model: Sequence[Any] | Any) -> ModelSpec:
+    """The shape of a Megatron GPT as an HF engine needs it (`TransformersEngine(gpt_shape(model))`):
+    `ModelSpec.from_megatron` over the chunks' `TransformerConfig` and `GPTModel`, the family read
+    from the config. Raises ConfigError naming every setting no HF family computes the same way."""
+    try:
+        return model_spec(_chunks(model))
+    except ValueError as error:
+        raise ConfigError([str(error)]) from None
 
 
-def _not_llama(model: Sequence[Any]) -> list[str]:
-    """Where a Megatron GPT computes something a Llama does not (the names would still map)."""
-    import torch.nn.functional as F
+def hf_converter(model: Sequence[Any]) -> Converter:
+    """The conversion `colocate_megatron` wires: `hf_buckets` over the model's live params at any
+    TP, PP and EP, the family read from its config. It reads the model itself, not the sync
+    tensors it is handed.
 
-    gpt = _gpt(model[0])
-    config = gpt.config
-    checks = {
-        f"tensor_model_parallel_size={config.tensor_model_parallel_size} (the wired conversion takes whole "
-        "tensors: pass convert= a converter that gathers)": config.tensor_model_parallel_size == 1,
-        f"pipeline_model_parallel_size={config.pipeline_model_parallel_size} (the wired conversion has no "
-        "layer offsets: pass convert=)": config.pipeline_model_parallel_size == 1 and len(model) == 1,
-        f"normalization={config.normalization!r} (Llama's is RMSNorm)": config.normalization == "RMSNorm",
-        "gated_linear_unit=False (Llama's MLP is SwiGLU)": config.gated_linear_unit,
-        f"activation_func={getattr(config.activation_func, '__name__', config.activation_func)} (Llama's is silu)": (
-            config.activation_func is F.silu
-        ),
-        f"position_embedding_type={gpt.position_embedding_type!r} (Llama's is rope)": (
-            gpt.position_embedding_type == "rope"
-        ),
-        "share_embeddings_and_output_weights=True (Llama's lm_head is its own)": (
-            not gpt.share_embeddings_and_output_weights
-        ),
-    }
-    return [problem for problem, ok in checks.items() if not ok]
-
-
-def hf_llama(model: Sequence[Any], trainer: MegatronTrainer) -> Converter:
-    """The conversion wired today: Megatron GPT → HF Llama, one whole tensor at a time
-    (`orchestrator.adapters.megatron.convert.to_hf`), for tensor- and pipeline-parallel size 1.
-
-    Raises ConfigError naming every problem before anything is sent: where the model is not a
-    Llama (normalization, MLP, activation, positions, tied output, TP or PP > 1), and every sync
-    tensor `to_hf` cannot map (MoE experts and routers among them). Checked on meta tensors.
-    """
-    from orchestrator.adapters.megatron.convert import to_hf
-
-    problems = [f"not an HF Llama: {problem}" for problem in _not_llama(model)]
+    Raises ConfigError before anything is sent, naming each problem once: what the model computes
+    that the family does not, or every tensor of this rank's stage the family has no counterpart
+    for. The check is this rank's alone (no collective)."""
+    problems = conversion_problems(model)
     if problems:
         raise ConfigError(problems)
-    convert = partial(to_hf, cfg=gpt_shape(model))
-    for name, tensor in trainer.sync_shapes():
-        try:
-            convert(name, tensor)
-        except ValueError as error:
-            problems.append(str(error))
-    if problems:  # a model-wide problem (MoE, say) is raised by every tensor it touches: name it once
-        raise ConfigError(list(dict.fromkeys(problems)))
-    return per_tensor(convert)
+
+    def converter(named: Iterable[Named], *, bucket_bytes: int) -> Iterator[Sequence[Named]]:
+        return hf_buckets(model, bucket_bytes=bucket_bytes)
+
+    return converter
 
 
 def otel_listeners(rank: int) -> list[Listener]:
@@ -164,6 +138,15 @@ def _regions(trainer: MegatronTrainer) -> MemoryRegions:
     return StorageRegions(trainer.region_tensors)
 
 
+def _any_rank(flag: bool) -> bool:
+    """Whether any rank passed True: an all-reduce over the default group, also its barrier."""
+    nccl = torch.distributed.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    value = torch.tensor([int(flag)], device=device)
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+    return bool(value.item())
+
+
 def _rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
@@ -193,10 +176,10 @@ def colocate_megatron(
     are read from its configs and refused as keywords.
 
     Raises ConfigError, naming every problem, with the engine untouched: a setup the mode refuses,
-    a flag Megatron's configs hold, an engine that loads no weights, a model the Llama conversion
+    a flag Megatron's configs hold, an engine that loads no weights, a model the HF conversion
     cannot map (when `convert` and `transport` are not given), a param no restore path covers.
     """
-    model = list(model) if isinstance(model, Sequence) else [model]  # Megatron's list of chunks, or one
+    model = _chunks(model)
     if not torch.cuda.is_available():
         from orchestrator.adapters.megatron.cpu import enable_cpu_path
 
@@ -218,8 +201,15 @@ def colocate_megatron(
     if engine is not None and transport is None:
         if not isinstance(engine, LoadsWeights):
             raise ConfigError([f"engine {engine.name!r} has no update_weights(named, version): pass transport="])
-        convert = hf_llama(model, trainer) if convert is None else convert
-        transport = MegatronTransport(trainer, engine, convert=convert, bucket_bytes=bucket_bytes)
+        distributed = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+        transport = MegatronTransport(
+            trainer,
+            engine,
+            convert=hf_converter(model) if convert is None else convert,
+            bucket_bytes=bucket_bytes,
+            source=is_sync_source() if distributed else True,
+            any_rank=_any_rank if distributed else None,
+        )
     return Lifecycle(
         config=config,
         trainer=trainer,

@@ -27,6 +27,7 @@ from orchestrator.adapters.digest import DIGESTS, DigestMethod
 from orchestrator.adapters.megatron.fast_cast import MainParamCast
 from orchestrator.adapters.transport.bucketed import nbytes
 from orchestrator.errors import ConfigError, StashMismatch
+from orchestrator.telemetry import semconv
 from orchestrator.telemetry.tracing import process_span
 from states import Mode, Source, TrainerLayout, TrainingSetup
 
@@ -114,12 +115,6 @@ def _router_dtype(buffer: torch.Tensor) -> None:
 
 def _host_like(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
     return torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
-
-
-def _span(name: str, **attributes: int) -> Any:
-    """A child span of whatever call is current (the OTel API: a no-op unless an SDK is set),
-    with the rank and memory attributes of every process-side span."""
-    return process_span(name, {f"colocate.{k}": v for k, v in attributes.items()})
 
 
 class MegatronTrainer:
@@ -226,12 +221,12 @@ class MegatronTrainer:
                 buffer.param_data.copy_(backup, non_blocking=True)
                 written += nbytes(buffer.param_data)
         else:
-            with _span("rank.cast"):
+            with process_span(semconv.CAST_SPAN):
                 self.cast_mains()
-            with _span("rank.gather"):
+            with process_span(semconv.GATHER_SPAN):
                 self.gather_params()
             written += sum(nbytes(b.param_data) for b in self._buffers)
-        with _span("rank.extras"):
+        with process_span(semconv.EXTRAS_SPAN):
             written += self.copy_extras_back()
         # The grad buffers come back holding whatever the resumed pages held: Megatron's train
         # step zeroes them (`zero_grad_buffer`) before accumulating, so they are not restored.
@@ -239,7 +234,7 @@ class MegatronTrainer:
         return written
 
     def digests(self) -> Mapping[str, str]:
-        with _span("rank.digest", tensors=len(self._params) + len(self._extras)):
+        with process_span(semconv.DIGEST_SPAN, {semconv.TENSORS: len(self._params) + len(self._extras)}):
             return self._digest({**self._params, **self._extras})
 
     def sync_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:

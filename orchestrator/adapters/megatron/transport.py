@@ -3,13 +3,22 @@
 Each push reads the trainer's sync tensors (read-only: the Trainer Protocol), hands them to a
 *converter*, which turns Megatron names and layouts into the engine's and groups the results into
 buckets, and loads the buckets into the engine one at a time, tagged with the version. The
-converter owns any gathering: at tensor-parallel size 1 every tensor is whole, and `per_tensor`
-maps them one by one (`per_tensor(partial(to_hf, cfg=shape))` is the Llama conversion wired
-today). A converter that gathers TP shards, PP stages or EP experts plugs in the same way, since
-it yields buckets and so decides how much it holds gathered at a time. One that reads the model
-itself (the conversion package's `hf_buckets`) may ignore the sync tensors it is handed:
+converter owns any gathering. The one `colocate_megatron` wires reads the model itself, gathers
+TP shards, PP stages and EP experts (the conversion package's `hf_buckets`), and ignores the sync
+tensors it is handed:
 
-    convert = lambda named, *, bucket_bytes: hf_buckets(model, family="qwen3", bucket_bytes=bucket_bytes)
+    convert = lambda named, *, bucket_bytes: hf_buckets(model, bucket_bytes=bucket_bytes)
+
+At tensor-, pipeline- and expert-parallel size 1 every sync tensor is whole, and `per_tensor` maps
+them one by one (`per_tensor(partial(to_hf, cfg=spec))`).
+
+Several ranks, one engine. A gathering converter is a collective: every rank of the model runs it,
+but only the sync sources (one rank per pipeline stage, `is_sync_source`) send what it yields;
+the others (`source=False`) walk the same buckets and drop them, so the engine receives each
+tensor once. With `any_rank` (a collective: did any rank fail?), a push starts and ends with it on
+every rank: no source sends before every rank's lifecycle has resumed the engine's weights, no
+rank reads the shared engine's version before the last source has sent its last bucket, and a
+send that fails on one rank fails the push on every rank (`PeerPushFailed` on the others).
 
 What the transport reads is checked to stay unwritten. Every in-place write to a tensor bumps its
 version counter (`Tensor._version`), which all views of one storage share. A push records the
@@ -30,10 +39,11 @@ import torch
 
 from orchestrator.adapters.transport.bucketed import buckets
 from orchestrator.protocols import LoadsWeights, Named, Trainer, TransferReport
+from orchestrator.telemetry import semconv
 from orchestrator.telemetry.tracing import process_span
 from states import Source
 
-__all__ = ["Converter", "MegatronTransport", "SyncTensorWritten", "per_tensor"]
+__all__ = ["Converter", "MegatronTransport", "PeerPushFailed", "SyncTensorWritten", "per_tensor"]
 
 
 class Converter(Protocol):
@@ -65,6 +75,13 @@ class SyncTensorWritten(RuntimeError):
         )
 
 
+class PeerPushFailed(RuntimeError):
+    """Another rank's part of this weight sync failed (its own error is raised there)."""
+
+    def __init__(self) -> None:
+        super().__init__("another rank's part of this weight sync failed; its error is raised on that rank")
+
+
 class _Watched:
     """The sync tensors as they pass to the converter, with the version counter each had."""
 
@@ -89,30 +106,66 @@ class MegatronTransport:
     loads buckets (`LoadsWeights`: `TransformersEngine`, `SGLangEngine`, `SGLangGroup`).
 
     `convert` is the converter (see the module docstring); `bucket_bytes` bounds each bucket.
+    `source` is whether this rank sends (see the module docstring: a rank that is not a source
+    runs the converter for its collectives and sends nothing, reporting 0 tensors). `any_rank`
+    is a collective over the ranks sharing the engine: `any_rank(flag)` is whether any of them
+    passed True.
+
     A push raises what the converter or engine raised (a name it cannot map, a shape the engine
     refuses), or `SyncTensorWritten`; the lifecycle then faults, with the engine serving no new
-    version.
+    version. With `any_rank`, a rank whose send fails (the engine's error, `SyncTensorWritten`)
+    stops sending but still walks the converter to its end, so the other ranks' collectives
+    complete; then every rank raises: that rank its own error, the others `PeerPushFailed`.
+    A converter that raises (its own collectives broken) leaves the other ranks waiting in their
+    next collective until torch.distributed's timeout.
     """
 
     def __init__(
-        self, trainer: Trainer, engine: LoadsWeights, *, convert: Converter, bucket_bytes: int = 64 << 20
+        self,
+        trainer: Trainer,
+        engine: LoadsWeights,
+        *,
+        convert: Converter,
+        bucket_bytes: int = 64 << 20,
+        source: bool = True,
+        any_rank: Callable[[bool], bool] | None = None,
     ) -> None:
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self._trainer, self._engine, self._convert, self._bucket_bytes = trainer, engine, convert, bucket_bytes
-        sources = trainer.layout().sync_sources
-        self._views = frozenset(name for name, source in sources.items() if source is Source.PARAM_BUFFER)
+        self.source, self._any_rank = source, any_rank
+        kinds = trainer.layout().sync_sources
+        self._views = frozenset(name for name, kind in kinds.items() if kind is Source.PARAM_BUFFER)
 
     def push(self, version: int) -> TransferReport:
+        if self._any_rank is not None:
+            self._any_rank(False)  # every rank has resumed the engine's weights
         watched = _Watched(self._trainer.sync_tensors(), self._views)
         tensors = moved = count = 0
+        failure: Exception | None = None
         for bucket in self._convert(watched, bucket_bytes=self._bucket_bytes):
-            with process_span("rank.bucket", {"colocate.tensors": len(bucket)}) as span:
-                sent = self._engine.update_weights(bucket, version)
-                span.set_attribute("colocate.bytes", sent)
-            watched.check()
-            moved += sent
-            tensors += len(bucket)
-            count += 1
-        watched.check()  # a write while the converter read its last tensors
+            if failure is not None:
+                continue  # walked for the other ranks' collectives
+            try:
+                if self.source:
+                    with process_span(semconv.BUCKET_SPAN, {semconv.TENSORS: len(bucket)}) as span:
+                        sent = self._engine.update_weights(bucket, version)
+                        span.set_attribute(semconv.BYTES, sent)
+                    moved += sent
+                    tensors += len(bucket)
+                    count += 1
+                watched.check()
+            except Exception as error:
+                if self._any_rank is None:
+                    raise
+                failure = error
+        if failure is None:
+            try:
+                watched.check()  # a write while the converter read its last tensors
+            except Exception as error:
+                if self._any_rank is None:
+                    raise
+                failure = error
+        if self._any_rank is not None and self._any_rank(failure is not None):  # every source has sent
+            raise failure if failure is not None else PeerPushFailed()
         return TransferReport(tensors=tensors, bytes=moved, buckets=count)

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 
 from orchestrator.protocols import BucketSink, Named, TransferReport
+from orchestrator.telemetry import semconv
 from orchestrator.telemetry.tracing import process_span
 
 __all__ = ["BucketedTransport", "buckets", "nbytes", "push_in_buckets"]
@@ -52,9 +53,9 @@ def push_in_buckets(
     converted = (pair for name, tensor in named for pair in convert(name, tensor))
     tensors = moved = count = 0
     for bucket in buckets(converted, bucket_bytes):
-        with process_span("rank.bucket", {"colocate.tensors": len(bucket)}) as span:
+        with process_span(semconv.BUCKET_SPAN, {semconv.TENSORS: len(bucket)}) as span:
             sent = sink.update_weights(bucket, version)
-            span.set_attribute("colocate.bytes", sent)
+            span.set_attribute(semconv.BYTES, sent)
         moved += sent
         tensors += len(bucket)
         count += 1

@@ -2,14 +2,8 @@
 picture of one step (`timeline`, imported on its own: it needs matplotlib)."""
 
 from orchestrator.cli.traces.model import (
-    BYTE_KINDS,
-    ENGINE_PREFIX,
     FORMATS,
-    PHASE_PREFIX,
-    RANK_PREFIX,
     SPARK_STEPS,
-    START_SPAN,
-    STEP_SPAN,
     Span,
     Step,
     Traces,
@@ -21,14 +15,8 @@ from orchestrator.cli.traces.model import (
 from orchestrator.cli.traces.summary import PhaseSummary, Summary, percentile, summarize, summary_line, summary_table
 
 __all__ = [
-    "BYTE_KINDS",
-    "ENGINE_PREFIX",
     "FORMATS",
-    "PHASE_PREFIX",
-    "RANK_PREFIX",
     "SPARK_STEPS",
-    "START_SPAN",
-    "STEP_SPAN",
     "PhaseSummary",
     "Span",
     "Step",

@@ -18,14 +18,13 @@ from pathlib import Path
 from typing import Any, TypeAlias
 
 from orchestrator.errors import TraceError, TraceFileError
+from orchestrator.telemetry import semconv
+from orchestrator.telemetry.semconv import LIFECYCLE_PREFIX, START_SPAN, STEP_SPAN
 from orchestrator.telemetry.tracing import parse_otlp_json
 
 Value: TypeAlias = "str | bool | int | float | tuple[Value, ...] | dict[str, Value] | None"
 
-START_SPAN = "colocate.start"  # the job's start-up: a trace of its own, not a step
-STEP_SPAN, PHASE_PREFIX, RANK_PREFIX, ENGINE_PREFIX = "colocate.step", "lifecycle.", "rank.", "engine."
 SPARK_STEPS = 20  # the table's sparkline shows this many steps at most, the latest, to fit 80 columns
-BYTE_KINDS = ("moved", "freed", "stashed", "retaken", "rebuilt")  # the `colocate.bytes_<kind>` attributes
 FORMATS = ("png", "svg")
 
 
@@ -53,12 +52,12 @@ class Span:
     @property
     def rank(self) -> int | None:
         """The trainer rank: the span's `colocate.rank`, else its process's."""
-        rank = self.attributes.get("colocate.rank", self.resource.get("colocate.rank"))
+        rank = self.attributes.get(semconv.RANK, self.resource.get(semconv.RANK))
         return rank if isinstance(rank, int) and not isinstance(rank, bool) else None
 
     @property
     def refused(self) -> bool:
-        return self.attributes.get("colocate.refused") is True
+        return self.attributes.get(semconv.REFUSED) is True
 
 
 @dataclass(frozen=True)
@@ -75,7 +74,7 @@ class Step:
 
     @property
     def phases(self) -> list[Span]:
-        return [s for s in self.spans if s.name.startswith(PHASE_PREFIX)]
+        return [s for s in self.spans if s.name.startswith(LIFECYCLE_PREFIX)]
 
     def offset_ms(self, ns: int) -> float:
         return (ns - self.root.start_ns) / 1e6
@@ -91,7 +90,7 @@ class Step:
     def phase_of(self, span: Span) -> Span | None:
         """The nearest `lifecycle.*` ancestor, or None."""
         parent = self.parent(span)
-        while parent is not None and not parent.name.startswith(PHASE_PREFIX):
+        while parent is not None and not parent.name.startswith(LIFECYCLE_PREFIX):
             parent = self.parent(parent)
         return parent
 
@@ -165,7 +164,7 @@ def load(paths: Sequence[Path]) -> Traces:
         if root is None:
             rootless += not any(s.name == START_SPAN and s.parent_id is None for s in spans)
             continue
-        number = root.attributes.get("colocate.step")
+        number = root.attributes.get(semconv.STEP)
         others = tuple(s for s in spans if s is not root)
         steps.append(Step(number if isinstance(number, int) else -1, root, others))
     if not steps:

@@ -10,15 +10,10 @@ from typing import Any
 from rich import box
 from rich.table import Table
 
-from orchestrator.cli.traces.model import (
-    BYTE_KINDS,
-    PHASE_PREFIX,
-    RANK_PREFIX,
-    SPARK_STEPS,
-    Step,
-    Traces,
-    number_ranges,
-)
+from orchestrator.cli.traces.model import SPARK_STEPS, Step, Traces, number_ranges
+from orchestrator.telemetry import semconv
+from orchestrator.telemetry.semconv import LIFECYCLE_PREFIX, RANK_PREFIX
+from orchestrator.telemetry.sparkline import sparkline
 
 
 @dataclass(frozen=True)
@@ -108,15 +103,15 @@ def summarize(traces: Traces) -> Summary:
     for i, step in enumerate(steps):
         busy = _rank_busy_ms(step)
         for phase in step.phases:
-            event = phase.name.removeprefix(PHASE_PREFIX)
+            event = phase.name.removeprefix(LIFECYCLE_PREFIX)
             if phase.refused:
                 refused[event][i] += 1
                 continue
             durations[event][i] = (durations[event][i] or 0.0) + phase.duration_ms
             for rank, ms in busy.get(phase.span_id, {}).items():
                 rank_ms[event][rank] += ms
-            for kind in BYTE_KINDS:
-                moved = phase.attributes.get(f"colocate.bytes_{kind}")
+            for kind, key in semconv.BYTES_BY_KIND.items():
+                moved = phase.attributes.get(key)
                 if isinstance(moved, int) and not isinstance(moved, bool):
                     byte_sums[event][kind] += moved
     phases = []
@@ -141,7 +136,7 @@ def _event_order(steps: Sequence[Step]) -> list[str]:
     offsets: dict[str, list[float]] = defaultdict(list)
     for step in steps:
         for phase in step.phases:
-            offsets[phase.name.removeprefix(PHASE_PREFIX)].append(step.offset_ms(phase.start_ns))
+            offsets[phase.name.removeprefix(LIFECYCLE_PREFIX)].append(step.offset_ms(phase.start_ns))
     return sorted(offsets, key=lambda e: sum(offsets[e]) / len(offsets[e]))
 
 
@@ -193,7 +188,7 @@ def summary_table(summary: Summary, columns_up_to: int = 3) -> Table:
         if per_step:
             steps = [_ms(d, r) for d, r in ran]
         else:
-            steps = [_sparkline(phase.durations_ms[-SPARK_STEPS:], phase.refused[-SPARK_STEPS:])]
+            steps = [sparkline(phase.durations_ms[-SPARK_STEPS:], phase.refused[-SPARK_STEPS:])]
         slowest = phase.slowest_rank
         lead = "-" if slowest is None else f"{slowest[0]} +{_digits(slowest[1])}"
         moved = "\n".join(f"{kind} {_size(n)}" for kind, n in phase.bytes.items() if n) or "-"  # a kind a line
@@ -217,17 +212,6 @@ def _ms(value: float | None, refused: int = 0) -> str:
 def _digits(ms: float) -> str:
     """A tenth of a ms below a second, whole ms above it: at most 5 characters up to 100 s."""
     return f"{ms:.1f}" if ms < 1000 else f"{ms:.0f}"
-
-
-def _sparkline(values: Sequence[float | None], refused: Sequence[int]) -> str:
-    """One character a step: a bar, × for a refusal only, blank where the step did not run it
-    (p50 and p95 sit beside it, so it carries no numbers)."""
-    ran = [v for v in values if v is not None]
-    low, high = min(ran, default=0.0), max(ran, default=0.0)
-    return "".join(
-        ("×" if r else " ") if v is None else "▁▂▃▄▅▆▇█"[round((v - low) / ((high - low) or 1.0) * 7)]
-        for v, r in zip(values, refused, strict=True)
-    )
 
 
 def _size(n: int) -> str:

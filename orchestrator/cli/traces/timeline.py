@@ -6,8 +6,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from orchestrator.cli.traces.model import ENGINE_PREFIX, FORMATS, PHASE_PREFIX, RANK_PREFIX, Span, Step
+from orchestrator.cli.traces.model import FORMATS, Span, Step
 from orchestrator.errors import TraceError
+from orchestrator.telemetry.semconv import ENGINE_PREFIX, LIFECYCLE_PREFIX, RANK_PREFIX
 from states import Event
 
 
@@ -60,7 +61,7 @@ def _draw_bars(axes: Any, step: Step, rows: list[tuple[str, list[Span]]], colors
             if span.refused:  # zero width: a mark, so the refusal shows
                 axes.plot(x, y, marker="X", color="black", markeredgecolor="white", markersize=10)
             elif y == 0 and width > 0.06 * total:
-                label = span.name.removeprefix(PHASE_PREFIX)
+                label = span.name.removeprefix(LIFECYCLE_PREFIX)
                 axes.text(x + width / 2, y, label, ha="center", va="center", fontsize=8, clip_on=True)
 
 
@@ -110,9 +111,9 @@ def _colors(step: Step) -> dict[str, Any]:
 
     order = [e.value for e in Event]
     colors: dict[str, Any] = {}
-    for name in sorted({s.name for s in step.spans}, key=lambda n: (not n.startswith(PHASE_PREFIX), n)):
-        event = name.removeprefix(PHASE_PREFIX)
-        if name.startswith(PHASE_PREFIX) and event in order:
+    for name in sorted({s.name for s in step.spans}, key=lambda n: (not n.startswith(LIFECYCLE_PREFIX), n)):
+        event = name.removeprefix(LIFECYCLE_PREFIX)
+        if name.startswith(LIFECYCLE_PREFIX) and event in order:
             colors[name] = colormaps["tab10"](order.index(event) % 10)
         else:
             colors[name] = _FAMILY_COLORS[family(name)]
@@ -121,7 +122,7 @@ def _colors(step: Step) -> dict[str, Any]:
 
 def _legend(step: Step, colors: dict[str, Any]) -> dict[str, Any]:
     """Label → colour: the lifecycle events, then the work families, present in this step."""
-    phases = {name: color for name, color in colors.items() if name.startswith(PHASE_PREFIX)}
+    phases = {name: color for name, color in colors.items() if name.startswith(LIFECYCLE_PREFIX)}
     present = {family(s.name) for s in step.spans if s.name.startswith((RANK_PREFIX, ENGINE_PREFIX))}
     families = {f: _FAMILY_COLORS[f] for f in [*FAMILIES, OTHER] if f in present}
     return {**phases, **families}

@@ -14,6 +14,7 @@ from orchestrator.adapters.registry import ENGINES, EngineSpec
 from orchestrator.demo.workers.staging import Slot, attach
 from orchestrator.demo.workers.traced import Traced
 from orchestrator.protocols import Named
+from orchestrator.telemetry import semconv
 from states import EngineMemory
 
 
@@ -22,7 +23,7 @@ class EngineReplica(Traced):
     colocated rank pushes. The engine's library is imported here, only in a process that serves rollouts.
     """
 
-    role = "engine"
+    role = semconv.ROLE_ENGINE
 
     def __init__(
         self,

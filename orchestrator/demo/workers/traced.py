@@ -41,6 +41,7 @@ class Traced:
     def invoke(self, headers: dict[str, str], method: str, *args: Any, **kwargs: Any) -> Any:
         """Run `method` under the caller's trace context. `WorkerPool` is the one caller: it
         names the method from a typed reference (`TrainerRank.stash`), checked by mypy."""
+        from orchestrator.telemetry import semconv
         from orchestrator.telemetry.tracing import continued, process_span
 
         if method in self.untraced:
@@ -48,7 +49,7 @@ class Traced:
         with continued(headers, rank=self.rank), process_span(f"{self.role}.{method}") as span:
             result = getattr(self, method)(*args, **kwargs)
             if isinstance(result, int) and not isinstance(result, bool):
-                span.set_attribute("colocate.bytes", result)
+                span.set_attribute(semconv.BYTES, result)
             return result
 
     def ready(self) -> int:

@@ -13,6 +13,7 @@ import torch
 from orchestrator.adapters.transport.bucketed import push_in_buckets
 from orchestrator.demo.workers.traced import Traced
 from orchestrator.protocols import BucketSink, MemoryRegions, Named, TransferReport
+from orchestrator.telemetry import semconv
 from states import Mode, TrainerLayout, TrainingSetup
 
 if TYPE_CHECKING:
@@ -47,7 +48,7 @@ class TrainerRank(Traced):
     actor, Ray's `CUDA_VISIBLE_DEVICES` shows it its bundle's GPU alone, as device 0.
     """
 
-    role = "rank"
+    role = semconv.ROLE_RANK
     rank: int
 
     def __init__(

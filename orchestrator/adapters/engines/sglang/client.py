@@ -56,6 +56,7 @@ from urllib3.util.retry import Retry
 from orchestrator.adapters.engines.sglang.wire import flattened_bucket, serialize
 from orchestrator.errors import EngineError
 from orchestrator.protocols import Named
+from orchestrator.telemetry import semconv
 from states import EngineMemory
 
 _NO_VERSION = (None, "", "default")  # what SGLang reports before any versioned update
@@ -164,7 +165,7 @@ class SGLangEngine:
         if method == "GET":
             return self._request(method, path, body)
         attributes = {**self._server_attributes, "url.full": self.name + path, "http.request.method": method}
-        with trace.get_tracer("colocate").start_as_current_span(
+        with trace.get_tracer(semconv.TRACER).start_as_current_span(
             f"sglang {method} {path.split('?', 1)[0]}", kind=trace.SpanKind.CLIENT, attributes=attributes
         ) as span:
             response = self._request(method, path, body)

@@ -1,7 +1,8 @@
 """Megatron-core GPT → Hugging Face weights: names, layouts, and the gathers TP, PP and EP need.
 
-- `hf_buckets(model_chunks, family=..., bucket_bytes=...)`: the trainer-side entry point, run on
-  every rank; yields this stage's HF tensors in buckets (`gather`).
+- `hf_buckets(model_chunks, bucket_bytes=...)`: the trainer-side entry point, run on every rank;
+  yields this stage's HF tensors in buckets (`gather`). `conversion_problems` says beforehand,
+  with no collective, why it would refuse a model.
 - `to_hf` / `convert`: whole Megatron tensors → HF checkpoint tensors (`hf`).
 - `ModelSpec`: what the conversion reads from Megatron's `TransformerConfig` and `GPTModel`, or
   from the demo's `TinyGPTConfig` (`spec`); `hf_config(spec)` is the transformers config.
@@ -9,7 +10,7 @@
 Families: Llama, Qwen3 (q/k norm), Qwen3-MoE (router, experts).
 """
 
-from orchestrator.adapters.megatron.convert.gather import hf_buckets, is_sync_source, model_spec
+from orchestrator.adapters.megatron.convert.gather import conversion_problems, hf_buckets, is_sync_source, model_spec
 from orchestrator.adapters.megatron.convert.hf import (
     ATTN_IMPLEMENTATION,
     MEGATRON_LAYERNORM_EPS,
@@ -28,6 +29,7 @@ __all__ = [
     "MEGATRON_LAYERNORM_EPS",
     "Family",
     "ModelSpec",
+    "conversion_problems",
     "convert",
     "hf_buckets",
     "hf_config",

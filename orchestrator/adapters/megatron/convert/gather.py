@@ -1,6 +1,6 @@
 """A trainer's live Megatron params → HF tensors in buckets, at any TP, PP and EP.
 
-    for bucket in hf_buckets(model_chunks, family="qwen3", bucket_bytes=256 << 20):
+    for bucket in hf_buckets(model_chunks, bucket_bytes=256 << 20):  # the family: from the config
         if is_sync_source():
             transport.send(bucket)   # [(hf_name, tensor)]; the bucket is emptied when the next is asked for
 
@@ -38,7 +38,7 @@ import torch
 from orchestrator.adapters.megatron.convert.hf import hf_targets, to_hf
 from orchestrator.adapters.megatron.convert.spec import Family, ModelSpec
 
-__all__ = ["hf_buckets", "is_sync_source", "model_spec", "unwrap_gpt"]
+__all__ = ["conversion_problems", "hf_buckets", "is_sync_source", "model_spec", "unwrap_gpt"]
 
 Bucket = list[tuple[str, torch.Tensor]]
 
@@ -59,10 +59,31 @@ def unwrap_gpt(chunk: Any) -> Any:
     return model
 
 
-def model_spec(model_chunks: Sequence[Any], family: Family | str, config: Any = None) -> ModelSpec:
-    """The conversion's `ModelSpec`, from the `TransformerConfig` (the chunks' own by default)."""
+def model_spec(model_chunks: Sequence[Any], family: Family | str | None = None, config: Any = None) -> ModelSpec:
+    """The conversion's `ModelSpec`, from the `TransformerConfig` (the chunks' own by default); the
+    family is the one the config reads as (`Family.of`) unless given. Raises ValueError as
+    `ModelSpec.from_megatron` does."""
     gpt = unwrap_gpt(model_chunks[0])
     return ModelSpec.from_megatron(config if config is not None else gpt.config, gpt, family)
+
+
+def conversion_problems(
+    model_chunks: Sequence[Any], family: Family | str | None = None, config: Any = None
+) -> list[str]:
+    """Why `hf_buckets` would refuse these chunks, each problem once; empty when it would not.
+    Local to this rank (no collective): what the model computes that `family` does not, else
+    every tensor of this rank's stage the family has no counterpart for."""
+    try:
+        spec = model_spec(model_chunks, family, config)
+    except ValueError as error:
+        return [str(error)]
+    problems = []
+    for unit in _units(model_chunks):
+        try:
+            hf_targets(unit.name, spec)
+        except ValueError as error:
+            problems.append(str(error))
+    return list(dict.fromkeys(problems))
 
 
 def is_sync_source() -> bool:
@@ -185,14 +206,16 @@ def hf_buckets(
     model_chunks: Sequence[Any],
     config: Any = None,
     *,
-    family: Family | str,
+    family: Family | str | None = None,
     bucket_bytes: int,
 ) -> Iterator[Bucket]:
     """This rank's pipeline stage as HF `(name, tensor)` buckets of at most `bucket_bytes`.
 
     `model_chunks` are the DDP chunks (or bare GPTModels) of this rank; `config` is the
-    `TransformerConfig` (the chunks' own by default). Call it on every rank of the model, in the
-    same order as its other collectives; only `is_sync_source()` ranks need send the buckets.
+    `TransformerConfig` (the chunks' own by default); `family` is the one the config reads as
+    (`Family.of`: experts → qwen3_moe, q/k norm → qwen3, else llama) unless given. Call it on
+    every rank of the model, in the same order as its other collectives; only `is_sync_source()`
+    ranks need send the buckets.
     A bucket is emptied when the next is asked for: keep what it holds, not the list.
 
     Raises ValueError before any collective when `family` cannot compute what the model computes

@@ -30,6 +30,14 @@ class Family(StrEnum):
     QWEN3 = "qwen3"  # Qwen3ForCausalLM: Llama plus a per-head RMSNorm on q and k
     QWEN3_MOE = "qwen3_moe"  # Qwen3MoeForCausalLM: Qwen3 with softmax-routed experts
 
+    @classmethod
+    def of(cls, config: Any) -> Family:
+        """The family a `TransformerConfig` reads as: experts make it Qwen3-MoE, a q/k norm Qwen3,
+        else Llama. A model the family cannot compute is refused by `ModelSpec.from_megatron`."""
+        if config.num_moe_experts:
+            return cls.QWEN3_MOE
+        return cls.QWEN3 if config.qk_layernorm else cls.LLAMA
+
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
@@ -110,11 +118,12 @@ class ModelSpec:
         )
 
     @classmethod
-    def from_megatron(cls, config: Any, gpt: Any, family: Family | str) -> ModelSpec:
-        """From a `TransformerConfig` and the (unwrapped) `GPTModel` built with it.
+    def from_megatron(cls, config: Any, gpt: Any, family: Family | str | None = None) -> ModelSpec:
+        """From a `TransformerConfig` and the (unwrapped) `GPTModel` built with it; the family is
+        `Family.of(config)` unless given.
 
         Raises ValueError naming every setting HF's `family` cannot compute the same way."""
-        family = Family(family)
+        family = Family.of(config) if family is None else Family(family)
         problems = _megatron_problems(config, gpt)
         if problems:
             raise ValueError(f"no HF {family.value} equivalent: " + "; ".join(problems))

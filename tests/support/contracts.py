@@ -1,0 +1,379 @@
+"""What the lifecycle relies on from each Protocol (orchestrator/protocols.py, core/actions.py),
+as checks that take one case of `tests/support/contract_cases.py`.
+
+Plain functions, not tests: `tests/contracts/test_protocol_contracts.py` runs each over every
+case, and a case that must live in a process of its own (a Megatron trainer) runs them there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from orchestrator import Lifecycle, LifecycleConfig
+from orchestrator.core.regions import RegionLedger
+from orchestrator.errors import RegionRefused
+from orchestrator.protocols import LoadsWeights, MemoryRegions, RolloutEngine, WeightTransport
+from orchestrator.testing import InMemoryRegions, InMemoryTrainer
+from states import EngineMemory, Phase, Region
+from tests.support.contract_cases import NO_BACKUP, EngineCase, RegionsCase
+from tests.support.transport_cases import TransportCase
+
+ALL = frozenset(EngineMemory)
+WEIGHTS = frozenset({EngineMemory.WEIGHTS})
+KV = frozenset({EngineMemory.KV_CACHE, EngineMemory.CUDA_GRAPH})
+PAUSE_ORDER = (Region.GRAD_BUFFER, Region.DEFAULT, Region.PARAM_BUFFER)  # pause_grads, then drop_params
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# ---- MemoryRegions ------------------------------------------------------------------------------
+
+
+def regions_manage_every_tag(case: RegionsCase) -> None:
+    """The ledger refuses an adapter that lacks a tag the lifecycle pauses."""
+    assert isinstance(case.regions, MemoryRegions)
+    assert {r.value for r in Region} <= case.regions.tags()
+    RegionLedger(case.regions)
+
+
+def pause_frees_what_it_reports_and_resume_retakes_it(case: RegionsCase) -> None:
+    """Each pause returns the bytes the memory really got back (measured outside the adapter), a
+    tag without backup at least its buffer; each resume retakes as much; twice over, since every
+    step pauses and resumes again."""
+    for _ in range(2):
+        freed = {}
+        for tag in PAUSE_ORDER:
+            before = case.free()
+            freed[tag] = case.regions.pause(tag)
+            gained = case.free() - before
+            assert abs(gained - freed[tag]) <= case.tolerance, f"pause({tag}) reported {freed[tag]}, freed {gained}"
+            if tag in NO_BACKUP:
+                assert freed[tag] >= nbytes(case.tensors[tag][0]) - case.tolerance, f"pause({tag}) freed too little"
+        for tag in reversed(PAUSE_ORDER):
+            before = case.free()
+            retaken = case.regions.resume(tag)
+            if tag in NO_BACKUP:  # touch what came back: pages count once written
+                case.tensors[tag][0].zero_()
+            taken = before - case.free()
+            assert abs(taken - retaken) <= case.tolerance, f"resume({tag}) reported {retaken}, took {taken}"
+            assert abs(retaken - freed[tag]) <= case.tolerance, f"resume({tag}) retook {retaken} of {freed[tag]}"
+
+
+def default_keeps_its_contents(case: RegionsCase) -> None:
+    """`default` (fp32 mains, Adam state) is paused with a backup: its contents survive."""
+    kept = [t.clone() for t in case.tensors[Region.DEFAULT]]
+    for tag in PAUSE_ORDER:
+        case.regions.pause(tag)
+    for tag in reversed(PAUSE_ORDER):
+        case.regions.resume(tag)
+    for before, after in zip(kept, case.tensors[Region.DEFAULT], strict=True):
+        assert torch.equal(before, after), "default lost its contents across a pause"
+
+
+def views_see_the_resumed_memory(case: RegionsCase) -> None:
+    """Megatron's params are views of one buffer: after a resume, a write through a view is a
+    write into the buffer (the view was not left on freed memory)."""
+    buffer, view = case.tensors[Region.PARAM_BUFFER][:2]
+    case.regions.pause(Region.PARAM_BUFFER)
+    case.regions.resume(Region.PARAM_BUFFER)
+    storage = view.untyped_storage()  # checked first: a write through a view left on freed memory crashes
+    assert storage.data_ptr() == buffer.untyped_storage().data_ptr(), "the view is not on the resumed buffer"
+    assert storage.nbytes() >= (view.storage_offset() + view.numel()) * view.element_size(), "the view's memory is gone"
+    view.fill_(3)
+    assert bool((buffer[7:99] == 3).all()), "the view no longer aliases the resumed buffer"
+
+
+def resume_keeps_the_addresses(case: RegionsCase) -> None:
+    """protocols.MemoryRegions.resume: torch_memory_saver (and the in-memory adapter) map the same
+    virtual addresses again, what CUDA graphs and IPC handles into the buffers need."""
+    if not case.keeps_addresses:
+        pytest.skip("this adapter's resume reallocates: its tensors see the memory, at new addresses")
+    addresses = {tag: ts[0].data_ptr() for tag, ts in case.tensors.items()}
+    for tag in PAUSE_ORDER:
+        case.regions.pause(tag)
+    for tag in reversed(PAUSE_ORDER):
+        case.regions.resume(tag)
+    assert {tag: ts[0].data_ptr() for tag, ts in case.tensors.items()} == addresses
+
+
+def the_ledger_refuses_a_second_pause_before_the_adapter_acts(case: RegionsCase) -> None:
+    """torch_memory_saver exits the process on a double pause or a stray resume: the ledger in
+    front of every adapter refuses both, and the memory is as it was."""
+    ledger = RegionLedger(case.regions)
+    with pytest.raises(RegionRefused, match="not paused"):
+        ledger.resume(Region.GRAD_BUFFER)
+    ledger.pause(Region.GRAD_BUFFER)
+    before = case.free()
+    with pytest.raises(RegionRefused, match="already paused"):
+        ledger.pause(Region.GRAD_BUFFER)
+    assert abs(case.free() - before) <= case.tolerance
+    ledger.resume(Region.GRAD_BUFFER)
+
+
+def tensors_made_later_are_paused_too(case: RegionsCase) -> None:
+    """Adam's moments appear at the first optimizer step, after the regions were built (and maybe
+    after a first pause): a later pause frees them too, and `default` keeps theirs."""
+    for tag in (Region.GRAD_BUFFER, Region.DEFAULT):
+        case.regions.pause(tag)
+        case.regions.resume(tag)
+    case.tensors[Region.GRAD_BUFFER][0].zero_()  # grads are zeroed before use: its pages count again
+    late_grads = torch.ones_like(case.tensors[Region.GRAD_BUFFER][0])
+    late_state = torch.ones_like(case.tensors[Region.DEFAULT][0])
+    case.tensors[Region.GRAD_BUFFER].append(late_grads)
+    case.tensors[Region.DEFAULT].append(late_state)
+    before = case.free()
+    freed = case.regions.pause(Region.GRAD_BUFFER)
+    both = nbytes(case.tensors[Region.GRAD_BUFFER][0]) + nbytes(late_grads)
+    assert freed >= both - case.tolerance and case.free() - before >= both - case.tolerance, "the late grads stayed"
+    case.regions.pause(Region.DEFAULT)
+    case.regions.resume(Region.DEFAULT)
+    case.regions.resume(Region.GRAD_BUFFER)
+    assert torch.equal(late_state, torch.ones_like(late_state)), "the late optimizer state lost its contents"
+
+
+REGIONS: dict[str, Callable[[RegionsCase], None]] = {
+    f.__name__: f
+    for f in (
+        regions_manage_every_tag,
+        pause_frees_what_it_reports_and_resume_retakes_it,
+        default_keeps_its_contents,
+        views_see_the_resumed_memory,
+        resume_keeps_the_addresses,
+        the_ledger_refuses_a_second_pause_before_the_adapter_acts,
+        tensors_made_later_are_paused_too,
+    )
+}
+
+
+# ---- RolloutEngine ------------------------------------------------------------------------------
+
+
+def engine_is_named_and_serves_no_version_before_a_sync(case: EngineCase) -> None:
+    engine = case.engine
+    assert isinstance(engine, RolloutEngine)
+    assert isinstance(engine.name, str) and engine.name
+    assert engine.weight_version() is None and engine.is_idle()
+
+
+def a_sync_serves_its_version(case: EngineCase) -> None:
+    case.load(3)
+    assert case.engine.weight_version() == 3
+    case.serve()
+    case.load(4)
+    assert case.engine.weight_version() == 4
+    case.serve()
+
+
+def release_is_refused_while_busy_and_releases_nothing(case: EngineCase) -> None:
+    """protocols.RolloutEngine.release: "Fails if busy" (SGLang's scheduler asserts idle)."""
+    case.load(1)
+    seen: list[bool] = []
+
+    def check() -> None:
+        seen.append(case.engine.is_idle())
+        with pytest.raises(case.refusal):
+            case.engine.release(ALL)
+
+    case.while_busy(check)
+    assert seen == [False], "is_idle was not False with a request in flight"
+    assert case.engine.is_idle()
+    case.serve()  # nothing was released
+
+
+def serving_is_refused_while_its_memory_is_released(case: EngineCase) -> None:
+    case.load(1)
+    for tags in (WEIGHTS, frozenset({EngineMemory.KV_CACHE})):
+        case.engine.release(tags)
+        with pytest.raises(case.refusal):
+            case.serve()
+        case.engine.resume(tags)
+        if tags == WEIGHTS:
+            case.load(1)  # their contents are gone: a refill comes first (refill_engine_weights)
+        case.serve()
+
+
+def the_version_survives_a_release_and_a_refill_serves_it_again(case: EngineCase) -> None:
+    """What recover and a critic-only step read: the version outlives the weights' memory, and a
+    push at the same version refills them."""
+    case.load(5)
+    case.engine.release(ALL)
+    assert case.engine.weight_version() == 5
+    case.engine.resume(WEIGHTS)
+    assert case.engine.weight_version() == 5
+    case.load(5)
+    case.engine.resume(KV)
+    assert case.engine.weight_version() == 5
+    case.serve()
+
+
+def the_lifecycle_drives_two_cycles_on_it(case: EngineCase) -> None:
+    """The real order: taken over at construction, weights resumed and pushed, KV resumed for the
+    rollout, everything released at the restore."""
+    trainer = InMemoryTrainer()
+    lifecycle = Lifecycle(
+        config=LifecycleConfig(),
+        trainer=trainer,
+        regions=InMemoryRegions(on_pause={Region.PARAM_BUFFER.value: trainer.drop}),
+        engine=case.engine,
+        transport=case.transport,
+    )
+    for step in (1, 2):
+        with lifecycle.step():
+            lifecycle.pause_grads()
+            lifecycle.update_weights()
+            lifecycle.drop_params()
+            lifecycle.rollout(case.serve)
+            lifecycle.restore()
+            lifecycle.train(trainer.optimizer_step)
+        assert case.engine.weight_version() == lifecycle.weight_version == step
+    assert lifecycle.phase is Phase.TRAIN and lifecycle.last_restore_verified
+
+
+def a_dead_engine_is_an_engine_error_on_every_call(case: EngineCase) -> None:
+    from orchestrator.errors import EngineError
+
+    case.load(1)
+    assert case.kill is not None
+    case.kill()
+    calls: list[Callable[[], Any]] = [
+        lambda: case.engine.release(KV),
+        lambda: case.engine.resume(KV),
+        case.engine.flush_cache,
+        case.engine.weight_version,
+        case.engine.is_idle,
+        lambda: case.load(2),
+    ]
+    for call in calls:
+        with pytest.raises(EngineError):
+            call()
+
+
+def loads_bucket_by_bucket_and_reports_bytes_written(case: EngineCase) -> None:
+    """protocols.LoadsWeights: one bucket per call, bytes written returned, tensors never written;
+    `version` served once every weight arrived; an update into released weights refused."""
+    engine = case.engine
+    assert isinstance(engine, LoadsWeights)
+    weights = list(case.weights)
+    counters = [t._version for _, t in weights]
+    copies = [t.clone() for _, t in weights]
+    half = len(weights) // 2
+    with case.session():
+        written = [engine.update_weights(weights[:half], 2), engine.update_weights(weights[half:], 2)]
+    bucket_bytes = [sum(nbytes(t) for _, t in weights[:half]), sum(nbytes(t) for _, t in weights[half:])]
+    assert written == [case.replicas * b for b in bucket_bytes]
+    assert engine.weight_version() == 2
+    assert [t._version for _, t in weights] == counters, "update_weights wrote into a tensor it was handed"
+    assert all(torch.equal(a, t) for a, (_, t) in zip(copies, weights, strict=True))
+    digests = getattr(engine, "digests", lambda: None)()
+    if digests is not None:
+        from orchestrator.adapters.digest import sha256_digests
+
+        assert digests == sha256_digests(dict(weights))
+    engine.release(WEIGHTS)
+    with pytest.raises(case.refusal), case.session():
+        engine.update_weights(weights, 3)
+    assert engine.weight_version() == 2
+
+
+def a_partial_load_does_not_serve_the_new_version(case: EngineCase) -> None:
+    """protocols.LoadsWeights: "It serves `version` once every weight has arrived at that version":
+    an update that stops after its first bucket leaves the engine on the version it had."""
+    engine, weights = case.engine, list(case.weights)
+    assert isinstance(engine, LoadsWeights)
+    case.load(1)
+    with case.session():
+        engine.update_weights(weights[: len(weights) // 2], 2)
+    assert engine.weight_version() == 1, "half the weights arrived, and the new version is served"
+
+
+ENGINES: dict[str, Callable[[EngineCase], None]] = {
+    f.__name__: f
+    for f in (
+        engine_is_named_and_serves_no_version_before_a_sync,
+        a_sync_serves_its_version,
+        release_is_refused_while_busy_and_releases_nothing,
+        serving_is_refused_while_its_memory_is_released,
+        the_version_survives_a_release_and_a_refill_serves_it_again,
+        the_lifecycle_drives_two_cycles_on_it,
+    )
+}
+ENGINES_THAT_LOAD: dict[str, Callable[[EngineCase], None]] = {
+    f.__name__: f
+    for f in (loads_bucket_by_bucket_and_reports_bytes_written, a_partial_load_does_not_serve_the_new_version)
+}
+REMOTE_ENGINES = {
+    a_dead_engine_is_an_engine_error_on_every_call.__name__: a_dead_engine_is_an_engine_error_on_every_call
+}
+
+
+# ---- WeightTransport ----------------------------------------------------------------------------
+
+
+def _push(case: TransportCase, version: int) -> Any:
+    case.forget()
+    with case.session():
+        return case.transport.push(version)
+
+
+def a_push_delivers_every_tensor_once_with_its_values(case: TransportCase) -> None:
+    """protocols.WeightTransport.push: "Send every sync tensor; the engine serves `version` once
+    this returns"."""
+    assert isinstance(case.transport, WeightTransport)
+    for version in (1, 2):  # every step pushes again
+        _push(case, version)
+        delivered = case.delivered()
+        names = [n for n, _ in delivered]
+        assert sorted(names) == sorted(case.expected()), "not every sync tensor arrived exactly once"
+        expected = case.expected()
+        wrong = [n for n, t in delivered if not torch.equal(t, expected[n])]
+        assert not wrong, f"arrived with other values: {wrong}"
+        assert case.engine.weight_version() == version
+
+
+def the_report_counts_what_arrived(case: TransportCase) -> None:
+    """The TransferReport becomes the span's colocate.tensors, colocate.bytes_moved, colocate.buckets."""
+    report = _push(case, 1)
+    delivered = case.delivered()
+    assert report.tensors == len(delivered)
+    assert report.bytes == sum(nbytes(t) for _, t in delivered)
+    if case.calls is not None:
+        assert report.buckets == case.calls()
+    assert report.buckets >= 1
+
+
+def a_push_never_writes_what_it_reads(case: TransportCase) -> None:
+    """protocols.Trainer.sync_tensors: read-only; a write to a view would change the live param."""
+    before = [(n, t.clone()) for n, t in case.sources()]
+    _push(case, 1)
+    after = dict(case.sources())
+    assert all(torch.equal(t, after[n]) for n, t in before)
+
+
+def a_refused_push_raises_and_the_version_is_not_served(case: TransportCase) -> None:
+    """Adapters never swallow a failed call: the controller decides (it faults)."""
+    _push(case, 1)
+    case.refuse()
+    with pytest.raises(case.refusal):
+        _push(case, 2)
+    try:
+        served = case.engine.weight_version()
+    except case.refusal:  # an engine that died answers nothing
+        return
+    assert served != 2
+
+
+TRANSPORTS: dict[str, Callable[[TransportCase], None]] = {
+    f.__name__: f
+    for f in (
+        a_push_delivers_every_tensor_once_with_its_values,
+        the_report_counts_what_arrived,
+        a_push_never_writes_what_it_reads,
+        a_refused_push_raises_and_the_version_is_not_served,
+    )
+}
