@@ -1,7 +1,7 @@
 """What each admitted event does: the memory choreography behind the rows of `states.TABLE`.
 
 Guards decide whether an event may run (guards/); these actions only move memory and weights
-through the adapters, and record what they did in `Known`. An action that raises leaves the
+through the adapters, and record what they did in `Known` (core/known.py). An action that raises leaves the
 lifecycle FAULTED; `recover` then reconciles what is actually resident with what TRAIN promises.
 """
 
@@ -10,11 +10,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
 from typing import Any
 
 from guards.bitexact import restore_bit_identical
 from orchestrator.core.config import LifecycleConfig
+from orchestrator.core.known import Known
 from orchestrator.core.regions import RegionLedger
 from orchestrator.errors import EngineError, RecoveryRefused, RestoreMismatch
 from orchestrator.protocols import RolloutEngine, TrainerControl, WeightTransport, WeightUpdateSessions
@@ -28,23 +28,6 @@ Action = Callable[[TransitionRecord, "Work | None"], Any]
 KV = frozenset({EngineMemory.KV_CACHE, EngineMemory.CUDA_GRAPH})
 WEIGHTS = frozenset({EngineMemory.WEIGHTS})
 _IDLE_POLL_S = 0.05
-
-
-@dataclass(slots=True)
-class Known:
-    """What the controller knows because it did it (never re-derived from the adapters)."""
-
-    step: int = 0
-    engine_resident: frozenset[EngineMemory] = frozenset()
-    engine_synced: bool = False
-    weight_version: int = 0
-    cache_flushed: bool = True
-    trained_since_sync: bool = False
-    extras_stashed: bool = False
-    params_valid: bool = True  # the bf16 params are the ones the fp32 mains (or backup) define
-    cycles: int = 0  # completed drop/restore cycles
-    digests: dict[str, str] | None = None  # taken at the drop of a verified cycle, kept until verified
-    last_restore_verified: bool | None = None
 
 
 class Actions:

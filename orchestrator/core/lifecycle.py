@@ -1,4 +1,4 @@
-"""The lifecycle controller: one `transitions` machine, built from `states.TABLE`.
+"""The lifecycle controller: the event API over one machine built from `states.TABLE` (core/machine.py).
 
 An event is admitted only if the table has a row for it in the current phase and every guard of
 that row accepts the current snapshot. Its action then moves memory through the adapters; if
@@ -9,17 +9,15 @@ is legal there.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
-from transitions import EventData, Machine
-
-from guards import GUARDS, evaluate, refusals
-from orchestrator.core.actions import Actions, Known, Work
+from guards import refusals
+from orchestrator.core.actions import Actions, Work
 from orchestrator.core.config import LifecycleConfig
+from orchestrator.core.known import Known
+from orchestrator.core.machine import Firing, PhaseMachine
 from orchestrator.core.regions import RegionLedger
 from orchestrator.errors import (
     ActionFailed,
@@ -32,16 +30,7 @@ from orchestrator.errors import (
 from orchestrator.protocols import MemoryRegions, RolloutEngine, TrainerControl, WeightTransport
 from orchestrator.telemetry import semconv
 from orchestrator.telemetry.listeners import FanOut, Listener, TransitionRecord
-from states import INITIAL, TABLE, Event, Mode, Phase, Snapshot, TrainerLayout, Transition
-
-
-@dataclass(slots=True)
-class _Firing:
-    """One event on its way through the machine: handed to every callback by `trigger(...)`."""
-
-    record: TransitionRecord
-    work: Work | None = None
-    result: Any = None
+from states import Event, Mode, Phase, Snapshot, TrainerLayout
 
 
 def require_restore_coverage(layout: TrainerLayout) -> None:
@@ -55,11 +44,13 @@ def require_restore_coverage(layout: TrainerLayout) -> None:
         )
 
 
-class _Machine:
-    """The `transitions` model. Kept apart so its trigger methods never shadow the public API."""
-
-    state: Phase
-    trigger: Callable[..., bool]  # added by Machine
+def check_wiring(mode: Mode, engine: RolloutEngine | None, transport: WeightTransport | None) -> None:
+    """A train-only run takes neither an engine nor a transport; every other mode takes both."""
+    if mode is Mode.TRAIN_ONLY:
+        if engine is not None or transport is not None:
+            raise ConfigError(["a train-only run takes no engine and no transport"])
+    elif engine is None or transport is None:
+        raise ConfigError([f"mode {mode} needs an engine and a weight transport"])
 
 
 class Lifecycle:
@@ -80,7 +71,7 @@ class Lifecycle:
         listeners: list[Listener] | tuple[Listener, ...] = (),
     ) -> None:
         self.config = config
-        self._check_wiring(engine, transport)
+        check_wiring(config.mode, engine, transport)
         self._engine = engine
         self._regions = RegionLedger(regions)
         self._layout = trainer.layout()
@@ -91,46 +82,15 @@ class Lifecycle:
         # weights), so they keep increasing; it still serves nothing of this job's before a sync.
         self._known = Known(weight_version=(engine.weight_version() or 0) if engine is not None else 0)
         actions = Actions(config, self._known, trainer, self._regions, engine, transport)
-        self._actions = actions.by_name()
         self.fault_cause: BaseException | None = None
-        self._rows = {(row.source, row.event): row for row in TABLE}
-        self._model = _Machine()
-        self._machine = Machine(
-            model=self._model,
-            states=Phase,
-            transitions=[self._spec(row) for row in TABLE],
-            initial=INITIAL,
-            auto_transitions=False,
-            send_event=True,
-        )
+        self._machine = PhaseMachine(actions.by_name(), self.snapshot, lambda record: self.listeners.on_begin(record))
         actions.take_over_engine()
-
-    def _check_wiring(self, engine: RolloutEngine | None, transport: WeightTransport | None) -> None:
-        if self.config.mode is Mode.TRAIN_ONLY:
-            if engine is not None or transport is not None:
-                raise ConfigError(["a train-only run takes no engine and no transport"])
-        elif engine is None or transport is None:
-            raise ConfigError([f"mode {self.config.mode} needs an engine and a weight transport"])
-
-    def _spec(self, row: Transition) -> dict[str, Any]:
-        unknown = [g for g in row.guards if g not in GUARDS] + (
-            [row.action] if row.action and row.action not in self._actions else []
-        )
-        if unknown:
-            raise ConfigError([f"table row {row.source}.{row.event} names unknown {name!r}" for name in unknown])
-        return {
-            "trigger": row.event.value,
-            "source": row.source,
-            "dest": row.dest,
-            "conditions": [partial(self._admit, row)],
-            "before": [partial(self._act, row)],
-        }
 
     # ---- reading the state -------------------------------------------------------------------
 
     @property
     def phase(self) -> Phase:
-        return self._model.state
+        return self._machine.phase
 
     @property
     def weight_version(self) -> int:
@@ -142,8 +102,7 @@ class Lifecycle:
         return self._known.last_restore_verified
 
     def legal_events(self, phase: Phase | None = None) -> tuple[Event, ...]:
-        phase = self.phase if phase is None else phase
-        return tuple(event for (source, event) in self._rows if source is phase)
+        return self._machine.legal_events(self.phase if phase is None else phase)
 
     def snapshot(self) -> Snapshot:
         """What guards read. It asks the engine whether it is idle and what it serves."""
@@ -194,15 +153,15 @@ class Lifecycle:
         fire it through `fault(cause)`.
         """
         src = self.phase
-        row = self._rows.get((src, event))
+        row = self._machine.rows.get((src, event))
         record = self._record(event, row.dest if row else src)
         if row is None:
             self._reject(record, IllegalTransition(src, event, self.legal_events(src)))
         if event is Event.FAULT:
             self._reject(record, FaultWithoutCause())
-        firing = _Firing(record, work)
+        firing = Firing(record, work)
         try:
-            moved = self._model.trigger(event.value, firing)
+            moved = self._machine.trigger(event, firing)
         except Exception as exc:
             self._fail(record, exc)
         if not moved:
@@ -212,21 +171,6 @@ class Lifecycle:
         record.ended_ns = time.perf_counter_ns()
         self.listeners.on_transition(record)
         return firing.result
-
-    def _admit(self, row: Transition, event: EventData) -> bool:
-        if not row.guards:
-            return True  # nothing to judge: a fault must get through even with the engine dead
-        firing: _Firing
-        (firing,) = event.args  # what fire() handed to trigger(...)
-        firing.record.verdicts = evaluate((GUARDS[name] for name in row.guards), self.snapshot())
-        return all(v.ok for v in firing.record.verdicts)
-
-    def _act(self, row: Transition, event: EventData) -> None:
-        firing: _Firing
-        (firing,) = event.args
-        self.listeners.on_begin(firing.record)
-        if row.action is not None:
-            firing.result = self._actions[row.action](firing.record, firing.work)
 
     def _reject(self, record: TransitionRecord, error: LifecycleError) -> None:
         record.ended_ns = time.perf_counter_ns()
@@ -262,7 +206,7 @@ class Lifecycle:
                 self.fault_cause.add_note(f"a later fault: {type(error).__name__}: {error}")
             self._reject(record, IllegalTransition(self.phase, Event.FAULT, self.legal_events()))
         self.fault_cause = error
-        self._model.trigger(Event.FAULT.value, _Firing(record))
+        self._machine.trigger(Event.FAULT, Firing(record))
         record.ended_ns = time.perf_counter_ns()
         self.listeners.on_transition(record)
 

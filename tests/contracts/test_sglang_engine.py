@@ -382,7 +382,7 @@ def test_actions_are_client_spans_and_every_request_carries_the_trace(
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     tracer = provider.get_tracer("test")
     with (
-        patch("orchestrator.adapters.engines.sglang.client.trace.get_tracer", return_value=tracer),
+        patch("orchestrator.adapters.engines.sglang.http.trace.get_tracer", return_value=tracer),
         tracer.start_as_current_span("lifecycle.update_weights") as parent,
     ):
         engine.release(ALL)

@@ -1,14 +1,21 @@
-"""The architecture, checked: imports point one way, and the diagram needs no heavy dependency.
+"""The architecture, checked: imports point one way, units stay small, and the diagram needs no
+heavy dependency.
 
 The contracts live in pyproject.toml ([tool.importlinter]); `lint-imports` is import-linter's CLI.
 """
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+# Small units (docs/style.md, 9): a module or class past these is split along a seam, not trimmed.
+MAX_MODULE_LINES = 400
+MAX_CLASS_LINES = 200
+SIZED_PACKAGES = ("orchestrator", "states", "guards")
 
 ROOT = Path(__file__).resolve().parents[2]
 LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
@@ -19,6 +26,43 @@ def _lint_imports(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [str(LINT_IMPORTS), "--no-cache", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
+
+
+def oversized(root: Path) -> list[str]:
+    """Every module over MAX_MODULE_LINES and class over MAX_CLASS_LINES (decorators included)."""
+    found = []
+    for package in SIZED_PACKAGES:
+        for path in sorted((root / package).rglob("*.py")):
+            source = path.read_text()
+            where = path.relative_to(root).as_posix()
+            lines = len(source.splitlines())
+            if lines > MAX_MODULE_LINES:
+                found.append(f"{where}: {lines} lines (module limit {MAX_MODULE_LINES})")
+            for node in ast.walk(ast.parse(source, where)):
+                if isinstance(node, ast.ClassDef) and node.end_lineno is not None:
+                    start = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                    length = node.end_lineno - start + 1
+                    if length > MAX_CLASS_LINES:
+                        found.append(f"{where}: class {node.name} {length} lines (class limit {MAX_CLASS_LINES})")
+    return found
+
+
+def test_no_module_and_no_class_is_over_its_limit() -> None:
+    found = oversized(ROOT)
+    assert not found, "split these along a seam:\n" + "\n".join(found)
+
+
+def test_the_size_check_names_an_oversized_module_and_class(tmp_path: Path) -> None:
+    for package in SIZED_PACKAGES:
+        (tmp_path / package).mkdir()
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_CLASS_LINES))  # with its `class` line, one too many
+    (tmp_path / "orchestrator" / "big.py").write_text(f"@dataclass\nclass Big:\n{body}\n")
+    (tmp_path / "guards" / "long.py").write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
+    (tmp_path / "states" / "fits.py").write_text("x = 1\n" * MAX_MODULE_LINES)
+    assert oversized(tmp_path) == [
+        f"orchestrator/big.py: class Big {MAX_CLASS_LINES + 2} lines (class limit {MAX_CLASS_LINES})",
+        f"guards/long.py: {MAX_MODULE_LINES + 1} lines (module limit {MAX_MODULE_LINES})",
+    ]
 
 
 def test_the_import_contracts_in_pyproject_are_kept() -> None:

@@ -1,1 +1,1 @@
-"""`RolloutEngine` implementations: transformers in-process, SGLang over HTTP."""
+"""`RolloutEngine` implementations: transformers in-process (its decoding in `decode`), SGLang over HTTP."""

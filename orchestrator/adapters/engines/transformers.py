@@ -6,7 +6,7 @@ Implements `orchestrator.protocols.RolloutEngine` the way SGLang behaves, on CPU
   lost); resumed by resizing them back (contents undefined until the next complete sync).
 - `kv_cache`: one preallocated tensor for every layer's keys and values, sized
   (max_batch, max_len). Each `generate` runs on the first rows of it, through a transformers
-  `Cache` whose layers are views of it. Released and resumed like the weights.
+  `Cache` whose layers are views of it (decode.py). Released and resumed like the weights.
 - `cuda_graph`: accepted and recorded; this engine captures no graphs, so nothing is freed.
 
 The engine serves a version once every HF name has been loaded at that version (`update_weights`
@@ -24,9 +24,9 @@ from collections.abc import Sequence
 import torch
 import transformers
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
-from transformers.cache_utils import Cache, StaticLayer
 
 from orchestrator.adapters.digest import sha256_digests
+from orchestrator.adapters.engines.decode import decode, kv_slab, prompt_problems
 from orchestrator.adapters.megatron.convert import ModelSpec, hf_llama_config
 from orchestrator.adapters.megatron.gpt import TinyGPTConfig
 from orchestrator.adapters.regions.storage import return_large_frees_to_the_os
@@ -39,37 +39,6 @@ __all__ = ["TransformersEngine"]
 
 def _default_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
-class _SlabLayer(StaticLayer):
-    """A `StaticLayer` over given tensors: HF's own allocates fresh ones at its first update.
-
-    `keys` and `values` are [batch, kv_heads, max_len, head_dim] views of the engine's KV slab, so a
-    batch smaller than `max_batch` uses the slab's first rows and allocates nothing.
-    """
-
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        super().__init__(max_cache_len=keys.shape[2])
-        self._slab = (keys, values)
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        keys, values = self._slab
-        if key_states.shape[:2] != keys.shape[:2] or key_states.shape[-1] != keys.shape[-1]:
-            raise ValueError(f"key states {tuple(key_states.shape)} do not fit the KV slab {tuple(keys.shape)}")
-        # The attributes StaticLayer.lazy_initialization sets, minus its allocation.
-        self.keys, self.values = keys, values
-        self.device = keys.device
-        self.batch_size, self.num_heads = keys.shape[:2]
-        self.k_head_dim, self.v_head_dim = keys.shape[-1], values.shape[-1]
-        self.cumulative_length = self.cumulative_length.to(self.device)
-        self.is_initialized = True
-
-
-def _sample(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row from softmax(logits / T), and its log-probability under that distribution."""
-    logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
-    tokens = torch.multinomial(logprobs.exp(), 1, generator=generator)
-    return tokens.squeeze(1), logprobs.gather(1, tokens).squeeze(1)
 
 
 def _build_model(config: LlamaConfig, device: torch.device) -> LlamaForCausalLM:
@@ -87,13 +56,19 @@ def _build_model(config: LlamaConfig, device: torch.device) -> LlamaForCausalLM:
     return model.eval().requires_grad_(False)
 
 
-def _kv_slab(config: LlamaConfig, model: LlamaForCausalLM, max_batch: int, max_len: int) -> torch.Tensor:
-    """[keys | values, layer, batch, kv head, position, head dim]: one storage to free and retake."""
-    head_dim = config.head_dim or config.hidden_size // config.num_attention_heads
-    kv_heads = config.num_key_value_heads or config.num_attention_heads
-    weight = model.lm_head.weight
-    shape = (2, config.num_hidden_layers, max_batch, kv_heads, max_len, head_dim)
-    return torch.zeros(shape, dtype=weight.dtype, device=weight.device)
+def _check_bucket(
+    engine: str, named: Sequence[tuple[str, torch.Tensor]], params: dict[str, torch.nn.Parameter]
+) -> None:
+    unknown = sorted({name for name, _ in named if name not in params})
+    if unknown:
+        raise ValueError(f"engine {engine}: unknown weight name(s): {', '.join(unknown)}")
+    wrong = [
+        f"{name} {tuple(t.shape)} (expected {tuple(params[name].shape)})"
+        for name, t in named
+        if t.shape != params[name].shape
+    ]
+    if wrong:
+        raise ValueError(f"engine {engine}: wrong shape(s): {', '.join(wrong)}")
 
 
 class TransformersEngine:
@@ -123,7 +98,7 @@ class TransformersEngine:
         self.max_len = max_len if max_len is not None else self.config.max_position_embeddings
         self._params = dict(self.model.named_parameters())
         self._param_bytes = {n: nbytes(p) for n, p in self._params.items()}
-        self._kv = _kv_slab(self.config, self.model, max_batch, self.max_len)
+        self._kv = kv_slab(self.config, self.model, max_batch, self.max_len)
         self._kv_bytes = nbytes(self._kv)
         self._released: set[EngineMemory] = set()
         self._version: int | None = None
@@ -189,7 +164,7 @@ class TransformersEngine:
         self._require_idle("update_weights")
         if EngineMemory.WEIGHTS in self._released:
             raise EngineError(self.name, "update_weights while the weights are released: resume them first")
-        self._check_bucket(named)
+        _check_bucket(self.name, named, self._params)
         if self._loading != version:
             self._loading, self._missing = version, set(self._params)
         targets: list[torch.Tensor] = [self._params[name] for name, _ in named]
@@ -206,18 +181,6 @@ class TransformersEngine:
         if not self._missing:
             self._version, self._loading = version, None
         return written
-
-    def _check_bucket(self, named: Sequence[tuple[str, torch.Tensor]]) -> None:
-        unknown = sorted({name for name, _ in named if name not in self._params})
-        if unknown:
-            raise ValueError(f"engine {self.name}: unknown weight name(s): {', '.join(unknown)}")
-        wrong = [
-            f"{name} {tuple(t.shape)} (expected {tuple(self._params[name].shape)})"
-            for name, t in named
-            if t.shape != self._params[name].shape
-        ]
-        if wrong:
-            raise ValueError(f"engine {self.name}: wrong shape(s): {', '.join(wrong)}")
 
     def missing_weights(self) -> frozenset[str]:
         """HF names not loaded since the weights were allocated or a new version began."""
@@ -251,33 +214,25 @@ class TransformersEngine:
         loss needs; at any other temperature it is not (recompute it at T = 1). Greedy decoding
         is not offered (temperature must be > 0). The same seed and weights give the same output.
         """
-        self._check_prompts(prompts, max_new_tokens, temperature)
+        problems = prompt_problems(
+            prompts, max_new_tokens, temperature, self.max_batch, self.max_len, self.config.vocab_size
+        )
+        if problems:
+            raise ValueError(f"engine {self.name}: " + "; ".join(problems))
         self._require_servable("generate", needs_kv=True)
-        batch, prompt_len = prompts.shape
-        generator = torch.Generator(self.device).manual_seed(seed)
-        completions = torch.empty(batch, max_new_tokens, dtype=torch.int64, device=self.device)
-        logprobs = torch.empty(batch, max_new_tokens, dtype=torch.float32, device=self.device)
         self._in_flight += 1
         try:
-            cache = self._cache_for(batch)
-            inputs, positions = prompts.to(self.device), torch.arange(prompt_len, device=self.device)
-            with torch.no_grad():
-                for step in range(max_new_tokens):
-                    out = self.model(
-                        input_ids=inputs, position_ids=positions[None], cache=cache, use_cache=True, logits_to_keep=1
-                    )
-                    token, logprob = _sample(out.logits[:, -1], temperature, generator)
-                    completions[:, step], logprobs[:, step] = token, logprob
-                    inputs, positions = token[:, None], positions[-1:] + 1
+            return decode(
+                self.model,
+                self._kv,
+                prompts,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                seed=seed,
+                device=self.device,
+            )
         finally:
             self._in_flight -= 1
-        return completions, logprobs
-
-    def _cache_for(self, batch: int) -> Cache:
-        """An empty transformers cache over the slab's first `batch` rows: nothing of an earlier
-        call is visible (every layer starts at length 0), and nothing is allocated."""
-        keys, values = self._kv
-        return Cache(layers=[_SlabLayer(k[:batch], v[:batch]) for k, v in zip(keys, values, strict=True)])
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """Teacher-forced logits [B, S, vocab] float32 of `tokens` [B, S], without the KV slab."""
@@ -288,23 +243,6 @@ class TransformersEngine:
                 return self.model(input_ids=tokens.to(self.device)).logits.float()
         finally:
             self._in_flight -= 1
-
-    def _check_prompts(self, prompts: torch.Tensor, max_new_tokens: int, temperature: float) -> None:
-        problems = []
-        if prompts.dim() != 2 or prompts.dtype != torch.int64:
-            problems.append(f"prompts must be [B, P] int64, got {tuple(prompts.shape)} {prompts.dtype}")
-        elif prompts.shape[0] > self.max_batch:
-            problems.append(f"batch {prompts.shape[0]} exceeds max_batch {self.max_batch}")
-        elif prompts.shape[1] + max_new_tokens > self.max_len:
-            problems.append(f"{prompts.shape[1]} prompt + {max_new_tokens} new tokens exceed max_len {self.max_len}")
-        elif prompts.numel() and not 0 <= int(prompts.min()) <= int(prompts.max()) < self.config.vocab_size:
-            problems.append(f"token ids outside [0, {self.config.vocab_size})")
-        if max_new_tokens < 1:
-            problems.append(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if not temperature > 0:
-            problems.append(f"temperature must be > 0, got {temperature}")
-        if problems:
-            raise ValueError(f"engine {self.name}: " + "; ".join(problems))
 
     def _require_servable(self, call: str, *, needs_kv: bool) -> None:
         reasons = []

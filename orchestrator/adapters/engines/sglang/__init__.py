@@ -2,7 +2,9 @@
 
 - `wire`: SGLang's weight wire format (the flattened bucket, `MultiprocessingSerializer`'s bytes),
   reimplemented without importing sglang.
-- `client`: `SGLangEngine`, one server over HTTP: the routes colocate calls, retries, client spans.
+- `http`: `SGLangHTTP`, requests to one server: the session, retries, client spans, error shapes.
+- `weights`: `SGLangWeightUpdates`, the weight-update routes of one server (session, bucket, broadcast).
+- `client`: `SGLangEngine`, one server as a `RolloutEngine`: the routes colocate calls, and `generate`.
 - `broadcast`: `WeightBroadcaster` and `weight_update_group`, for servers off the trainer's GPUs.
 - `group`: `SGLangGroup`, every server of a job as one engine, and the job's rollout over them.
 

@@ -1,9 +1,7 @@
 """`RolloutEngine` over SGLang's HTTP server (checked against sglang 0.5.23's source, design §4).
 
-One `requests.Session` per engine, with urllib3 `Retry` on its adapter: connection failures are
-retried a few times with backoff (the request never reached the server, so this is safe for POSTs);
-502/503/504 are retried for GETs only; a read timeout is never retried, since SGLang may have
-applied the call. An unreachable URL raises `EngineError` naming it within a few seconds.
+The HTTP underneath (the session, retries, client spans, SGLang's error shapes) is `http.py`'s
+`SGLangHTTP`; the weight-update routes are `weights.py`'s `SGLangWeightUpdates`.
 
 Routes, as sglang 0.5.23's `sglang/srt/entrypoints/http_server.py` defines them:
 
@@ -30,33 +28,19 @@ Routes, as sglang 0.5.23's `sglang/srt/entrypoints/http_server.py` defines them:
   trainer over a group made by `init_weights_update_group` (engines off the trainer's GPUs).
 - `generate`: POST /generate with `input_ids`, `sampling_params`, `return_logprob`. Never
   `min_new_tokens`: `SamplingParams.normalize` refuses it under `--skip-tokenizer-init`.
-
-Every POST is a client span `sglang POST <path>` with OpenTelemetry's HTTP client attributes,
-`server.address` (the host), `server.port`, `url.full`, `http.response.status_code` (GETs are
-queries the lifecycle makes around every transition, and have none), and every request carries the W3C
-`traceparent` header (SGLang started with `--enable-trace` continues the trace).
 """
 
 from __future__ import annotations
 
 import re
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
-import requests
-import torch
-from opentelemetry import propagate, trace
-from requests.adapters import HTTPAdapter
-from urllib3.util.retry import Retry
-
-from orchestrator.adapters.engines.sglang.wire import flattened_bucket, serialize
+from orchestrator.adapters.engines.sglang.http import _message
+from orchestrator.adapters.engines.sglang.weights import SGLangWeightUpdates
 from orchestrator.errors import EngineError
-from orchestrator.protocols import Named
-from orchestrator.telemetry import semconv
 from states import EngineMemory
 
 _NO_VERSION = (None, "", "default")  # what SGLang reports before any versioned update
@@ -90,40 +74,7 @@ class Generation:
     weight_version: str | None = None
 
 
-def _session(retries: int) -> requests.Session:
-    retry = Retry(
-        total=retries,
-        connect=retries,
-        read=0,  # the server may have applied the call
-        status=retries,
-        status_forcelist=(502, 503, 504),
-        allowed_methods=frozenset({"GET"}),  # statuses: retry reads only
-        backoff_factor=0.2,
-        raise_on_status=False,
-    )
-    session = requests.Session()
-    adapter = HTTPAdapter(max_retries=retry)
-    session.mount("http://", adapter)
-    session.mount("https://", adapter)
-    return session
-
-
-def _message(response: requests.Response) -> str:
-    """The error text of any SGLang error shape: {success, message}, {error: {message}}, {message}, text."""
-    try:
-        body = response.json()
-    except ValueError:
-        return response.text.strip() or response.reason
-    if isinstance(body, dict):
-        error = body.get("error")
-        if isinstance(error, dict) and "message" in error:
-            return str(error["message"])
-        if "message" in body:
-            return str(body["message"])
-    return str(body)
-
-
-class SGLangEngine:
+class SGLangEngine(SGLangWeightUpdates):
     """Implements `orchestrator.protocols.RolloutEngine` for one SGLang server; `name` is its URL.
 
     `tp_size` is the server's tensor-parallel size (one serialized payload per TP rank).
@@ -143,66 +94,9 @@ class SGLangEngine:
     ) -> None:
         if tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {tp_size}")
-        self.name = url.rstrip("/")
+        super().__init__(url, connect_timeout_s=connect_timeout_s, read_timeout_s=read_timeout_s, retries=retries)
         self.tp_size = tp_size
         self.flush_max_wait_s, self.flush_poll_s = flush_max_wait_s, flush_poll_s
-        self._timeout = (connect_timeout_s, read_timeout_s)
-        self._session = _session(retries)
-        parts = urlsplit(self.name)  # OTel HTTP client conventions: the host alone, the port apart
-        self._server_attributes: dict[str, str | int] = {
-            "server.address": parts.hostname or "",
-            "server.port": parts.port or (443 if parts.scheme == "https" else 80),
-        }
-
-    def close(self) -> None:
-        self._session.close()
-
-    # ---- HTTP ------------------------------------------------------------------------------
-
-    def _send(self, method: str, path: str, body: Mapping[str, Any] | None = None) -> requests.Response:
-        """One request. A POST (an action) is a client span; a GET (a query the lifecycle makes
-        around every transition) is not, as it would bury the work."""
-        if method == "GET":
-            return self._request(method, path, body)
-        attributes = {**self._server_attributes, "url.full": self.name + path, "http.request.method": method}
-        with trace.get_tracer(semconv.TRACER).start_as_current_span(
-            f"sglang {method} {path.split('?', 1)[0]}", kind=trace.SpanKind.CLIENT, attributes=attributes
-        ) as span:
-            response = self._request(method, path, body)
-            span.set_attribute("http.response.status_code", response.status_code)
-            return response
-
-    def _request(self, method: str, path: str, body: Mapping[str, Any] | None) -> requests.Response:
-        headers: dict[str, str] = {}
-        propagate.inject(headers)
-        try:
-            return self._session.request(method, self.name + path, json=body, headers=headers, timeout=self._timeout)
-        except requests.RequestException as exc:
-            raise EngineError(self.name, f"{method} {path}: {self._unreachable(exc)}") from exc
-
-    def _unreachable(self, exc: requests.RequestException) -> str:
-        """Why no answer came, in a few words (urllib3's own text repeats the URL and the retries)."""
-        if isinstance(exc, requests.ConnectTimeout):
-            return f"unreachable: no connection within {self._timeout[0]:g} s"
-        if isinstance(exc, requests.ReadTimeout):
-            return f"no answer within {self._timeout[1]:g} s"
-        errno = re.search(r"\[Errno -?\d+\] ([^'\")]+)", str(exc))
-        return f"unreachable: {errno.group(1).strip()}" if errno else f"{type(exc).__name__}: {exc}"
-
-    def _call(self, method: str, path: str, body: Mapping[str, Any] | None = None) -> Any:
-        """Send; raise EngineError on an HTTP error or `success: false`; return the JSON body (or None)."""
-        response = self._send(method, path, body)
-        if response.status_code >= 400:
-            raise EngineError(
-                self.name, f"{path}: HTTP {response.status_code}: {_message(response)}", response.status_code
-            )
-        try:
-            result = response.json() if response.content else None
-        except ValueError:
-            return response.text
-        if isinstance(result, dict) and result.get("success") is False:
-            raise EngineError(self.name, f"{path}: {result.get('message', 'success=false')}")
-        return result
 
     # ---- the RolloutEngine Protocol --------------------------------------------------------
 
@@ -275,96 +169,6 @@ class SGLangEngine:
                 raise EngineError(self.name, f"/health not ready after {timeout_s:g} s")
             time.sleep(poll_s)
 
-    # ---- weights ---------------------------------------------------------------------------
-
-    def begin_weight_update(self) -> None:
-        """Open SGLang's weight-update session; 0.5.23's scheduler refuses every
-        /update_weights_from_tensor and /update_weights_from_distributed outside one."""
-        self._call("POST", "/begin_weight_update", {})
-
-    def end_weight_update(self) -> None:
-        """Close the session (SGLang finalizes the loaded weights here)."""
-        self._call("POST", "/end_weight_update", {})
-
-    @contextmanager
-    def weight_update_session(self) -> Iterator[None]:
-        """The session around the body; closed whether the body returned or raised."""
-        self.begin_weight_update()
-        try:
-            yield
-        except BaseException as exc:
-            _close_quietly([self], exc)
-            raise
-        self.end_weight_update()
-
-    def update_weights(self, named: Sequence[Named], version: int) -> int:
-        """Send one bucket of HF-named tensors, tagged `version`; returns the bytes sent.
-
-        The flattened tensor stays referenced until SGLang answers: its CUDA IPC handle is only
-        valid while this process holds the memory. The cache is not flushed here (`flush_cache=False`):
-        colocate flushes once after the last bucket, under the `cache_flushed` guard.
-        """
-        bucket = flattened_bucket(named)
-        payloads = [serialize(bucket) for _ in range(self.tp_size)]
-        self._call(
-            "POST",
-            "/update_weights_from_tensor",
-            {
-                "serialized_named_tensors": payloads,
-                "load_format": "flattened_bucket",
-                "flush_cache": False,
-                "weight_version": str(version),
-            },
-        )
-        return int(bucket["flattened_tensor"].numel())
-
-    def init_weights_update_group(
-        self,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        *,
-        group_name: str = "weight_update_group",
-        backend: str = "nccl",
-    ) -> None:
-        """Join the trainer's broadcast group (engines outside the trainer's GPUs)."""
-        body = {
-            "master_address": master_address,
-            "master_port": master_port,
-            "rank_offset": rank_offset,
-            "world_size": world_size,
-            "group_name": group_name,
-            "backend": backend,
-        }
-        self._call("POST", "/init_weights_update_group", body)
-
-    def update_weights_from_distributed(
-        self,
-        names: Sequence[str],
-        dtypes: Sequence[torch.dtype | str],
-        shapes: Sequence[Sequence[int]],
-        group_name: str,
-        version: int,
-        *,
-        flattened: bool = False,
-    ) -> None:
-        """Announce tensors the trainer broadcasts over `group_name`; returns once SGLang received
-        them. `flattened`: one uint8 broadcast laid out as `flattened_bucket` lays it out."""
-        if not len(names) == len(dtypes) == len(shapes):
-            raise ValueError(f"{len(names)} names, {len(dtypes)} dtypes, {len(shapes)} shapes")
-        body = {
-            "names": list(names),
-            "dtypes": [str(d).removeprefix("torch.") for d in dtypes],
-            "shapes": [list(s) for s in shapes],
-            "group_name": group_name,
-            "flush_cache": False,
-            "weight_version": str(version),
-        }
-        if flattened:
-            body["load_format"] = "flattened_bucket"
-        self._call("POST", "/update_weights_from_distributed", body)
-
     # ---- generation ------------------------------------------------------------------------
 
     def generate(
@@ -398,13 +202,3 @@ class SGLangEngine:
             finish_reason=meta.get("finish_reason"),
             weight_version=meta.get("weight_version"),
         )
-
-
-def _close_quietly(engines: Sequence[SGLangEngine], error: BaseException) -> None:
-    """End each server's session while `error` is on its way out: it stays the one raised, and
-    a server that also refused to close is a note on it."""
-    for engine in engines:
-        try:
-            engine.end_weight_update()
-        except EngineError as exc:
-            error.add_note(f"and the weight-update session stayed open: {exc}")

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from orchestrator.adapters.engines.sglang.client import SGLangEngine, _close_quietly, version_problem
+from orchestrator.adapters.engines.sglang.client import SGLangEngine, version_problem
+from orchestrator.adapters.engines.sglang.weights import _close_quietly
 from orchestrator.errors import ConfigError, EngineError
 from orchestrator.protocols import Named
 from states import EngineMemory
