@@ -15,33 +15,35 @@ by CUDA IPC; a rollout is split between the replicas. With one rank, the engine 
 same Llama on that GPU or running SGLang servers (`engine="sglang"`, one URL
 each), which receive the weights by CUDA IPC from the rank's own memory, or, off the trainer's
 GPUs (`weight_sync="broadcast"`), over a process group rank 0 hosts.
+
+The engine is chosen by name in `orchestrator.adapters.registry.ENGINES`, the weight sync in
+`workers.fanout.WEIGHT_SYNCS`; where the workers run (this process, or Ray actors) in `workers.placement`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import os
 import socket
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from opentelemetry import trace
 
+from orchestrator.adapters.registry import ENGINES, EngineSpec
 from orchestrator.core.config import Device, EngineKind, LifecycleConfig, WeightSync
 from orchestrator.core.lifecycle import Lifecycle
 from orchestrator.demo.grpo import GRPOConfig, SyntheticTask, group_advantages
 from orchestrator.demo.ray_cluster import address_problems, driver_ip
 from orchestrator.demo.report import DeviceMemoryListener, ReportListener, RunReport
-from orchestrator.demo.workers.engine_replica import EngineReplica
-from orchestrator.demo.workers.fanout import BroadcastPush, DistributedTrainer, RankZeroPush, ReplicaIpcPush, ReplicaSet
-from orchestrator.demo.workers.placement import RayPlacement
-from orchestrator.demo.workers.pool import RANK_TIMEOUT_S, WorkerPool
-from orchestrator.demo.workers.trainer_rank import Batch, TrainerRank
+from orchestrator.demo.workers.fanout import WEIGHT_SYNCS, DistributedTrainer
+from orchestrator.demo.workers.placement import LocalPlacement, Placement, RayPlacement, in_process
+from orchestrator.demo.workers.pool import RANK_TIMEOUT_S
+from orchestrator.demo.workers.trainer_rank import Batch
 from orchestrator.errors import ConfigError
-from orchestrator.protocols import JobEngine, WeightTransport
+from orchestrator.protocols import JobEngine
 from orchestrator.telemetry import semconv
 from orchestrator.telemetry.listeners import Listener
 from orchestrator.telemetry.tracing import exporters_requested
@@ -81,19 +83,21 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         problems = []
-        if self.engine is EngineKind.SGLANG:
+        # An engine served apart (SGLang) is reached by URL; one the job runs takes none.
+        served = ENGINES[self.engine].served
+        if served:
             problems += url_problems(self.engine_urls)
-        if self.engine is EngineKind.TRANSFORMERS and self.engine_urls:
-            problems.append("--engine-url is for --engine sglang; the transformers engine runs in this job")
-        if self.engine is EngineKind.TRANSFORMERS and self.weight_sync is WeightSync.BROADCAST:
-            problems.append("--weight-sync broadcast is for --engine sglang")
+        elif self.engine_urls:
+            problems.append(f"--engine-url is for --engine sglang; the {self.engine} engine runs in this job")
+        if self.weight_sync is WeightSync.BROADCAST and not served:
+            problems.append("--weight-sync broadcast is for --engine sglang, to servers off the trainer's GPUs")
         if self.device is Device.CUDA and not torch.cuda.is_available():
             problems.append("--device cuda: no CUDA device is visible to this process")
         if self.device is Device.CUDA and torch.cuda.is_available() and self.ranks > torch.cuda.device_count():
             problems.append(
                 f"--device cuda --ranks {self.ranks}: one rank per GPU, and {torch.cuda.device_count()} GPU(s) are visible"
             )
-        if self.device is Device.CUDA and self.ranks > 1 and self.engine is EngineKind.SGLANG:
+        if self.device is Device.CUDA and self.ranks > 1 and served:
             problems.append("--device cuda --ranks N > 1 runs the transformers engine (a replica per GPU), not sglang")
         if self.ray_address is not None:
             problems += address_problems(self.ray_address)
@@ -126,12 +130,6 @@ class StepOutcome:
     engine_matches_trainer: bool | None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def rendezvous_store(host: str = "127.0.0.1") -> torch.distributed.TCPStore:
     """The ranks' rendezvous store, bound by the driver to `host` and a port the system picks, and
     held for the job's life: the port is taken before any rank hears of it, so nothing can race
@@ -146,109 +144,101 @@ def rendezvous_store(host: str = "127.0.0.1") -> torch.distributed.TCPStore:
 
 
 class ColocatedJob:
-    """Builds the ranks, the engine and the lifecycle; `run_step()` runs one full cycle."""
+    """The ranks, the engine and the lifecycle of a run; `run_step()` runs one full cycle.
+
+        with ColocatedJob(config, listeners) as job:
+            for _ in range(config.steps):
+                job.run_step()
+
+    Nothing starts before `start()` (which `with` calls); `close()` ends whatever was started,
+    whatever state it is in, and a start that fails ends what it had started before it raises.
+    `trace_dir`: where the rank and engine processes write their spans.
+    """
 
     def __init__(self, config: RunConfig, listeners: Sequence[Listener] = (), trace_dir: Path | None = None) -> None:
-        self.config = config
-        self.trace_dir = trace_dir  # where rank and engine processes write their spans
+        self.config, self.listeners, self.trace_dir = config, tuple(listeners), trace_dir
         self.task = SyntheticTask(config.grpo.task)
+        self.report = RunReport(mode=config.mode.value, ranks=config.ranks)
         self._generator = torch.Generator().manual_seed(config.seed)
-        self._close_engine: Callable[[], None] = lambda: None
-        self._ray: RayPlacement | None = None  # with --ranks > 1: Ray and the actors it placed
-        self._local_workers: list[TrainerRank] = []  # ranks in this process (--ranks 1)
-        self._broadcast = config.weight_sync is WeightSync.BROADCAST
-        self._store_host = driver_ip(config.ray_address)
-        self._store: torch.distributed.TCPStore | None = rendezvous_store(self._store_host)
-        self._port = int(self._store.port)
+        self._step = 0
+        self._started = contextlib.ExitStack()  # what `start` acquired, released in reverse order
+        self._lifecycle: Lifecycle | None = None
+        self._store: torch.distributed.TCPStore | None = None  # the ranks' rendezvous, held while they run
+
+    def __enter__(self) -> ColocatedJob:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    @property
+    def lifecycle(self) -> Lifecycle:
+        if self._lifecycle is None:
+            raise RuntimeError("the job has not started: `with ColocatedJob(...) as job`, or job.start()")
+        return self._lifecycle
+
+    @property
+    def phase(self) -> str:
+        """The lifecycle's phase, or "start-up" before there is a lifecycle."""
+        return "start-up" if self._lifecycle is None else str(self._lifecycle.phase)
+
+    def start(self) -> None:
+        """Connect to a served engine, start the ranks (and the engine the job runs), build the lifecycle."""
         try:
             # One trace for the start-up, so the engine's first release has a parent.
             with trace.get_tracer(semconv.TRACER).start_as_current_span(semconv.START_SPAN):
-                self._build(listeners)
+                self._start()
         except BaseException:
             self.close()  # a job that never started leaves no Ray, actors or folders behind
             raise
-        self._step = 0
 
-    def _build(self, listeners: Sequence[Listener]) -> None:
-        config = self.config
-        ranks, self.engine = self._start()
+    def _start(self) -> None:
+        cfg, grpo = self.config, self.config.grpo
+        adapter = ENGINES[cfg.engine]
+        spec = EngineSpec(
+            model=grpo.model, max_batch=grpo.prompts_per_step * grpo.group_size, max_len=grpo.max_len,
+            device=cfg.device.value, urls=cfg.engine_urls, timeout_s=cfg.rank_timeout_s,
+        )  # fmt: skip
+        # Before any rank starts: an unreachable server fails the run at once, by its URL.
+        served = self._started.enter_context(adapter.build(spec)) if adapter.served else None
+        store_host = driver_ip(cfg.ray_address)
+        self._store = rendezvous_store(store_host)
+        self._started.callback(setattr, self, "_store", None)  # the port goes back once no rank needs it
+        placement = self._place(store_host, engine_bundle=served is None)
+        self._started.callback(placement.close, flush=self.trace_dir is not None or bool(exporters_requested()))
+        ranks = placement.start_ranks(int(self._store.port), grpo.model, grpo.clip_eps)
+        self.engine: JobEngine = served if served is not None else placement.start_engine(cfg.engine, spec)
         self.trainer = DistributedTrainer(ranks)
-        self.report = RunReport(mode=config.mode.value, ranks=config.ranks)
-        if config.device is Device.CUDA:
+        listeners = [ReportListener(self.report), *self.listeners]
+        if cfg.device is Device.CUDA:  # the report shows each GPU's free memory per phase
             self.report.gpu_total_bytes = [total for _, total in self.trainer.device_memory()]
-            listeners = [DeviceMemoryListener(self.report, self.trainer), *listeners]
+            listeners.insert(1, DeviceMemoryListener(self.report, self.trainer))
         # The config guards judge the Megatron flags the ranks really built with.
-        lifecycle_config = LifecycleConfig(
-            mode=config.mode, verify_cycles=config.verify_cycles, setup=self.trainer.setup()
-        )
-        self.lifecycle = Lifecycle(
-            config=lifecycle_config,
+        setup = self.trainer.setup()
+        self._lifecycle = Lifecycle(
+            config=LifecycleConfig(mode=cfg.mode, verify_cycles=cfg.verify_cycles, setup=setup),
             trainer=self.trainer,
             regions=self.trainer,
             engine=self.engine,
-            transport=self._transport(ranks),
-            listeners=[ReportListener(self.report), *listeners],
+            transport=WEIGHT_SYNCS[cfg.weight_sync](ranks, self.engine, cfg.bucket_bytes),
+            listeners=listeners,
         )
-        layout = self.lifecycle.snapshot().layout
-        self.report.param_bytes_bf16_per_rank = layout.param_bytes
+        self.report.param_bytes_bf16_per_rank = self._lifecycle.snapshot().layout.param_bytes
 
-    def _transport(self, ranks: WorkerPool[TrainerRank]) -> WeightTransport:
-        bucket = self.config.bucket_bytes
-        if self._broadcast:
-            return BroadcastPush(ranks, bucket)
-        if isinstance(self.engine, ReplicaSet) and len(self.engine.replicas) > 1:
-            return ReplicaIpcPush(ranks, self.engine, bucket)
-        return RankZeroPush(ranks, self.engine, bucket)
+    def _place(self, store_host: str, *, engine_bundle: bool) -> Placement:
+        """The driver's own process where it can hold the job (one rank, on the device it has);
+        else Ray: a private cluster, or the one at `--ray-address`."""
+        cfg = self.config
+        if in_process(ranks=cfg.ranks, device=cfg.device.value, address=cfg.ray_address):
+            return LocalPlacement(device=cfg.device.value)
+        return RayPlacement(
+            ranks=cfg.ranks, cuda=cfg.device is Device.CUDA, engine_bundle=engine_bundle,
+            timeout=cfg.rank_timeout_s, trace_file=self._trace_file, address=cfg.ray_address, store_host=store_host,
+        )  # fmt: skip
 
     def _trace_file(self, role: str) -> str | None:
         return str(self.trace_dir / f"{role}.otlp.jsonl") if self.trace_dir is not None else None
-
-    def _start(self) -> tuple[WorkerPool[TrainerRank], JobEngine]:
-        cfg, grpo = self.config, self.config.grpo
-        if cfg.device is Device.CPU:
-            os.environ["CUDA_VISIBLE_DEVICES"] = ""  # this process and its Ray actors: ranks never see a GPU
-        sglang = None
-        if cfg.engine is EngineKind.SGLANG:
-            try:
-                from orchestrator.adapters.engines.sglang import SGLangGroup
-            except ImportError as exc:
-                raise ConfigError(
-                    [f"--engine sglang needs the sglang extra (pip install -e '.[sglang]'): {exc}"]
-                ) from exc
-
-            # Before any rank starts: an unreachable server fails the run at once, by its URL.
-            sglang = SGLangGroup(cfg.engine_urls, read_timeout_s=cfg.rank_timeout_s)
-            self._close_engine = sglang.close
-            sglang.connect()
-        port = self._port
-        if cfg.ranks == 1 and cfg.ray_address is None:
-            # One process: the driver's tracer provider serves the rank and the engine too.
-            threads = torch.get_num_threads()
-            worker = TrainerRank(0, 1, port, grpo.model, grpo.clip_eps, threads=threads, device=cfg.device)
-            self._local_workers.append(worker)
-            ranks: WorkerPool[TrainerRank] = WorkerPool([worker], label="rank", remote=False)
-            engine = sglang or self._local_engine()
-        else:
-            self._ray = RayPlacement(
-                ranks=cfg.ranks, cuda=cfg.device is Device.CUDA, engine_bundle=sglang is None,
-                timeout=cfg.rank_timeout_s, trace_file=self._trace_file,
-                address=cfg.ray_address, store_host=self._store_host,
-            )  # fmt: skip
-            ranks = self._ray.start_ranks(port, grpo.model, grpo.clip_eps)
-            engine = sglang or self._ray.start_engine(
-                grpo.model, rows=grpo.prompts_per_step * grpo.group_size, max_len=grpo.max_len
-            )
-        if self._broadcast and sglang is not None:  # rank 0 hosts the servers' weight-update group
-            tp_sizes = [e.tp_size for e in sglang.engines]
-            ranks.one(0, TrainerRank.join_weight_group, list(cfg.engine_urls), tp_sizes, _free_port())
-        return ranks, engine
-
-    def _local_engine(self) -> ReplicaSet:
-        """The transformers engine in this process (`--ranks 1`)."""
-        grpo = self.config.grpo
-        rows = grpo.prompts_per_step * grpo.group_size
-        replica = EngineReplica(grpo.model, max_batch=rows, max_len=grpo.max_len)
-        return ReplicaSet(WorkerPool([replica], label="engine", remote=False))
 
     def run_step(self) -> StepOutcome:
         """One colocated step: sync the trained weights, roll out, restore, train on the rollout."""
@@ -304,15 +294,7 @@ class ColocatedJob:
         return Batch(prompts, completions, logprobs, advantages), float(rewards.mean())
 
     def close(self) -> None:
-        """End the actors (their spans flushed first), Ray, the in-process ranks, the SGLang
-        connections and the rendezvous store, whatever state they are in."""
-        try:
-            if self._ray is not None:
-                self._ray.close(flush=self.trace_dir is not None or bool(exporters_requested()))
-        finally:
-            self._ray = None
-            for worker in self._local_workers:
-                worker.close()
-            self._local_workers = []
-            self._close_engine()
-            self._store = None  # the port goes back once no rank needs it
+        """End the actors (their spans flushed first), Ray, the in-process ranks, the engine's
+        connections and the rendezvous store, whatever state they are in; the first failure is
+        raised once every one has been tried."""
+        self._started.close()

@@ -76,11 +76,12 @@ def driver_ip(address: str | None) -> str:
         raise RayUnreachable(address, exc) from exc
 
 
-def connect(address: str | None, *, cpus: int, runtime_env: Mapping[str, Any]) -> RayCluster:
-    """Attach to the cluster at `address`, or start a private one with `cpus` logical CPUs."""
+def connect(address: str | None, *, cpus: int, gpus: int | None = None, runtime_env: Mapping[str, Any]) -> RayCluster:
+    """Attach to the cluster at `address`, or start a private one with `cpus` logical CPUs and
+    `gpus` GPUs (None: those the host has)."""
     if address is not None:
         return attach(address, runtime_env=runtime_env)
-    return start_private(cpus, runtime_env=runtime_env)
+    return start_private(cpus, gpus=gpus, runtime_env=runtime_env)
 
 
 def attach(address: str, *, runtime_env: Mapping[str, Any]) -> RayCluster:
@@ -105,15 +106,16 @@ def attach(address: str, *, runtime_env: Mapping[str, Any]) -> RayCluster:
     return RayCluster(address=target, private=False, temp_dir=None, close=ray.shutdown)
 
 
-def start_private(cpus: int, *, runtime_env: Mapping[str, Any]) -> RayCluster:
-    """A one-node cluster on loopback with token authentication on, and this process its driver."""
+def start_private(cpus: int, *, gpus: int | None = None, runtime_env: Mapping[str, Any]) -> RayCluster:
+    """A one-node cluster on loopback with token authentication on, and this process its driver.
+    With `gpus=0` its processes are shown no GPU at all."""
     import ray
 
     _token_mode_for_this_process()
     temp_dir = Path(tempfile.mkdtemp(prefix="colocate-ray-"))  # short: Ray's socket paths must fit in 107 bytes
     reaper = _start_reaper(temp_dir)
     try:
-        address = _start_head(cpus, temp_dir)
+        address = _start_head(cpus, gpus, temp_dir)
         ray.init(address=address, **_driver_options(runtime_env))
     except BaseException:
         _stop_reaper(reaper, temp_dir)
@@ -186,7 +188,7 @@ def _ray_cli() -> list[str]:
     return [sys.executable, "-m", "ray.scripts.scripts"]
 
 
-def _start_head(cpus: int, temp_dir: Path) -> str:
+def _start_head(cpus: int, gpus: int | None, temp_dir: Path) -> str:
     """`ray start --head` on loopback; returns the address the driver connects to."""
     # The settings go to the Ray processes through their own environment and arguments, not this
     # process's: RAY_AUTH_MODE=token turns the token check on in every one of them, and
@@ -195,6 +197,9 @@ def _start_head(cpus: int, temp_dir: Path) -> str:
     # agents to loopback. The dashboard, which would listen on a port of its own, is not started.
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     env.pop("RAY_ADDRESS", None)
+    if gpus == 0:  # the cluster's every process, its workers too, sees no GPU
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    gpu_count = [] if gpus is None else [f"--num-gpus={gpus}"]
     # The token is Ray's own, in ~/.ray/auth_token; `ray start` wants one there already.
     _ray(["get-auth-token", "--generate"], env)
     # `ray start` also serves Ray Client where its dependencies are installed, on 10001 unless
@@ -209,7 +214,8 @@ def _start_head(cpus: int, temp_dir: Path) -> str:
             "--head",
             f"--node-ip-address={LOOPBACK}",
             "--port=0",
-            f"--num-cpus={cpus}",  # GPUs: those this process sees (none where CUDA_VISIBLE_DEVICES is empty)
+            f"--num-cpus={cpus}",
+            *gpu_count,  # none given: the GPUs this host shows the cluster
             "--include-dashboard=false",
             "--dashboard-agent-listen-port=0",
             "--metrics-export-port=0",

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from opentelemetry import trace
@@ -134,6 +137,66 @@ def _close(job: ColocatedJob, err: Console) -> None:
         err.print(f"[yellow]warning:[/] stopping the job's processes: {type(exc).__name__}: {exc}")
 
 
+@dataclass
+class Ending:
+    """How a run ended: what it failed of (None: it did not), and whether Ctrl-C stopped it."""
+
+    error: str | None = None
+    interrupted: bool = False
+
+    @property
+    def code(self) -> int:
+        return 130 if self.interrupted else 1 if self.error else 0  # 130: the shell's code for SIGINT
+
+
+@contextlib.contextmanager
+def _telemetry(parts: Path | None, trace_file: Path | None, log_path: Path | None) -> Iterator[list[Listener]]:
+    """The run's listeners: spans (to `parts`, one file per process, and any OTEL_* exporter) and
+    the JSON log. On the way out, however the run ends, every span is flushed, the per-process
+    files are merged into `trace_file` and the log is closed."""
+    with contextlib.ExitStack() as stack:
+        listeners: list[Listener] = []
+        provider = configure_tracing(rank=0, trace_file=parts / "driver.otlp.jsonl" if parts else None)
+        if provider is not None:
+            if trace_file is not None and parts is not None:
+                stack.callback(merge_traces, parts, trace_file)  # after the flush: callbacks run last first
+            stack.callback(provider.shutdown)  # flushes every span, the fault's too
+            trace.set_tracer_provider(provider)  # adapters in this process trace through it
+            listeners.append(TracingListener(provider))
+        if log_path is not None:
+            log_file = stack.enter_context(log_path.open("a"))
+            listeners.append(LoggingListener(sink=configure_logging(log_file)))
+        yield listeners
+
+
+def _drive(job: ColocatedJob, ending: Ending, progress: Progress, err: Console) -> None:
+    """Start the job and run its steps; stop it however that ends. A failure is recorded in
+    `ending` and told to `err`; anything but an error or Ctrl-C (SystemExit, say) is raised on."""
+    config = job.config
+    task = progress.add_task("starting ranks and engine", total=config.steps, reward="-")
+    try:
+        with contextlib.ExitStack() as stopping:
+            stopping.callback(_close, job, err)
+            job.start()
+            description = f"{config.mode} x{config.ranks} {config.device}, {config.engine} engine"
+            progress.update(task, description=description)
+            for _ in range(config.steps):
+                if CTRL_C.requested.is_set():
+                    raise KeyboardInterrupt
+                outcome = job.run_step()
+                progress.update(task, advance=1, reward=f"{outcome.reward_mean:.3f}")
+    except KeyboardInterrupt:
+        ending.interrupted = True
+    except Exception as exc:  # a LifecycleError names what failed; anything else, its type
+        # A terminal's Ctrl-C reaches the whole process group: a rank may die of it first.
+        ending.interrupted = CTRL_C.requested.is_set()
+        ending.error = str(exc) if isinstance(exc, LifecycleError) else f"{type(exc).__name__}: {exc}"
+        err.print(f"[bold red]error:[/] {ending.error}\n[red]the lifecycle is {job.phase}; the run stopped[/]")
+    except BaseException as exc:
+        ending.error = f"{type(exc).__name__}: {exc}"
+        raise
+
+
 def run(
     config: RunConfig,
     *,
@@ -143,59 +206,31 @@ def run(
     console: Console,
     err: Console,
 ) -> int:
-    """Run the job; returns the exit code."""
-    steps, ranks, mode = config.steps, config.ranks, config.mode
-    run_name = f"colocate-{mode}-{time.strftime('%Y%m%d-%H%M%S')}"
+    """Run the job; returns the exit code.
+
+    However the run ends, by an error of any kind or Ctrl-C, its processes are stopped, its spans
+    flushed and merged into one trace file, its log closed and its report written, before the
+    exit code is returned or the exception that ended it is raised on."""
+    run_name = f"colocate-{config.mode}-{time.strftime('%Y%m%d-%H%M%S')}"
     trace_file = trace_dir / f"{run_name}.otlp.jsonl" if trace_dir else None
     parts = trace_dir / f".{run_name}" if trace_dir else None  # one file per process, merged at the end
-    provider = configure_tracing(rank=0, trace_file=parts / "driver.otlp.jsonl" if parts else None)
-    listeners: list[Listener] = []
-    if provider is not None:
-        trace.set_tracer_provider(provider)  # adapters in this process trace through it
-        listeners.append(TracingListener(provider))
-    log_file = log_path.open("a") if log_path is not None else None
-    if log_file is not None:
-        listeners.append(LoggingListener(sink=configure_logging(log_file)))
     start = time.perf_counter()
-    job: ColocatedJob | None = None
-    error: str | None = None
-    interrupted = False
-    with _progress(console) as progress:
-        task = progress.add_task("starting ranks and engine", total=steps, reward="-")
-        try:
+    ending = Ending()
+    report = RunReport(mode=config.mode.value, ranks=config.ranks)
+    try:
+        with _telemetry(parts, trace_file, log_path) as listeners, _progress(console) as progress:
             job = ColocatedJob(config, listeners, trace_dir=parts)
-            progress.update(task, description=f"{mode} x{ranks} {config.device}, {config.engine} engine")
-            for _ in range(steps):
-                if CTRL_C.requested.is_set():
-                    raise KeyboardInterrupt
-                outcome = job.run_step()
-                progress.update(task, advance=1, reward=f"{outcome.reward_mean:.3f}")
-        except KeyboardInterrupt:
-            interrupted = True
-        except Exception as exc:  # a LifecycleError names what failed; anything else, its type
-            # A terminal's Ctrl-C reaches the whole process group: a rank may die of it first.
-            interrupted = CTRL_C.requested.is_set()
-            error = str(exc) if isinstance(exc, LifecycleError) else f"{type(exc).__name__}: {exc}"
-            phase = job.lifecycle.phase if job is not None else "start-up"
-            err.print(f"[bold red]error:[/] {error}\n[red]the lifecycle is {phase}; the run stopped[/]")
-        finally:
-            if job is not None:
-                _close(job, err)
-    report = job.report if job is not None else RunReport(mode=mode.value, ranks=ranks)
-    report.trace_file = str(trace_file) if trace_file else None
-    report.error, report.interrupted = error, interrupted
-    if interrupted:
-        done = sum(s.loss is not None for s in report.steps)
-        kept = f"; the report keeps them in {report_path}" if report_path is not None else ""
-        err.print(f"[bold yellow]interrupted[/] after {done} of {steps} step(s){kept}")
-    if provider is not None:
-        provider.shutdown()  # flushes every span, the fault's too
-    if trace_file is not None and parts is not None:
-        merge_traces(parts, trace_file)
-    if log_file is not None:
-        log_file.close()
-    if report_path is not None:
-        report.write(report_path)
-    if report.steps:
-        console.print(summary(report, time.perf_counter() - start))
-    return 130 if interrupted else 1 if error else 0  # 130: the shell's code for a run ended by SIGINT
+            report = job.report
+            _drive(job, ending, progress, err)
+    finally:
+        report.trace_file = str(trace_file) if trace_file else None
+        report.error, report.interrupted = ending.error, ending.interrupted
+        if ending.interrupted:
+            done = sum(s.loss is not None for s in report.steps)
+            kept = f"; the report keeps them in {report_path}" if report_path is not None else ""
+            err.print(f"[bold yellow]interrupted[/] after {done} of {config.steps} step(s){kept}")
+        if report_path is not None:
+            report.write(report_path)
+        if report.steps:
+            console.print(summary(report, time.perf_counter() - start))
+    return ending.code

@@ -4,6 +4,7 @@ failure between transitions, the rendezvous port, and the spans of every process
 from __future__ import annotations
 
 import errno
+import os
 import socket
 from collections.abc import Iterator
 
@@ -42,12 +43,9 @@ class CorruptAfterSync(Listener):
 
 def test_a_corrupted_engine_weight_is_reported_as_a_mismatch() -> None:
     holder: list[ColocatedJob] = []
-    job = ColocatedJob(RunConfig(steps=2, ranks=1), listeners=[CorruptAfterSync(holder, step=2)])
-    holder.append(job)
-    try:
+    with ColocatedJob(RunConfig(steps=2, ranks=1), listeners=[CorruptAfterSync(holder, step=2)]) as job:
+        holder.append(job)
         first, second = job.run_step(), job.run_step()
-    finally:
-        job.close()
     assert first.engine_matches_trainer is True
     assert second.engine_matches_trainer is False
     assert job.report.engine_matches_trainer is False
@@ -56,21 +54,52 @@ def test_a_corrupted_engine_weight_is_reported_as_a_mismatch() -> None:
 def test_a_failure_between_transitions_leaves_the_lifecycle_faulted_with_its_cause() -> None:
     """The engine fails while the driver compares digests, after update_weights and before
     drop_params: no transition is running, and the step still ends in FAULTED."""
-    job = ColocatedJob(RunConfig(steps=1, ranks=1))
     gone = ConnectionError("the engine went away")
 
     def digests() -> dict[str, str]:
         raise gone
 
-    job.engine.replicas.workers[0].engine.digests = digests  # the in-process engine's own method
-    try:
+    with ColocatedJob(RunConfig(steps=1, ranks=1)) as job:
+        job.engine.replicas.workers[0].engine.digests = digests  # the in-process engine's own method
         with pytest.raises(RankFailed, match="engine failed in digests: ConnectionError"):
             job.run_step()
-    finally:
-        job.close()
     assert job.lifecycle.phase is Phase.FAULTED
     assert isinstance(job.lifecycle.fault_cause, RankFailed) and job.lifecycle.fault_cause.cause is gone
     assert job.report.steps[-1].phases[-2:] == ["WEIGHTS_SYNCED", "FAULTED"]
+
+
+def test_a_cpu_run_leaves_the_drivers_environment_as_it_was() -> None:
+    """The rank and the engine in this process take the CPU because they are told to, not because
+    the driver hid its GPUs from itself: colocate changes nothing of `os.environ`. The one write
+    is Megatron-core's own: building a GPT model sets Transformer Engine's attention-backend flags
+    (`LanguageModule._set_attention_backend`), the same values at every build."""
+    megatrons = {"NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"}
+
+    def environment() -> dict[str, str]:
+        return {k: v for k, v in os.environ.items() if k not in megatrons}
+
+    before = environment()
+    job = ColocatedJob(RunConfig(steps=1, ranks=1))
+    assert not torch.distributed.is_initialized(), "a job starts nothing before `with` (or start())"
+    with job:
+        assert torch.distributed.is_initialized()
+        job.run_step()
+        assert environment() == before
+    assert environment() == before
+    assert {p.device.type for p in job.engine.replicas.workers[0].engine.model.parameters()} == {"cpu"}
+
+
+class Abort(BaseException):
+    """Neither an error nor Ctrl-C."""
+
+
+def test_leaving_the_with_block_by_any_exception_stops_the_job() -> None:
+    with pytest.raises(Abort), ColocatedJob(RunConfig(steps=1, ranks=1)) as job:
+        assert job.phase == Phase.TRAIN and torch.distributed.is_initialized()
+        raise Abort
+    assert not torch.distributed.is_initialized(), "the in-process rank left its process group"
+    with pytest.raises(RuntimeError, match="the job has not started"):
+        _ = ColocatedJob(RunConfig(steps=1, ranks=1)).lifecycle
 
 
 def test_the_rendezvous_port_is_held_before_any_rank_hears_of_it() -> None:
@@ -96,11 +125,8 @@ def spans() -> Iterator[InMemorySpanExporter]:
 
 
 def test_every_process_side_span_has_its_rank_memory_and_a_parent(spans: InMemorySpanExporter) -> None:
-    job = ColocatedJob(RunConfig(steps=1, ranks=1), listeners=[TracingListener(trace.get_tracer_provider())])
-    try:
+    with ColocatedJob(RunConfig(steps=1, ranks=1), listeners=[TracingListener(trace.get_tracer_provider())]) as job:
         job.run_step()
-    finally:
-        job.close()
     found = spans.get_finished_spans()
     by_id = {s.context.span_id: s for s in found}
     names = {s.name for s in found}

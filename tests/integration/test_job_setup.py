@@ -30,7 +30,8 @@ def _job_with_overlapping_param_gather(out: str) -> None:
 
     build.build_gpt = overlapping
     try:
-        ColocatedJob(RunConfig(steps=1, ranks=1)).close()
+        with ColocatedJob(RunConfig(steps=1, ranks=1)):
+            pass
         Path(out).write_text("accepted")
     except ConfigError as error:
         Path(out).write_text(str(error))

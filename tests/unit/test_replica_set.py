@@ -9,6 +9,7 @@ import torch
 pytest.importorskip("transformers")
 
 from orchestrator.adapters.megatron.gpt import TinyGPTConfig
+from orchestrator.adapters.registry import EngineSpec
 from orchestrator.demo.workers.engine_replica import EngineReplica
 from orchestrator.demo.workers.fanout import ReplicaSet
 from orchestrator.demo.workers.pool import WorkerPool
@@ -18,7 +19,8 @@ CFG = TinyGPTConfig()
 
 
 def replicas(count: int) -> list[EngineReplica]:
-    return [EngineReplica(CFG, max_batch=8 // count, max_len=16, index=i, replicas=count) for i in range(count)]
+    spec = EngineSpec(model=CFG, max_batch=8 // count, max_len=16)
+    return [EngineReplica("transformers", spec, index=i, replicas=count) for i in range(count)]
 
 
 def synced(workers: list[EngineReplica]) -> ReplicaSet:

@@ -7,8 +7,9 @@
   (`pool.all(TrainerRank.stash, mode)`, never a method named by a string), naming the one at fault.
 - `fanout`: the driver's view of them as the lifecycle's Protocols: `DistributedTrainer` (Trainer
   and MemoryRegions over every rank), `ReplicaSet` (one RolloutEngine over every replica) and the
-  weight transports.
-- `placement.RayPlacement`: Ray, the placement group (a bundle per GPU, shared by a rank and its
-  replica), and the actors in it.
+  weight transports, chosen by `--weight-sync` through `WEIGHT_SYNCS`.
+- `placement`: where they run: `LocalPlacement`, the driver's own process (one rank, on the
+  device the process has); `RayPlacement`, Ray, the placement group (a bundle per GPU, shared by a
+  rank and its replica), and the actors in it, each given its own environment.
 - `staging`: the buffer a rank's weights cross to its replica by CUDA IPC.
 """

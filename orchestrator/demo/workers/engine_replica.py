@@ -1,12 +1,16 @@
-"""One rollout-engine replica in its process: a `TransformersEngine` whose calls are spans."""
+"""One rollout-engine replica in its process: an engine the job runs itself (the registry builds
+it: `TransformersEngine`), whose calls are spans."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from orchestrator.adapters.registry import ENGINES, EngineSpec
 from orchestrator.demo.workers.staging import Slot, attach
 from orchestrator.demo.workers.traced import Traced
 from orchestrator.protocols import Named
@@ -16,17 +20,16 @@ from states import EngineMemory
 
 class EngineReplica(Traced):
     """Replica `index` of `replicas`: serves its share of each rollout and loads the weights its
-    colocated rank pushes. transformers is imported here, only in a process that serves rollouts.
+    colocated rank pushes. The engine's library is imported here, only in a process that serves rollouts.
     """
 
     role = semconv.ROLE_ENGINE
 
     def __init__(
         self,
-        model: Any,
+        kind: str,
+        spec: EngineSpec,
         *,
-        max_batch: int,
-        max_len: int,
         index: int = 0,
         replicas: int = 1,
         own_process: bool = False,
@@ -36,15 +39,18 @@ class EngineReplica(Traced):
         self.rank = index if replicas > 1 else None
         if own_process:
             self.start_tracing(trace_file, rank=self.rank)
-        from orchestrator.adapters.engines.transformers import TransformersEngine
-
         self.index, self.replicas = index, replicas
-        name = "transformers" if replicas == 1 else f"transformers[{index}]"
-        self.engine = TransformersEngine(model, max_batch=max_batch, max_len=max_len, name=name)
+        name = kind if replicas == 1 else f"{kind}[{index}]"
+        self._closing = contextlib.ExitStack()
+        self.engine = self._closing.enter_context(ENGINES[kind].build(dataclasses.replace(spec, name=name)))
         self._staging: torch.Tensor | None = None
 
     def __repr__(self) -> str:
         return f"EngineReplica(index={self.index})"
+
+    def close(self) -> None:
+        """Close the engine (in the driver's process; an actor's ends with its process)."""
+        self._closing.close()
 
     # The RolloutEngine Protocol, for this replica.
     def release(self, tags: frozenset[EngineMemory]) -> None:
@@ -62,7 +68,7 @@ class EngineReplica(Traced):
     def is_idle(self) -> bool:
         return self.engine.is_idle()
 
-    def digests(self) -> dict[str, str]:
+    def digests(self) -> dict[str, str] | None:
         return self.engine.digests()
 
     # Weights.

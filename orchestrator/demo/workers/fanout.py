@@ -7,16 +7,18 @@ params, and no rank rebuilds before every replica has released.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import socket
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+from orchestrator.adapters.registry import Registry
 from orchestrator.demo.workers.engine_replica import EngineReplica
 from orchestrator.demo.workers.pool import WorkerPool
 from orchestrator.demo.workers.staging import Slot
 from orchestrator.demo.workers.trainer_rank import Batch, TrainerRank
 from orchestrator.errors import ConfigError
-from orchestrator.protocols import BucketSink, Named, TransferReport
+from orchestrator.protocols import BucketSink, JobEngine, Named, TransferReport, WeightTransport
 from states import EngineMemory, Mode, TrainerLayout, TrainingSetup
 
 
@@ -120,10 +122,13 @@ class ReplicaSet:
         )
         return torch.cat([c for c, _ in shares]), torch.cat([lp for _, lp in shares])
 
-    def digests(self) -> dict[str, str]:
+    def digests(self) -> dict[str, str] | None:
         """Replica 0's digests when every replica holds the same weights; else each replica's,
-        keyed by replica, which match no trainer's."""
-        per_replica = self.replicas.all(EngineReplica.digests)
+        keyed by replica, which match no trainer's. None where an engine cannot report its weights."""
+        reported = self.replicas.all(EngineReplica.digests)
+        per_replica = [d for d in reported if d is not None]
+        if len(per_replica) < len(reported):
+            return None
         if all(d == per_replica[0] for d in per_replica):
             return per_replica[0]
         return {f"replica{i}:{name}": d for i, digests in enumerate(per_replica) for name, d in digests.items()}
@@ -169,3 +174,33 @@ class BroadcastPush:
 
     def push(self, version: int) -> TransferReport:
         return self.ranks.one(0, TrainerRank.broadcast_weights, version, self.bucket_bytes)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def tensor_push(ranks: WorkerPool[TrainerRank], engine: JobEngine, bucket_bytes: int) -> WeightTransport:
+    """Weights into the engine's own memory: each replica's from the rank on its GPU (CUDA IPC),
+    or a single engine's (a replica, or SGLang servers on the trainer's GPUs) from rank 0."""
+    if isinstance(engine, ReplicaSet) and len(engine.replicas) > 1:
+        return ReplicaIpcPush(ranks, engine, bucket_bytes)
+    return RankZeroPush(ranks, engine, bucket_bytes)
+
+
+def broadcast_push(ranks: WorkerPool[TrainerRank], engine: JobEngine, bucket_bytes: int) -> WeightTransport:
+    """Weights over a process group rank 0 hosts, to SGLang servers off the trainer's GPUs."""
+    from orchestrator.adapters.engines.sglang import SGLangGroup
+
+    if not isinstance(engine, SGLangGroup):
+        raise ConfigError([f"weight sync by broadcast needs SGLang servers; the engine is {engine.name}"])
+    servers = engine.engines
+    ranks.one(0, TrainerRank.join_weight_group, [e.name for e in servers], [e.tp_size for e in servers], _free_port())
+    return BroadcastPush(ranks, bucket_bytes)
+
+
+# How the trained weights reach the engine, by `colocate run --weight-sync`.
+TransportFactory = Callable[[WorkerPool[TrainerRank], JobEngine, int], WeightTransport]
+WEIGHT_SYNCS: Registry[TransportFactory] = Registry("weight sync", {"tensor": tensor_push, "broadcast": broadcast_push})

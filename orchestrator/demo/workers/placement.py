@@ -1,16 +1,21 @@
-"""The job's actors on a local Ray, in one placement group.
+"""Where the job's workers run: in the driver's process (`LocalPlacement`), or as Ray actors in
+one placement group (`RayPlacement`). Both start the ranks and the engine replicas and end them.
 
 On GPUs a bundle is one GPU (and one CPU), shared by its rank and its engine replica: each takes
 half of the bundle, so Ray places both there and shows both that GPU alone. On the CPU each rank
-has a bundle of one CPU, and the engine one more.
+has a bundle of one CPU, and the engine one more, and its processes are shown no GPU at all.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
+import torch
+
+from orchestrator.adapters.registry import EngineSpec
 from orchestrator.demo.workers.engine_replica import EngineReplica
 from orchestrator.demo.workers.fanout import ReplicaSet
 from orchestrator.demo.workers.pool import WorkerPool, control, remote_class
@@ -19,6 +24,48 @@ from orchestrator.demo.workers.trainer_rank import TrainerRank
 from orchestrator.errors import RankFailed
 
 FLUSH_S = 2.0  # how long the processes together may take to flush their spans when the job ends
+
+
+class Placement(Protocol):
+    """Starts the job's ranks and the replicas of an engine it runs itself; `close` ends them all."""
+
+    def start_ranks(self, port: int, model: Any, clip_eps: float) -> WorkerPool[TrainerRank]: ...
+
+    def start_engine(self, kind: str, spec: EngineSpec) -> ReplicaSet: ...
+
+    def close(self, *, flush: bool) -> None: ...
+
+
+def in_process(*, ranks: int, device: str, address: str | None) -> bool:
+    """Whether a job's workers can run in the driver's process: one rank, no cluster named, and a
+    device this process already trains on (Megatron takes the process's: its GPU where it sees one)."""
+    return ranks == 1 and address is None and (device == "cuda") == torch.cuda.is_available()
+
+
+class LocalPlacement:
+    """The one rank and the engine in the driver's process: the driver's tracer provider serves both."""
+
+    def __init__(self, *, device: str) -> None:
+        self.device = device
+        self._workers: list[TrainerRank | EngineReplica] = []
+
+    def start_ranks(self, port: int, model: Any, clip_eps: float) -> WorkerPool[TrainerRank]:
+        threads = torch.get_num_threads()  # the rank is this process: it keeps the process's threads
+        rank = TrainerRank(0, 1, port, model, clip_eps, threads=threads, device=self.device)
+        self._workers.append(rank)
+        return WorkerPool([rank], label="rank", remote=False)
+
+    def start_engine(self, kind: str, spec: EngineSpec) -> ReplicaSet:
+        replica = EngineReplica(kind, spec)
+        self._workers.append(replica)
+        return ReplicaSet(WorkerPool([replica], label="engine", remote=False))
+
+    def close(self, *, flush: bool) -> None:
+        """Leave the process group and close the engine (the driver's provider flushes the spans)."""
+        workers, self._workers = self._workers, []
+        with contextlib.ExitStack() as closing:  # every one closed, the first failure raised
+            for worker in workers:
+                closing.callback(worker.close)
 
 
 class RayPlacement:
@@ -47,8 +94,11 @@ class RayPlacement:
         self.ranks, self.cuda, self.timeout, self.trace_file = ranks, cuda, timeout, trace_file
         self.store_host = store_host  # where the ranks reach the driver's rendezvous store
         self.actors: list[Any] = []  # ranks, then the engine replicas
+        # Each actor's own environment, never the driver's: on the CPU it is shown no GPU, so
+        # Megatron and the engine take the CPU whatever GPUs the host has.
+        self.env = {"TORCHDYNAMO_DISABLE": "1"} | ({} if cuda else {"CUDA_VISIBLE_DEVICES": ""})
         # The user's cluster at `address`, or a private one on loopback (`ray_cluster`).
-        cluster = connect(address, cpus=ranks + 1, runtime_env={"env_vars": {"TORCHDYNAMO_DISABLE": "1"}})
+        cluster = connect(address, cpus=ranks + 1, gpus=None if cuda else 0, runtime_env={"env_vars": self.env})
         self._shutdown = cluster.close
         try:
             bundles = [{"CPU": 1, "GPU": 1}] * ranks if cuda else [{"CPU": 1}] * (ranks + engine_bundle)
@@ -62,8 +112,9 @@ class RayPlacement:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         strategy = PlacementGroupSchedulingStrategy(placement_group=self._group, placement_group_bundle_index=bundle)
-        share = {"num_cpus": 0.5, "num_gpus": 0.5} if self.cuda else {"num_cpus": 1}
-        return {**share, "scheduling_strategy": strategy, "max_restarts": 0}
+        share = {"num_cpus": 0.5, "num_gpus": 0.5} if self.cuda else {"num_cpus": 1, "num_gpus": 0}
+        env = {"env_vars": self.env}
+        return {**share, "scheduling_strategy": strategy, "max_restarts": 0, "runtime_env": env}
 
     def start_ranks(self, port: int, model: Any, clip_eps: float) -> WorkerPool[TrainerRank]:
         """One rank per bundle, waited for until built."""
@@ -80,14 +131,15 @@ class RayPlacement:
         ranks.start()
         return ranks
 
-    def start_engine(self, model: Any, *, rows: int, max_len: int) -> ReplicaSet:
-        """On GPUs a replica in each rank's bundle, each serving `rows / ranks` of a rollout; on
-        the CPU one engine, in the last bundle."""
+    def start_engine(self, kind: str, spec: EngineSpec) -> ReplicaSet:
+        """On GPUs a replica in each rank's bundle, each serving `1 / ranks` of a rollout's rows;
+        on the CPU one engine, in the last bundle."""
         count = self.ranks if self.cuda else 1
+        share = dataclasses.replace(spec, max_batch=spec.max_batch // count)
         replica_cls = remote_class(EngineReplica)
         actors = [
             replica_cls.options(**self._options(i if self.cuda else self.ranks)).remote(
-                model, max_batch=rows // count, max_len=max_len, index=i, replicas=count, own_process=True,
+                kind, share, index=i, replicas=count, own_process=True,
                 trace_file=self.trace_file("engine" if count == 1 else f"engine{i}"),
             )
             for i in range(count)

@@ -3,7 +3,6 @@ its shard of each batch, and the weight push to the engine."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -36,6 +35,11 @@ class Batch:
         return Batch(self.prompts[rows], self.completions[rows], self.old_logprobs[rows], self.advantages[rows])
 
 
+def _backend(device: str) -> str:
+    """torch.distributed's own choice of collective backend for `device`: gloo, nccl."""
+    return str(torch.distributed.Backend.default_device_backend_map[device])
+
+
 class TrainerRank(Traced):
     """One trainer rank: Megatron-core DDP + DistributedOptimizer, its memory regions, its shard.
 
@@ -60,7 +64,6 @@ class TrainerRank(Traced):
         device: str = "cpu",
         store_host: str = "127.0.0.1",  # where the store listens: the driver's IP as the cluster reaches it
     ) -> None:
-        os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
         torch.set_num_threads(threads)  # ranks share the host's cores
         self.rank = rank
         if own_process:
@@ -68,24 +71,23 @@ class TrainerRank(Traced):
         # megatron.core before anything that may import torch_memory_saver (design §4)
         from orchestrator.adapters.megatron.build import build_gpt, init_process_group
         from orchestrator.adapters.megatron.trainer import MegatronTrainer
-        from orchestrator.adapters.regions.storage import StorageRegions
+        from orchestrator.adapters.registry import REGIONS
 
-        cuda = device == "cuda"
-        if cuda != torch.cuda.is_available():
-            raise RuntimeError(f"rank {rank}: device {device}, but torch.cuda.is_available() is {not cuda}")
+        # Megatron trains on the device this process has (its current GPU, or the CPU where it
+        # sees none): the placement gives a rank a process whose device is the one it asks for.
+        if (device == "cuda") != torch.cuda.is_available():
+            raise RuntimeError(
+                f"rank {rank}: device {device}, but torch.cuda.is_available() is {not torch.cuda.is_available()}"
+            )
+        self.device = device
         self.world_size, self.model, self.clip_eps = world_size, model, clip_eps
         self._staging: StagingBuffer | None = None
         # The driver holds the rendezvous store, bound before any rank starts: no port to race for.
         store = torch.distributed.TCPStore(store_host, port, is_master=False, timeout=timedelta(minutes=5))
-        init_process_group(rank, world_size, port, "nccl" if cuda else "gloo", seed=model.seed, store=store)
+        init_process_group(rank, world_size, port, _backend(device), seed=model.seed, store=store)
         self.chunks, self.optimizer = build_gpt(model)
         self.trainer = MegatronTrainer(self.chunks, self.optimizer)
-        if cuda:
-            from orchestrator.adapters.regions.tms import TorchMemorySaverRegions
-
-            self.regions: MemoryRegions = TorchMemorySaverRegions(self.trainer.region_tensors)
-        else:
-            self.regions = StorageRegions(self.trainer.region_tensors)
+        self.regions: MemoryRegions = REGIONS[device](self.trainer.region_tensors)
 
     def __repr__(self) -> str:  # Ray names the actor by it in its logs and `ray list actors`
         return f"TrainerRank(rank={self.rank})"
@@ -193,8 +195,7 @@ class TrainerRank(Traced):
         from orchestrator.adapters.engines.sglang import SGLangEngine, WeightBroadcaster
 
         engines = [SGLangEngine(url, tp_size=tp) for url, tp in zip(urls, tp_sizes, strict=True)]
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        self.broadcaster = WeightBroadcaster(engines, master_port=port, backend=backend)
+        self.broadcaster = WeightBroadcaster(engines, master_port=port, backend=_backend(self.device))
 
     def broadcast_weights(self, version: int, bucket_bytes: int) -> TransferReport:
         """Rank 0 broadcasts every (converted) weight over the group `join_weight_group` made."""
