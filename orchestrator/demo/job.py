@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 from opentelemetry import trace
 
+from orchestrator.adapters.engines.sglang.group import url_problems
 from orchestrator.adapters.registry import ENGINES, EngineSpec
 from orchestrator.core.config import Device, EngineKind, LifecycleConfig, WeightSync
 from orchestrator.core.lifecycle import Lifecycle
@@ -48,19 +49,6 @@ from orchestrator.telemetry import semconv
 from orchestrator.telemetry.listeners import Listener
 from orchestrator.telemetry.tracing import exporters_requested
 from states import Mode, Phase
-
-
-def url_problems(urls: Sequence[str]) -> list[str]:
-    """What is wrong with a list of server URLs: none, not http(s), or one given twice."""
-    if not urls:
-        return ["--engine sglang needs at least one --engine-url"]
-    problems = [
-        f"--engine-url {url!r}: not an http:// or https:// URL"
-        for url in urls
-        if not url.startswith(("http://", "https://")) or not url.split("://", 1)[1].strip("/")
-    ]
-    names = [url.rstrip("/") for url in urls]
-    return problems + [f"--engine-url {url} given twice" for url in sorted({u for u in names if names.count(u) > 1})]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -86,7 +74,9 @@ class RunConfig:
         # An engine served apart (SGLang) is reached by URL; one the job runs takes none.
         served = ENGINES[self.engine].served
         if served:
-            problems += url_problems(self.engine_urls)
+            problems += url_problems(
+                self.engine_urls, label="--engine-url", missing="--engine sglang needs at least one --engine-url"
+            )
         elif self.engine_urls:
             problems.append(f"--engine-url is for --engine sglang; the {self.engine} engine runs in this job")
         if self.weight_sync is WeightSync.BROADCAST and not served:

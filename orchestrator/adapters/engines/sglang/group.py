@@ -22,17 +22,20 @@ from orchestrator.protocols import Named
 from states import EngineMemory
 
 
-def url_problems(urls: Sequence[str]) -> list[str]:
-    """What is wrong with a list of server URLs: none, not http(s), or one given twice."""
+def url_problems(
+    urls: Sequence[str], *, label: str = "server URL", missing: str = "no SGLang server URL given"
+) -> list[str]:
+    """What is wrong with a list of server URLs: none (`missing`), not http(s), or one given twice;
+    each URL named after `label` (the job names its flag)."""
     if not urls:
-        return ["no SGLang server URL given"]
+        return [missing]
     problems = [
-        f"server URL {url!r}: not an http:// or https:// URL"
+        f"{label} {url!r}: not an http:// or https:// URL"
         for url in urls
         if not url.startswith(("http://", "https://")) or not url.split("://", 1)[1].strip("/")
     ]
     names = [url.rstrip("/") for url in urls]
-    return problems + [f"server URL {url} given twice" for url in sorted({u for u in names if names.count(u) > 1})]
+    return problems + [f"{label} {url} given twice" for url in sorted({u for u in names if names.count(u) > 1})]
 
 
 class SGLangGroup:
