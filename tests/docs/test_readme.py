@@ -324,3 +324,31 @@ def test_the_jaeger_compose_file_is_v2_on_loopback() -> None:
     assert "COLLECTOR_OTLP_ENABLED" not in str(jaeger.get("environment", {})), "a Jaeger v1 variable"
     assert {port.split(":")[-1] for port in jaeger["ports"]} == {"16686", "4317", "4318"}
     assert all(port.startswith("127.0.0.1:") for port in jaeger["ports"]), "published beyond this machine"
+
+
+def test_the_layout_table_names_every_package_and_module_folder() -> None:
+    """Every folder of Python code is in the Layout table: as a row of its own (or of a module in
+    it), or named in its parent's row (`convert/` in `orchestrator/adapters/megatron/`'s); no row names a path that
+    is gone."""
+    table = section(README, "Layout")
+    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| `([^`]+)`.*$", table, re.M)}
+    folders = sorted(
+        {
+            p.parent.relative_to(ROOT).as_posix()
+            for top in ("states", "guards", "orchestrator")
+            for p in (ROOT / top).rglob("*.py")
+        }
+    )
+    missing = [
+        folder
+        for folder in folders
+        if not any(path.startswith(f"{folder}/") and "/" not in path[len(folder) + 1 :].rstrip("/") for path in rows)
+        and f"`{folder.rsplit('/', 1)[-1]}/`" not in rows.get(f"{folder.rsplit('/', 1)[0]}/", "")
+    ]
+    assert missing == [], f"folders the README's Layout table does not name: {missing}"
+    gone = [
+        path
+        for path in rows
+        if path.startswith(("orchestrator", "states", "guards")) and not (ROOT / path.split(",")[0]).exists()
+    ]
+    assert gone == [], f"Layout rows naming paths that are gone: {gone}"
