@@ -61,6 +61,7 @@ from orchestrator.adapters.megatron.convert import (
 )
 from orchestrator.adapters.megatron.trainer import ALL_EXTRAS, Extra, MegatronTrainer, megatron_setup
 from orchestrator.adapters.megatron.transport import Converter, MegatronTransport
+from orchestrator.adapters.registry import REGIONS
 from orchestrator.core.config import LifecycleConfig
 from orchestrator.core.lifecycle import Lifecycle, require_restore_coverage
 from orchestrator.errors import ConfigError
@@ -128,14 +129,9 @@ def otel_listeners(rank: int) -> list[Listener]:
 
 
 def _regions(trainer: MegatronTrainer) -> MemoryRegions:
+    """The registry's regions for the device the param buffers are on."""
     on_gpu = any(t.is_cuda for t in trainer.region_tensors()["param_buffer"])
-    if on_gpu:
-        from orchestrator.adapters.regions.tms import TorchMemorySaverRegions
-
-        return TorchMemorySaverRegions(trainer.region_tensors)
-    from orchestrator.adapters.regions.storage import StorageRegions
-
-    return StorageRegions(trainer.region_tensors)
+    return REGIONS["cuda" if on_gpu else "cpu"](trainer.region_tensors)
 
 
 def _any_rank(flag: bool) -> bool:
