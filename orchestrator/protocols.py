@@ -55,6 +55,16 @@ class MemoryRegions(Protocol):
 
 
 @runtime_checkable
+class KeepsHostArena(Protocol):
+    """Memory regions that keep host copies of what they pause (`default`'s contents), pinned
+    once and held across cycles rather than pinned anew at every pause."""
+
+    def host_arena_bytes(self) -> int:
+        """Pinned host bytes held now for the regions' contents."""
+        ...
+
+
+@runtime_checkable
 class TrainerControl(Protocol):
     """What the lifecycle calls on the training side: where params live, stash, rebuild, digests.
 

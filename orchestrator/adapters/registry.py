@@ -16,10 +16,10 @@ import contextlib
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from orchestrator.errors import ConfigError
-from orchestrator.protocols import JobEngine, MemoryRegions
+from orchestrator.protocols import JobEngine, KeepsHostArena, MemoryRegions
 
 if TYPE_CHECKING:
     from orchestrator.adapters.regions.storage import TensorsByTag
@@ -56,17 +56,25 @@ class Registry(Generic[F]):
         return tuple(sorted(self._factories))
 
 
+class OwnedRegions(MemoryRegions, KeepsHostArena, Protocol):
+    """A regions adapter as the registry builds it: its host arenas are its own, freed by `close`."""
+
+    def close(self) -> None:
+        """Unpin and free the host arenas (a later pause would pin them again)."""
+        ...
+
+
 # Memory regions, by the device a trainer rank trains on.
-RegionsFactory = Callable[[Callable[[], "TensorsByTag"]], MemoryRegions]
+RegionsFactory = Callable[[Callable[[], "TensorsByTag"]], OwnedRegions]
 
 
-def _storage_regions(tensors: Callable[[], TensorsByTag]) -> MemoryRegions:
+def _storage_regions(tensors: Callable[[], TensorsByTag]) -> OwnedRegions:
     from orchestrator.adapters.regions.storage import StorageRegions
 
     return StorageRegions(tensors)
 
 
-def _tms_regions(tensors: Callable[[], TensorsByTag]) -> MemoryRegions:
+def _tms_regions(tensors: Callable[[], TensorsByTag]) -> OwnedRegions:
     from orchestrator.adapters.regions.tms import TorchMemorySaverRegions
 
     return TorchMemorySaverRegions(tensors)

@@ -74,11 +74,13 @@ class Actions:
 
     def pause_trainer_state(self, record: TransitionRecord, work: Work | None) -> None:
         # The extras are stashed first: expert_bias lives in `default`, which is paused next.
-        record.attributes[semconv.BYTES_STASHED] = self._trainer.stash(self.config.mode)
+        stashed = record.attributes[semconv.BYTES_STASHED] = self._trainer.stash(self.config.mode)
         self.known.extras_stashed = True
         freed = self._regions.pause(Region.GRAD_BUFFER) + self._regions.pause(Region.DEFAULT)
         record.attributes[semconv.BYTES_FREED] = freed
-        record.attributes[semconv.HOST_PINNED_BYTES] = self._trainer.host_pinned_bytes()
+        # `default`'s whole contents went to its host arena (where the adapter keeps one).
+        record.attributes[semconv.BYTES_TO_HOST] = stashed + self._regions.host_arena_bytes()
+        record.attributes[semconv.HOST_PINNED_BYTES] = self._host_pinned_total()
 
     def push_weights(self, record: TransitionRecord, work: Work | None) -> None:
         version = self.known.weight_version + 1
@@ -107,6 +109,8 @@ class Actions:
     def restore_trainer(self, record: TransitionRecord, work: Work | None) -> None:
         self._engine_release(self.known.engine_resident)
         record.attributes.update(self._bring_trainer_back())
+        # Back in TRAIN the regions' host arenas stay pinned for the next pause: count them here too.
+        record.attributes[semconv.HOST_PINNED_BYTES] = self._host_pinned_total()
         cycle, self.known.cycles = self.known.cycles, self.known.cycles + 1
         self.known.last_restore_verified = None
         verdict = self._verify(record)
@@ -175,14 +179,20 @@ class Actions:
             }
         )
 
+    def _host_pinned_total(self) -> int:
+        """The trainer's backups (extras, or every param in backup mode) and the regions' arenas."""
+        return self._trainer.host_pinned_bytes() + self._regions.host_arena_bytes()
+
     def _bring_trainer_back(self) -> dict[str, int]:
-        retaken = sum(self._regions.resume(tag) for tag in sorted(self._regions.paused))
+        paused = sorted(self._regions.paused)
+        retaken = sum(self._regions.resume(tag) for tag in paused)
+        from_host = self._regions.host_arena_bytes() if Region.DEFAULT in paused else 0
         written = 0
         if not self.known.params_valid:
             written = self._trainer.rebuild(self.config.mode)
             self.known.params_valid = self.known.digests is None  # else valid once verified
         self.known.extras_stashed = False  # the next optimizer step makes them stale
-        return {semconv.BYTES_RETAKEN: retaken, semconv.BYTES_REBUILT: written}
+        return {semconv.BYTES_RETAKEN: retaken, semconv.BYTES_REBUILT: written, semconv.BYTES_FROM_HOST: from_host}
 
     def _verify(self, record: TransitionRecord) -> Any:
         """Compare the params with the digests taken at the drop, if this cycle took any."""

@@ -7,7 +7,7 @@ controller keeps the truth about what is paused and never asks twice.
 from __future__ import annotations
 
 from orchestrator.errors import ConfigError, RegionRefused
-from orchestrator.protocols import MemoryRegions
+from orchestrator.protocols import KeepsHostArena, MemoryRegions
 from states import Region
 
 
@@ -19,6 +19,10 @@ class RegionLedger:
         if missing:
             raise ConfigError([f"memory regions lack tag {tag!r}" for tag in sorted(missing)])
         self._paused: set[Region] = set()
+
+    def host_arena_bytes(self) -> int:
+        """What the adapter pins for its regions' contents (0 for one that pins nothing)."""
+        return self._regions.host_arena_bytes() if isinstance(self._regions, KeepsHostArena) else 0
 
     @property
     def paused(self) -> frozenset[Region]:

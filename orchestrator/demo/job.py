@@ -245,12 +245,10 @@ class ColocatedJob:
             batch, reward = lc.rollout(self._rollout)
             lc.restore()
             loss = lc.train(lambda: self.trainer.train(batch))
-            pinned = self.trainer.host_pinned_bytes()
         current = self.report.steps[-1]
         current.reward_mean, current.loss, current.engine_matches_trainer = reward, loss, matches
         if matches is not None:
             self.report.engine_matches_trainer = self.report.engine_matches_trainer is not False and matches
-        self.report.host_pinned_bytes_per_rank = pinned
         return StepOutcome(self._step, reward, loss, matches)
 
     @contextlib.contextmanager

@@ -20,9 +20,15 @@ class StepReport:
     weight_version: int = 0
     restore_verified: bool | None = None
     phase_seconds: dict[str, float] = field(default_factory=dict)
+    # Bytes each event copied: to the host (pause_grads), into the engine (update_weights), back
+    # from the host and rebuilt on the device (restore)
+    phase_bytes: dict[str, int] = field(default_factory=dict)
     loss: float | None = None
     engine_matches_trainer: bool | None = None
     bytes_freed_at_drop: int = 0
+    # Pinned host bytes per rank after the events that move the trainer's state: its stash and
+    # its regions' host arenas (kept from one cycle to the next, so TRAIN holds them too)
+    host_pinned_bytes: dict[str, int] = field(default_factory=dict)
     # GPU runs: each GPU's free bytes (cudaMemGetInfo, in rank order) on entering each phase
     gpu_free_bytes: dict[str, list[int]] = field(default_factory=dict)
 
@@ -32,7 +38,7 @@ class RunReport:
     mode: str
     ranks: int
     steps: list[StepReport] = field(default_factory=list)
-    host_pinned_bytes_per_rank: int = 0
+    host_pinned_bytes_per_rank: int = 0  # the most any step held
     param_bytes_bf16_per_rank: int = 0
     engine_matches_trainer: bool | None = None  # None: never compared (the engine cannot report its weights)
     trace_file: str | None = None
@@ -45,6 +51,13 @@ class RunReport:
 
     def write(self, path: Path) -> None:
         path.write_text(self.to_json() + "\n")
+
+
+_COPIED = {
+    Event.PAUSE_GRADS: (semconv.BYTES_TO_HOST,),
+    Event.UPDATE_WEIGHTS: (semconv.BYTES_MOVED,),
+    Event.RESTORE: (semconv.BYTES_FROM_HOST, semconv.BYTES_REBUILT),
+}
 
 
 class ReportListener(Listener):
@@ -74,6 +87,12 @@ class ReportListener(Listener):
             step.phases.append(record.dst.value)
         step.phase_seconds[record.event.value] = round(record.seconds, 6)
         attributes: dict[str, Any] = record.attributes
+        copied = [int(attributes[key]) for key in _COPIED.get(record.event, ()) if key in attributes]
+        if copied:
+            step.phase_bytes[record.event.value] = sum(copied)
+        if (pinned := attributes.get(semconv.HOST_PINNED_BYTES)) is not None:
+            step.host_pinned_bytes[record.event.value] = int(pinned)
+            self.report.host_pinned_bytes_per_rank = max(self.report.host_pinned_bytes_per_rank, int(pinned))
         if record.event is Event.UPDATE_WEIGHTS:
             step.weight_version = int(attributes[semconv.WEIGHT_VERSION])
         elif record.event is Event.DROP_PARAMS:

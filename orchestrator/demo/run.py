@@ -36,11 +36,9 @@ def summary(report: RunReport, seconds: float) -> Table:
         first, last = rewards[: min(5, len(rewards))], rewards[-min(5, len(rewards)) :]
         table.add_row("reward curve", f"{sparkline(rewards)}  {rewards[0]:.2f} → {rewards[-1]:.2f}")
         table.add_row("mean reward, first / last 5", f"{sum(first) / len(first):.3f} / {sum(last) / len(last):.3f}")
-    for event in (row.event for row in CYCLE):
-        times = [s.phase_seconds[event] for s in report.steps if event in s.phase_seconds]
-        if times:
-            table.add_row(f"{event} s (mean)", f"{sum(times) / len(times):.4f}")
-    table.add_row("pinned host bytes per rank", f"{report.host_pinned_bytes_per_rank:,}")
+    for row in _phase_rows(report):
+        table.add_row(*row)
+    table.add_row("pinned host bytes per rank", _pinned(report))
     table.add_row("bf16 param bytes per rank", f"{report.param_bytes_bf16_per_rank:,}")
     freed = [s.bytes_freed_at_drop for s in report.steps if s.bytes_freed_at_drop]
     if freed:
@@ -57,6 +55,32 @@ def summary(report: RunReport, seconds: float) -> Table:
     if report.trace_file:
         table.add_row("trace file", report.trace_file)
     return table
+
+
+def _phase_rows(report: RunReport) -> list[tuple[str, str]]:
+    """Each event's mean seconds and, where it copies, its bytes and GB/s; over the steady steps
+    (3 on: the first two lay out the host arenas and re-home the Adam moments) when there are any."""
+    done = [s for s in report.steps if s.loss is not None]
+    steady = [s for s in done if s.step >= 3] or done
+    rows = []
+    for event in (row.event for row in CYCLE):
+        steps = [s for s in steady if event in s.phase_seconds]
+        if not steps:
+            continue
+        seconds = sum(s.phase_seconds[event] for s in steps) / len(steps)
+        moved = sum(s.phase_bytes.get(event, 0) for s in steps) / len(steps)
+        rate = f", {moved:,.0f} bytes at {moved / seconds / 1e9:.1f} GB/s" if moved and seconds else ""
+        rows.append((f"{event} s (mean{', steps 3+' if steady is not done else ''})", f"{seconds:.4f}{rate}"))
+    return rows
+
+
+def _pinned(report: RunReport) -> str:
+    """The most pinned per rank, and what the last full step held after each event that moves it."""
+    done = [s for s in report.steps if s.loss is not None and s.host_pinned_bytes]
+    if not done:
+        return f"{report.host_pinned_bytes_per_rank:,}"
+    at = ", ".join(f"{event} {n:,}" for event, n in done[-1].host_pinned_bytes.items())
+    return f"{report.host_pinned_bytes_per_rank:,} (last step: after {at})"
 
 
 def _gpu_rows(report: RunReport) -> list[tuple[str, str]]:

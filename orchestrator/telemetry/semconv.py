@@ -94,7 +94,8 @@ BYTES_STASHED: Final = "colocate.bytes_stashed"
 BYTES_FREED: Final = "colocate.bytes_freed"
 """pause_grads, drop_params: bytes the paused regions gave back, per README's accounting (bytes)."""
 HOST_PINNED_BYTES: Final = "colocate.host_pinned_bytes"
-"""pause_grads: pinned host memory the rank holds for its backups (bytes)."""
+"""pause_grads and restore: pinned host memory the rank holds, its backups (the trainer's stash) and its
+regions' host arenas (kept across cycles), in bytes."""
 WEIGHT_VERSION: Final = "colocate.weight_version"
 """update_weights, skip_update, recover: the weight version the engine serves afterwards (int)."""
 TENSORS: Final = "colocate.tensors"
@@ -109,6 +110,10 @@ BYTES_RETAKEN: Final = "colocate.bytes_retaken"
 """restore, recover: bytes the resumed regions took back, counted as `bytes_freed` (bytes)."""
 BYTES_REBUILT: Final = "colocate.bytes_rebuilt"
 """restore, recover: bytes of bf16 params written back, by rebuild or from the backup (bytes)."""
+BYTES_TO_HOST: Final = "colocate.bytes_to_host"
+"""pause_grads: bytes copied to pinned host memory, the stash and the regions' host arenas (bytes)."""
+BYTES_FROM_HOST: Final = "colocate.bytes_from_host"
+"""restore, recover: bytes copied back from the regions' host arenas (bytes)."""
 RESTORE_VERIFIED: Final = "colocate.restore_verified"
 """restore, recover, in verified cycles: the rebuilt params match the drop's digests (bool)."""
 
@@ -119,6 +124,8 @@ BYTES_BY_KIND: Final[Mapping[str, str]] = MappingProxyType(
         "stashed": BYTES_STASHED,
         "retaken": BYTES_RETAKEN,
         "rebuilt": BYTES_REBUILT,
+        "to host": BYTES_TO_HOST,
+        "from host": BYTES_FROM_HOST,
     }
 )
 """The byte counts a lifecycle span may carry, by the short name `colocate trace` shows them under."""

@@ -22,11 +22,12 @@ def make_rig(
     mode: Mode = Mode.REMATERIALIZE,
     listeners: tuple[Listener, ...] = (),
     trainer: InMemoryTrainer | None = None,
+    regions: InMemoryRegions | None = None,
     **config: object,
 ) -> Rig:
     trainer = trainer or InMemoryTrainer()
     engine = InMemoryEngine()
-    regions = InMemoryRegions(on_pause={Region.PARAM_BUFFER.value: trainer.drop})
+    regions = regions or InMemoryRegions(on_pause={Region.PARAM_BUFFER.value: trainer.drop})
     transport = InMemoryTransport(trainer, engine)
     lifecycle = Lifecycle(
         config=LifecycleConfig(mode=mode, **config),  # type: ignore[arg-type]

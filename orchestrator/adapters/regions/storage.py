@@ -4,7 +4,9 @@ Megatron's params are views of one `param_data` tensor per DDP buffer, so resizi
 storage to zero frees every param at once and resizing it back revives every view (Megatron's
 own `offload_to_cpu` works the same way). Contents are lost, except for tags in
 `keep_contents`, which are copied to host memory first: that is the `default` region, which
-holds the fp32 mains and Adam moments.
+holds the fp32 mains and Adam moments. From a GPU they go to a `HostArena` pinned once and kept
+across cycles; on the CPU to a copy made at the pause and dropped at the resume, since a copy
+kept in the same RAM would only double what the region holds.
 
 Works on CPU and GPU. On the GPU the freed blocks return to PyTorch's caching allocator, which
 this hands back to the device (`empty_cache`); addresses change on resume, unlike
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from orchestrator.adapters.regions.host import HostArena, as_bytes
 from states import Region
 
 TensorsByTag = Mapping[str, Sequence[torch.Tensor]]
@@ -64,10 +67,6 @@ def storages_by_tag(tensors: TensorsByTag) -> dict[str, list[torch.UntypedStorag
     return result
 
 
-def as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-
-
 @dataclass
 class _Paused:
     storage: torch.UntypedStorage
@@ -94,6 +93,7 @@ class StorageRegions:
         self._tensors = tensors
         self._keep = frozenset(keep_contents)
         self._paused: dict[str, list[_Paused]] = {}
+        self._arenas: dict[str, HostArena] = {}
         return_large_frees_to_the_os()
 
     def tags(self) -> frozenset[str]:
@@ -103,11 +103,14 @@ class StorageRegions:
         """Free the tag's storages (copying `keep_contents` tags to host memory first); returns
         the bytes their memory got back (see the module docstring)."""
         storages = storages_by_tag(self._tensors())[tag]
+        to_arena = tag in self._keep and any(s.device.type == "cuda" for s in storages)
+        if to_arena:
+            self._arenas.setdefault(tag, HostArena(pinned=True)).save(storages)
         paused = []
         for storage in storages:
             backup = None
-            if tag in self._keep:
-                backup = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+            if tag in self._keep and not to_arena:
+                backup = torch.empty(storage.nbytes(), dtype=torch.uint8)
                 backup.copy_(as_bytes(storage))
             paused.append(_Paused(storage, storage.nbytes(), backup))
             storage.resize_(0)
@@ -122,7 +125,17 @@ class StorageRegions:
             p.storage.resize_(p.nbytes)
             if p.backup is not None:
                 as_bytes(p.storage).copy_(p.backup)
+        if tag in self._arenas and paused:
+            self._arenas[tag].load([p.storage for p in paused])
         return sum(p.freed for p in paused)
+
+    def host_arena_bytes(self) -> int:
+        """Pinned host bytes the arenas hold (GPU storages only), kept across cycles."""
+        return sum(arena.nbytes for arena in self._arenas.values())
+
+    def close(self) -> None:
+        for arena in self._arenas.values():
+            arena.close()
 
     def resident_bytes(self) -> dict[str, int]:
         """Bytes each tag holds now (0 while paused)."""

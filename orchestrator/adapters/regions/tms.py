@@ -22,10 +22,11 @@ from typing import Any
 
 import torch
 
-from orchestrator.adapters.regions.storage import TensorsByTag, as_bytes, storages_by_tag
+from orchestrator.adapters.regions.host import HostArena, as_bytes
+from orchestrator.adapters.regions.storage import TensorsByTag, storages_by_tag
 from states import Region
 
-_KEEP_CONTENTS = {Region.DEFAULT.value}
+_KEEP_CONTENTS = frozenset({Region.DEFAULT.value})
 
 
 def _saver() -> Any:
@@ -48,7 +49,8 @@ class TorchMemorySaverRegions:
 
     `tensors` is called at construction and before every pause: each storage it names is
     re-homed once, the first time it is seen (a host round trip of its bytes). Bytes reported
-    are the device's free memory before and after, as the driver sees them.
+    are the device's free memory before and after, as the driver sees them. `close()` frees the
+    host arenas; pausing after it pins them again.
     """
 
     def __init__(self, tensors: Callable[[], TensorsByTag]) -> None:
@@ -57,6 +59,8 @@ class TorchMemorySaverRegions:
         self._tms = _saver()
         self._tensors = tensors
         self._homed: set[int] = set()  # data_ptr of re-homed storages: stable across pause and resume
+        self._arenas = {tag: HostArena(pinned=True) for tag in _KEEP_CONTENTS}
+        self._saved: dict[str, list[torch.UntypedStorage]] = {}  # what each arena holds, while paused
         self._rehome_new()
 
     def _rehome_new(self) -> None:
@@ -73,7 +77,7 @@ class TorchMemorySaverRegions:
         nbytes = storage.nbytes()
         host = as_bytes(storage).cpu()
         storage.resize_(0)
-        with self._tms.region(tag=tag, enable_cpu_backup=tag in _KEEP_CONTENTS):
+        with self._tms.region(tag=tag, enable_cpu_backup=False):
             storage.resize_(nbytes)
         as_bytes(storage).copy_(host)
         self._homed.add(storage.data_ptr())
@@ -83,6 +87,9 @@ class TorchMemorySaverRegions:
 
     def pause(self, tag: str) -> int:
         self._rehome_new()
+        if tag in self._arenas:
+            self._saved[tag] = storages_by_tag(self._tensors())[tag]
+            self._arenas[tag].save(self._saved[tag])
         before = _free_device_bytes()
         self._tms.pause(tag)
         return _free_device_bytes() - before
@@ -90,4 +97,15 @@ class TorchMemorySaverRegions:
     def resume(self, tag: str) -> int:
         before = _free_device_bytes()
         self._tms.resume(tag)
-        return before - _free_device_bytes()
+        retaken = before - _free_device_bytes()
+        if tag in self._arenas:
+            self._arenas[tag].load(self._saved.pop(tag))
+        return retaken
+
+    def host_arena_bytes(self) -> int:
+        """Pinned host bytes the arenas hold: kept across cycles, so the same in every phase."""
+        return sum(arena.nbytes for arena in self._arenas.values())
+
+    def close(self) -> None:
+        for arena in self._arenas.values():
+            arena.close()

@@ -56,6 +56,10 @@ class DistributedTrainer:
     def tags(self) -> frozenset[str]:
         return frozenset(self.ranks.one(0, TrainerRank.tags))
 
+    def host_arena_bytes(self) -> int:
+        """Per rank, what its regions' host arenas pin: every rank pins the same."""
+        return max(self.ranks.all(TrainerRank.host_arena_bytes))
+
     def pause(self, tag: str) -> int:
         return sum(self.ranks.all(TrainerRank.pause, tag))
 

@@ -21,7 +21,7 @@ class Traced:
     # for them would bury the work (or, for flush_traces, be roots of traces of their own).
     untraced = frozenset(
         {
-            "ready", "tags", "layout", "weight_version", "is_idle", "host_pinned_bytes", "probe",
+            "ready", "tags", "layout", "weight_version", "is_idle", "host_pinned_bytes", "host_arena_bytes", "probe",
             "flush_traces", "device_memory",
         }
     )  # fmt: skip

@@ -12,11 +12,12 @@ import torch
 
 from orchestrator.adapters.transport.bucketed import push_in_buckets
 from orchestrator.demo.workers.traced import Traced
-from orchestrator.protocols import BucketSink, MemoryRegions, Named, TransferReport
+from orchestrator.protocols import BucketSink, Named, TransferReport
 from orchestrator.telemetry import semconv
 from states import Mode, TrainerLayout, TrainingSetup
 
 if TYPE_CHECKING:
+    from orchestrator.adapters.registry import OwnedRegions
     from orchestrator.demo.workers.fanout import ReplicaSet
     from orchestrator.demo.workers.staging import StagingBuffer
 
@@ -87,7 +88,7 @@ class TrainerRank(Traced):
         init_process_group(rank, world_size, port, _backend(device), seed=model.seed, store=store)
         self.chunks, self.optimizer = build_gpt(model)
         self.trainer = MegatronTrainer(self.chunks, self.optimizer)
-        self.regions: MemoryRegions = REGIONS[device](self.trainer.region_tensors)
+        self.regions: OwnedRegions = REGIONS[device](self.trainer.region_tensors)
 
     def __repr__(self) -> str:  # Ray names the actor by it in its logs and `ray list actors`
         return f"TrainerRank(rank={self.rank})"
@@ -96,6 +97,7 @@ class TrainerRank(Traced):
         """Leave the process group (in the driver's process, so a later job can make its own)."""
         from orchestrator.adapters.megatron.build import destroy_process_group
 
+        self.regions.close()  # the host arenas are unpinned and freed
         if torch.distributed.is_initialized():
             destroy_process_group()
 
@@ -130,6 +132,9 @@ class TrainerRank(Traced):
 
     def tags(self) -> frozenset[str]:
         return self.regions.tags()
+
+    def host_arena_bytes(self) -> int:
+        return self.regions.host_arena_bytes()
 
     def pause(self, tag: str) -> int:
         return self.regions.pause(tag)
