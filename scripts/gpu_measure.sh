@@ -6,6 +6,8 @@
 # tests: the GPU tests (tests/gpu, marked gpu; TESTS=path picks some) -> gpu_tests.json
 # runs:  colocate run --device cuda --ranks 2, tiny and llama-1b (MODELS=... picks) -> run_<model>.json
 # bench: benchmarks/restore.py --ranks 2 and update_weights.py at llama-1b -> restore.json, update_weights.json
+# step:  benchmarks/step_overhead.py on one GPU, llama-1b (STEP_MODELS=..., STEP_OPTIONS=... pass run options)
+#        -> step_<model>.json
 # Everything's output also goes to $OUT/<part>.log.
 set -uo pipefail
 OUT=${OUT:?set OUT to the folder for the results}
@@ -59,10 +61,19 @@ bench() {
   tail -c 3000 "$OUT/restore.json" "$OUT/update_weights.json"
 }
 
+step() {
+  for model in ${STEP_MODELS:-llama-1b}; do
+    timeout "${STEP_TIMEOUT:-300}" $PY benchmarks/step_overhead.py --device cuda --model "$model" \
+      --steps "${STEP_STEPS:-6}" --out "$OUT/step_$model${STEP_SUFFIX:-}.json" -- ${STEP_OPTIONS:-} 2>&1 \
+      | tee -a "$OUT/step.log" | tail -12
+  done
+}
+
 case "$PART" in
   all) tests; runs; bench ;;
+  step) step ;;
   tests) tests ;;
   runs) runs ;;
   bench) bench ;;
-  *) echo "unknown part $PART: all, tests, runs or bench" >&2; exit 2 ;;
+  *) echo "unknown part $PART: all, tests, runs, bench or step" >&2; exit 2 ;;
 esac
