@@ -87,20 +87,19 @@ class TorchMemorySaverRegions:
 
     def pause(self, tag: str) -> int:
         self._rehome_new()
+        before = _free_device_bytes()  # the arena's copy counts in: what the whole pause gave back
         if tag in self._arenas:
             self._saved[tag] = storages_by_tag(self._tensors())[tag]
             self._arenas[tag].save(self._saved[tag])
-        before = _free_device_bytes()
         self._tms.pause(tag)
         return _free_device_bytes() - before
 
     def resume(self, tag: str) -> int:
         before = _free_device_bytes()
         self._tms.resume(tag)
-        retaken = before - _free_device_bytes()
         if tag in self._arenas:
             self._arenas[tag].load(self._saved.pop(tag))
-        return retaken
+        return before - _free_device_bytes()
 
     def host_arena_bytes(self) -> int:
         """Pinned host bytes the arenas hold: kept across cycles, so the same in every phase."""
