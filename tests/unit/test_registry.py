@@ -65,3 +65,18 @@ def test_a_served_engine_refuses_a_spec_without_urls_before_any_connection() -> 
     spec = EngineSpec(model=None, max_batch=1, max_len=1)
     with pytest.raises(ConfigError, match="no SGLang server URL given"), ENGINES["sglang"].build(spec):
         pass
+
+
+def test_an_engine_in_the_ranks_process_takes_the_model_in_one_bucket() -> None:
+    """In one process the engine is handed views of the params: a bucket holds no copy, so the
+    push is one multi-tensor copy; across processes the job's bucket size stands."""
+    import sys
+
+    from orchestrator.demo.workers.fanout import RankZeroPush, ReplicaSet, tensor_push
+    from orchestrator.demo.workers.pool import WorkerPool
+
+    ranks = WorkerPool([object()], label="rank", remote=False)
+    here = tensor_push(ranks, ReplicaSet(WorkerPool([object()], label="engine", remote=False)), 1 << 20)
+    apart = tensor_push(ranks, ReplicaSet(WorkerPool([object()], label="engine", remote=True)), 1 << 20)
+    assert isinstance(here, RankZeroPush) and here.bucket_bytes == sys.maxsize
+    assert isinstance(apart, RankZeroPush) and apart.bucket_bytes == 1 << 20

@@ -8,6 +8,7 @@ params, and no rank rebuilds before every replica has released.
 from __future__ import annotations
 
 import socket
+import sys
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
@@ -188,9 +189,14 @@ def _free_port() -> int:
 
 def tensor_push(ranks: WorkerPool[TrainerRank], engine: JobEngine, bucket_bytes: int) -> WeightTransport:
     """Weights into the engine's own memory: each replica's from the rank on its GPU (CUDA IPC),
-    or a single engine's (a replica, or SGLang servers on the trainer's GPUs) from rank 0."""
+    or a single engine's (a replica, or SGLang servers on the trainer's GPUs) from rank 0; in one
+    copy where the engine shares the rank's process."""
     if isinstance(engine, ReplicaSet) and len(engine.replicas) > 1:
         return ReplicaIpcPush(ranks, engine, bucket_bytes)
+    if isinstance(engine, ReplicaSet) and not (engine.replicas.remote or ranks.remote):
+        # Rank and engine in this process: the engine is handed views of the params, so a bucket
+        # holds no copy of its own, and one bucket carries the model in one multi-tensor copy.
+        bucket_bytes = sys.maxsize
     return RankZeroPush(ranks, engine, bucket_bytes)
 
 
