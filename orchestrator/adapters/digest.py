@@ -39,19 +39,15 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from enum import StrEnum
 from itertools import accumulate
 
 import torch
 
+from orchestrator.core.config import DigestMethod
+
 CHUNK_BYTES = 64 << 20
 ROW_WORDS = 1024  # K: 4 KiB rows; each tensor's column sums take K words, its row sums 1/K of it
 _MASK = (1 << 64) - 1
-
-
-class DigestMethod(StrEnum):
-    SHA256 = "sha256"
-    DEVICE = "device"
 
 
 def default_digest(device: torch.device | str) -> DigestMethod:
