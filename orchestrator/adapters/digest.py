@@ -4,7 +4,7 @@
   threads (hashlib releases the GIL on large buffers). Strong, but every byte crosses to the
   host: on a GPU it is what made a verified cycle's drop and restore take seconds.
 - `device`: four 64-bit sums over each tensor's 32-bit words, computed where the tensor lives,
-  two reductions over the bytes and one transfer to the host for the whole mapping. Not
+  two reductions over the bytes and one transfer to the host per device for the whole mapping. Not
   cryptographic: it only has to catch accidental damage (a flipped bit, a word out of place),
   at device bandwidth. `default_digest` picks it for CUDA tensors.
 
