@@ -2,7 +2,7 @@
 
 - `sha256`: SHA256 of each tensor's bytes on the host, tensors and 64 MiB chunks spread over
   threads (hashlib releases the GIL on large buffers). Strong, but every byte crosses to the
-  host: on a GPU it is what made a verified cycle's drop and restore take seconds.
+  host: on a GPU it made the verified cycles cost seconds.
 - `device`: four 64-bit sums over each tensor's 32-bit words, computed where the tensor lives,
   two reductions over the bytes and one transfer to the host per device for the whole mapping. Not
   cryptographic: it only has to catch accidental damage (a flipped bit, a word out of place),
