@@ -81,14 +81,13 @@ def _measure(chunks: Any, optimizer: Any, base: int) -> dict[str, Any]:
     import torch
 
     from guards.bitexact import restore_bit_identical
-    from orchestrator.adapters.digest import DigestMethod
     from orchestrator.adapters.megatron.trainer import MegatronTrainer
     from orchestrator.adapters.transport.bucketed import nbytes
     from orchestrator.core.regions import RegionLedger
     from states import Region
 
     cuda = torch.cuda.is_available()
-    trainer = MegatronTrainer(chunks, optimizer, digest=DigestMethod.DEVICE if cuda else DigestMethod.SHA256)
+    trainer = MegatronTrainer(chunks, optimizer)  # digests on the device on a GPU
     tensors = trainer.region_tensors()
     frozen = sum(nbytes(p) for p in trainer._params.values() if not p.requires_grad)
     mains = sum(nbytes(t) for o in trainer._optimizers for g in o.shard_fp32_from_float16_groups for t in g)

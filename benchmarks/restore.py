@@ -33,7 +33,6 @@ import torch
 import torch.multiprocessing as mp
 
 from guards.bitexact import restore_bit_identical
-from orchestrator.adapters.digest import DigestMethod
 from orchestrator.adapters.megatron.build import (
     TinyGPTConfig,
     build_gpt,
@@ -168,8 +167,7 @@ def run(rank: int, world_size: int, port: int, cfg: TinyGPTConfig, repeats: int)
     chunks, optimizer = build_gpt(cfg)
     generator = torch.Generator().manual_seed(rank)  # each rank its own data shard
     train_step(chunks, optimizer, torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1), generator=generator))
-    digest = DigestMethod.DEVICE if torch.cuda.is_available() else DigestMethod.SHA256
-    trainer = MegatronTrainer(chunks, optimizer, digest=digest)
+    trainer = MegatronTrainer(chunks, optimizer)  # digests on the device on a GPU
     ledger = RegionLedger(regions_for(trainer))
     result: dict[str, Any] = {
         "rank": rank,

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Every GPU measurement of issue 14 on one 2-GPU machine, each written as JSON under $OUT.
 #
-#   scripts/gpu_measure.sh [all|tests|runs|bench]     (default: all; run from the repository root)
+#   scripts/gpu_measure.sh [all|tests|runs|bench|step]     (default: all; run from the repository root)
 #
 # tests: the GPU tests (tests/gpu, marked gpu; TESTS=path picks some) -> gpu_tests.json
 # runs:  colocate run --device cuda --ranks 2, tiny and llama-1b (MODELS=... picks) -> run_<model>.json
-# bench: benchmarks/restore.py --ranks 2 and update_weights.py at llama-1b -> restore.json, update_weights.json
+# bench: benchmarks/restore.py --ranks 2 and update_weights.py at llama-1b, digest_rate.py at 4 GiB
+#        -> restore.json, update_weights.json, digest_rate.json
 # step:  benchmarks/step_overhead.py on one GPU, llama-1b (STEP_MODELS=..., STEP_OPTIONS=... pass run options)
 #        -> step_<model>.json
 # Everything's output also goes to $OUT/<part>.log.
@@ -58,7 +59,9 @@ bench() {
     > "$OUT/restore.json" 2> >(tee -a "$OUT/bench.log" | tail -20 >&2)
   timeout "${BENCH_TIMEOUT:-300}" $PY benchmarks/update_weights.py --preset llama-1b \
     --buckets-mib 64 256 1024 4096 --json > "$OUT/update_weights.json" 2> >(tee -a "$OUT/bench.log" | tail -20 >&2)
-  tail -c 3000 "$OUT/restore.json" "$OUT/update_weights.json"
+  timeout "${BENCH_TIMEOUT:-300}" $PY benchmarks/digest_rate.py --gib 4 \
+    > "$OUT/digest_rate.json" 2> >(tee -a "$OUT/bench.log" | tail -20 >&2)
+  tail -c 3000 "$OUT/restore.json" "$OUT/update_weights.json" "$OUT/digest_rate.json"
 }
 
 step() {

@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 
 from orchestrator.core import diagram
-from orchestrator.core.config import Device, EngineKind, WeightSync
+from orchestrator.core.config import Device, DigestMethod, EngineKind, WeightSync
 from orchestrator.errors import ConfigError, TraceError
 from orchestrator.plan.command import plan_command
 from states import Mode
@@ -85,6 +85,13 @@ def run_command(
     ] = None,
     mode: Annotated[RunMode, typer.Option(help="How params survive the rollout.")] = RunMode.REMATERIALIZE,
     verify_cycles: Annotated[int, typer.Option(help="Check the first N restores bit-identical.")] = 2,
+    digest: Annotated[
+        DigestMethod | None,
+        typer.Option(
+            help="How those checks digest the params: device (sums on the GPU) or sha256 (on the host).",
+            show_default="device with --device cuda, else sha256",
+        ),
+    ] = None,
     seed: Annotated[int, typer.Option(help="Seed for the task and the sampling.")] = 0,
     device: Annotated[Device, typer.Option(help="Where the ranks train: cuda takes this machine's GPU.")] = Device.CPU,
     engine: Annotated[
@@ -135,6 +142,7 @@ def run_command(
             ranks=ranks if ranks is not None else (1 if device is Device.CUDA else 2),
             mode=Mode(mode.value),
             verify_cycles=verify_cycles,
+            digest=digest,
             seed=seed,
             rank_timeout_s=rank_timeout,
             device=device,

@@ -67,3 +67,10 @@ class Device(StrEnum):
 
     CPU = "cpu"
     CUDA = "cuda"
+
+
+class DigestMethod(StrEnum):
+    """How a verified cycle proves its restore bit-identical (`orchestrator.adapters.digest`)."""
+
+    DEVICE = "device"  # sums over the words, where the tensors live
+    SHA256 = "sha256"  # of every byte, on the host

@@ -34,7 +34,7 @@ from opentelemetry import trace
 
 from orchestrator.adapters.engines.sglang.group import url_problems
 from orchestrator.adapters.registry import ENGINES, EngineSpec
-from orchestrator.core.config import Device, EngineKind, LifecycleConfig, WeightSync
+from orchestrator.core.config import Device, DigestMethod, EngineKind, LifecycleConfig, WeightSync
 from orchestrator.core.lifecycle import Lifecycle
 from orchestrator.demo.grpo import GRPOConfig, SyntheticTask, group_advantages
 from orchestrator.demo.ray_cluster import address_problems, driver_ip
@@ -57,6 +57,9 @@ class RunConfig:
     ranks: int = 2
     mode: Mode = Mode.REMATERIALIZE
     verify_cycles: int = 2
+    # How the verified cycles check their restores; None: the device digest on GPUs, SHA256 on
+    # the CPU (`orchestrator.adapters.digest.default_digest`, which each rank applies).
+    digest: DigestMethod | None = None
     seed: int = 0
     bucket_bytes: int = 1 << 20
     rank_timeout_s: float = RANK_TIMEOUT_S
@@ -197,7 +200,7 @@ class ColocatedJob:
         self._started.callback(setattr, self, "_store", None)  # the port goes back once no rank needs it
         placement = self._place(store_host, engine_bundle=served is None)
         self._started.callback(placement.close, flush=self.trace_dir is not None or bool(exporters_requested()))
-        ranks = placement.start_ranks(int(self._store.port), grpo.model, grpo.clip_eps)
+        ranks = placement.start_ranks(int(self._store.port), grpo.model, grpo.clip_eps, cfg.digest)
         self.engine: JobEngine = served if served is not None else placement.start_engine(cfg.engine, spec)
         self.trainer = DistributedTrainer(ranks)
         listeners = [ReportListener(self.report), *self.listeners]

@@ -32,6 +32,11 @@ def test_three_cycles_bit_identical_under_torch_memory_saver(rank: dict, mode: s
     assert [c["bit_identical"] for c in rank[mode]] == [True] * 3, [c["reason"] for c in rank[mode]]
 
 
+def test_the_trainer_digests_on_the_device_and_catches_a_flipped_bit(rank: dict) -> None:
+    assert rank["digest"] == "device"
+    assert "1 tensor(s) differ: decoder.layers.0.mlp.linear_fc1.weight" in rank["flipped"]
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_pause_returns_device_memory_and_keeps_addresses(rank: dict, mode: str) -> None:
     for cycle in rank[mode]:

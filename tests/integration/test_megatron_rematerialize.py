@@ -69,6 +69,10 @@ def test_a_flipped_bit_is_caught_by_name(ranks: list[dict]) -> None:
         assert "1 tensor(s) differ: decoder.layers.0.mlp.linear_fc1.weight" in rank["flipped"]
 
 
+def test_the_trainer_digests_with_sha256_on_the_cpu(ranks: list[dict]) -> None:
+    assert {rank["digest"] for rank in ranks} == {"sha256"}
+
+
 def test_memory_is_freed_at_drop_and_returns_at_restore(tmp_path: Path) -> None:
     (result,) = run_ranks("memory", 1, tmp_path)
     held, after = result["held"], result["after_pause"]

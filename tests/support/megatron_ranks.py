@@ -21,7 +21,6 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # the router's torch.compile 
 
 from guards.bitexact import restore_bit_identical
 from guards.config import violations
-from orchestrator.adapters.digest import DigestMethod
 from orchestrator.adapters.megatron.build import (
     TinyGPTConfig,
     build_gpt,
@@ -38,7 +37,6 @@ from states import Mode, Region
 from tests.support.spawn import spawn_ranks
 
 CUDA = torch.cuda.is_available()
-DIGEST = DigestMethod.DEVICE if CUDA else DigestMethod.SHA256
 AWKWARD = TinyGPTConfig(num_experts=2, fp32_param=True, frozen_param=True)
 EXPERT_BIAS = "decoder.layers.1.mlp.router.expert_bias"
 
@@ -102,11 +100,12 @@ def restore_cycle(trainer: MegatronTrainer, ledger: RegionLedger, mode: Mode) ->
 def cycles_scenario(rank: int, world_size: int, out: Path, cfg: TinyGPTConfig = AWKWARD) -> dict[str, Any]:
     """Both modes on one model, 3 cycles each with a real optimizer step in between."""
     chunks, optimizer = build_gpt(cfg)
-    trainer = MegatronTrainer(chunks, optimizer, digest=DIGEST)
+    trainer = MegatronTrainer(chunks, optimizer)  # its default digest: the device's on a GPU
     generator = torch.Generator().manual_seed(100 + rank)  # each rank its own data shard
     train_step(chunks, optimizer, tokens(cfg, generator))
     ledger = RegionLedger(regions_for(trainer))
     result: dict[str, Any] = {
+        "digest": trainer.digest_method.value,
         "uncovered": list(trainer.layout().uncovered),
         "setup_violations": [str(v) for v in violations(Mode.REMATERIALIZE, megatron_setup(chunks, optimizer))],
     }
@@ -170,7 +169,7 @@ def coverage_scenario(rank: int, world_size: int, out: Path) -> dict[str, Any]:
         "without_fp32": _refusal(MegatronTrainer(chunks, optimizer, extras={Extra.EXPERT_BIAS, Extra.FROZEN})),
         "without_expert_bias": _refusal(MegatronTrainer(chunks, optimizer, extras={Extra.FP32, Extra.FROZEN})),
     }
-    trainer = MegatronTrainer(chunks, optimizer, digest=DIGEST)
+    trainer = MegatronTrainer(chunks, optimizer)
     result["sync_names"] = sorted(trainer.layout().sync_sources)
     ledger = RegionLedger(regions_for(trainer))
     generator = torch.Generator().manual_seed(100 + rank)

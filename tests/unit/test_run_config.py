@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
-from orchestrator.core.config import Device, EngineKind, WeightSync
+from orchestrator.cli.app import app
+from orchestrator.core.config import Device, DigestMethod, EngineKind, WeightSync
 from orchestrator.demo.job import RunConfig
 from orchestrator.errors import ConfigError
 
@@ -57,3 +59,25 @@ def test_more_gpu_ranks_than_gpus_are_refused(monkeypatch: pytest.MonkeyPatch) -
 def test_the_defaults_and_an_sglang_config_are_accepted() -> None:
     RunConfig()
     RunConfig(engine=EngineKind.SGLANG, engine_urls=("http://127.0.0.1:30000",), weight_sync=WeightSync.BROADCAST)
+
+
+@pytest.mark.parametrize(
+    ("args", "digest"),
+    [((), None), (("--digest", "sha256"), DigestMethod.SHA256), (("--digest", "device"), DigestMethod.DEVICE)],
+)
+def test_the_digest_flag_reaches_the_job(
+    args: tuple[str, ...], digest: DigestMethod | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """None lets each rank's trainer choose by its params' device (the device digest on a GPU)."""
+    import orchestrator.demo.run as demo_run
+
+    seen: list[RunConfig] = []
+
+    def run(config: RunConfig, **_: object) -> int:
+        seen.append(config)
+        return 0
+
+    monkeypatch.setattr(demo_run, "run", run)
+    done = CliRunner().invoke(app, ["run", *args])
+    assert done.exit_code == 0, done.output
+    assert seen[0].digest is digest

@@ -189,8 +189,6 @@ def colocate_megatron(
         verify_cycles=verify_cycles,
         setup=megatron_setup(model, optimizer, **flags),
     )
-    if digest is None:
-        digest = DigestMethod.DEVICE if torch.cuda.is_available() else DigestMethod.SHA256
     trainer = MegatronTrainer(model, optimizer, extras=extras, digest=digest)
     if config.mode is not Mode.TRAIN_ONLY:
         require_restore_coverage(trainer.layout())  # before regions re-home anything

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from orchestrator.adapters.digest import DIGESTS, DigestMethod
+from orchestrator.adapters.digest import DIGESTS, DigestMethod, default_digest
 from orchestrator.adapters.megatron.fast_cast import MainParamCast
 from orchestrator.adapters.transport.bucketed import nbytes
 from orchestrator.errors import ConfigError, StashMismatch
@@ -123,7 +123,8 @@ class MegatronTrainer:
     `chunks` are the `DistributedDataParallel` model chunks (one per virtual pipeline stage);
     `optimizer` is the (chained) optimizer `get_megatron_optimizer` returned. `extras` chooses
     which kinds of extra are backed up; leaving one out makes any such param uncovered, which
-    the lifecycle refuses at init.
+    the lifecycle refuses at init. `digest` proves verified restores; None takes
+    `default_digest` of the params' device (the device digest on a GPU, SHA256 on the CPU).
     """
 
     def __init__(
@@ -132,7 +133,7 @@ class MegatronTrainer:
         optimizer: Any,
         *,
         extras: Collection[Extra] = ALL_EXTRAS,
-        digest: DigestMethod = DigestMethod.SHA256,
+        digest: DigestMethod | None = None,
     ) -> None:
         self._chunks = list(chunks)
         self._optimizers = list(getattr(optimizer, "chained_optimizers", [optimizer]))
@@ -140,7 +141,6 @@ class MegatronTrainer:
         self._buffers = [
             b for c in self._chunks for b in getattr(c, "all_buffers", [*c.buffers, *c.expert_parallel_buffers])
         ]
-        self._digest = DIGESTS[DigestMethod(digest)]
         self._pin = torch.cuda.is_available()
         in_buffers = {id(p) for b in self._buffers for p in b.params}
         self._params: dict[str, torch.Tensor] = {}
@@ -166,6 +166,9 @@ class MegatronTrainer:
                     if covered:
                         self._extras[name] = buffer
                     self._sources[name] = Source.EXTRAS if covered else Source.ELSEWHERE
+        where = next(iter(self._params.values())).device if self._params else torch.device("cpu")
+        self.digest_method = DigestMethod(digest) if digest is not None else default_digest(where)
+        self._digest = DIGESTS[self.digest_method]
         self._extra_backup: dict[str, torch.Tensor] = {}
         self._param_backup: list[torch.Tensor] = []
         self.cast = MainParamCast(self._optimizers)  # one Triton launch where it can, else Megatron's loop

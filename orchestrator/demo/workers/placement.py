@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import torch
 
 from orchestrator.adapters.registry import EngineSpec
+from orchestrator.core.config import DigestMethod
 from orchestrator.demo.workers.engine_replica import EngineReplica
 from orchestrator.demo.workers.fanout import ReplicaSet
 from orchestrator.demo.workers.pool import WorkerPool, control, remote_class
@@ -29,7 +30,9 @@ FLUSH_S = 2.0  # how long the processes together may take to flush their spans w
 class Placement(Protocol):
     """Starts the job's ranks and the replicas of an engine it runs itself; `close` ends them all."""
 
-    def start_ranks(self, port: int, model: Any, clip_eps: float) -> WorkerPool[TrainerRank]: ...
+    def start_ranks(
+        self, port: int, model: Any, clip_eps: float, digest: DigestMethod | None = None
+    ) -> WorkerPool[TrainerRank]: ...
 
     def start_engine(self, kind: str, spec: EngineSpec) -> ReplicaSet: ...
 
@@ -49,9 +52,11 @@ class LocalPlacement:
         self.device = device
         self._workers: list[TrainerRank | EngineReplica] = []
 
-    def start_ranks(self, port: int, model: Any, clip_eps: float) -> WorkerPool[TrainerRank]:
+    def start_ranks(
+        self, port: int, model: Any, clip_eps: float, digest: DigestMethod | None = None
+    ) -> WorkerPool[TrainerRank]:
         threads = torch.get_num_threads()  # the rank is this process: it keeps the process's threads
-        rank = TrainerRank(0, 1, port, model, clip_eps, threads=threads, device=self.device)
+        rank = TrainerRank(0, 1, port, model, clip_eps, threads=threads, device=self.device, digest=digest)
         self._workers.append(rank)
         return WorkerPool([rank], label="rank", remote=False)
 
@@ -116,13 +121,15 @@ class RayPlacement:
         env = {"env_vars": self.env}
         return {**share, "scheduling_strategy": strategy, "max_restarts": 0, "runtime_env": env}
 
-    def start_ranks(self, port: int, model: Any, clip_eps: float) -> WorkerPool[TrainerRank]:
+    def start_ranks(
+        self, port: int, model: Any, clip_eps: float, digest: DigestMethod | None = None
+    ) -> WorkerPool[TrainerRank]:
         """One rank per bundle, waited for until built."""
         rank_cls = remote_class(TrainerRank)
         workers = [
             rank_cls.options(**self._options(r)).remote(
                 r, self.ranks, port, model, clip_eps, own_process=True, trace_file=self.trace_file(f"rank{r}"),
-                device="cuda" if self.cuda else "cpu", store_host=self.store_host,
+                device="cuda" if self.cuda else "cpu", store_host=self.store_host, digest=digest,
             )
             for r in range(self.ranks)
         ]  # fmt: skip

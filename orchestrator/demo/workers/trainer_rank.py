@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from orchestrator.adapters.transport.bucketed import push_in_buckets
+from orchestrator.core.config import DigestMethod
 from orchestrator.demo.workers.traced import Traced
 from orchestrator.protocols import BucketSink, Named, TransferReport
 from orchestrator.telemetry import semconv
@@ -64,6 +65,7 @@ class TrainerRank(Traced):
         trace_file: str | None = None,
         device: str = "cpu",
         store_host: str = "127.0.0.1",  # where the store listens: the driver's IP as the cluster reaches it
+        digest: DigestMethod | None = None,  # None: the device digest on a GPU, SHA256 on the CPU
     ) -> None:
         torch.set_num_threads(threads)  # ranks share the host's cores
         self.rank = rank
@@ -87,7 +89,7 @@ class TrainerRank(Traced):
         store = torch.distributed.TCPStore(store_host, port, is_master=False, timeout=timedelta(minutes=5))
         init_process_group(rank, world_size, port, _backend(device), seed=model.seed, store=store)
         self.chunks, self.optimizer = build_gpt(model)
-        self.trainer = MegatronTrainer(self.chunks, self.optimizer)
+        self.trainer = MegatronTrainer(self.chunks, self.optimizer, digest=digest)
         self.regions: OwnedRegions = REGIONS[device](self.trainer.region_tensors)
 
     def __repr__(self) -> str:  # Ray names the actor by it in its logs and `ray list actors`
