@@ -13,7 +13,7 @@ from orchestrator.core import diagram
 from orchestrator.core.config import Device, EngineKind, WeightSync
 from orchestrator.errors import ConfigError, TraceError
 from orchestrator.plan.command import plan_command
-from states import Mode
+from states import Mode, Offload
 
 
 class RunMode(StrEnum):
@@ -84,6 +84,9 @@ def run_command(
         ),
     ] = None,
     mode: Annotated[RunMode, typer.Option(help="How params survive the rollout.")] = RunMode.REMATERIALIZE,
+    offload: Annotated[
+        Offload, typer.Option(help="Which of grad_buffer, default leave the GPU for the rollout: auto decides.")
+    ] = Offload.AUTO,
     verify_cycles: Annotated[int, typer.Option(help="Check the first N restores bit-identical.")] = 2,
     seed: Annotated[int, typer.Option(help="Seed for the task and the sampling.")] = 0,
     device: Annotated[Device, typer.Option(help="Where the ranks train: cuda takes this machine's GPU.")] = Device.CPU,
@@ -134,6 +137,7 @@ def run_command(
             steps=steps,
             ranks=ranks if ranks is not None else (1 if device is Device.CUDA else 2),
             mode=Mode(mode.value),
+            offload=offload,
             verify_cycles=verify_cycles,
             seed=seed,
             rank_timeout_s=rank_timeout,
