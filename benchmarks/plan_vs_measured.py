@@ -26,13 +26,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from orchestrator.plan.memory import Parallelism, Plan, plan
 from orchestrator.plan.presets import TINY_GPTS, from_tiny_gpt
-from states import Mode
+from states import Mode, Offload
 
 LIMIT = 0.05
 
 
 def planned(preset: str, dp: int, ep: int = 1) -> Plan:
-    return plan(from_tiny_gpt(TINY_GPTS[preset](), preset), Parallelism(dp=dp, ep=ep))
+    # The measurement pauses every region, so the plan it is checked against moves every one.
+    return plan(from_tiny_gpt(TINY_GPTS[preset](), preset), Parallelism(dp=dp, ep=ep), offload=Offload.ALWAYS)
 
 
 # ---- measuring (imports torch and megatron-core) ----------------------------------------

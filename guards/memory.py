@@ -1,11 +1,17 @@
 """The memory-budget guard: a transition that brings memory back must fit in what is free.
 
-Three rows add device memory (docs/lifecycle.md, memory per phase):
+Three rows add device memory (docs/lifecycle.md, memory per phase), and a fourth commits to them:
 
 - update_weights: the engine's weights come back while the trainer's params are still resident;
 - rollout: the engine's KV cache and CUDA graphs come back;
 - restore: the engine releases what it holds, then the trainer's paused regions come back and
-  the rebuild writes into them.
+  the rebuild writes into them;
+- pause_grads, where the offload choice keeps regions resident (`snap.kept`): the update and the
+  rollout to come must fit beside them in what is free now, or the sleep is refused before
+  anything moves. With nothing kept, each later row checks its own step, as it always did.
+
+A kept region is never paused, so it is resident in every phase (`device_free` counts it) and
+never comes back at restore.
 
 The guard reads the plan's bytes for each and the free bytes from the snapshot, so it refuses
 before anything is allocated, naming both numbers.
@@ -13,8 +19,8 @@ before anything is allocated, naming both numbers.
 
 from __future__ import annotations
 
-from guards.verdict import Verdict, guard
-from states import EngineMemory, MemoryBudget, Phase, Snapshot
+from guards.verdict import Verdict, guard, names
+from states import EngineMemory, MemoryBudget, Phase, Region, Snapshot
 
 _KV = (EngineMemory.KV_CACHE, EngineMemory.CUDA_GRAPH)
 
@@ -23,9 +29,27 @@ def gb(n: int) -> str:
     return f"{n / 1e9:.2f} GB"
 
 
+def sleep_need(budget: MemoryBudget, kept: frozenset[Region]) -> int:
+    """Net bytes the coming sleep adds to a device where every region is resident and the engine
+    released (TRAIN), with `kept` staying resident: the worse of its two peaks. At update_weights
+    the engine's weights are back and the moved regions but the param buffer gone; at rollout the
+    KV cache and graphs are back too, and the param buffer is gone."""
+    regions = budget.regions
+    moved = sum(n for tag, n in regions.items() if tag not in kept and tag is not Region.PARAM_BUFFER)
+    update = budget.engine.get(EngineMemory.WEIGHTS, 0) - moved
+    rollout = sum(budget.engine.values()) - moved - regions.get(Region.PARAM_BUFFER, 0)
+    return max(update, rollout)
+
+
 def device_need(snap: Snapshot, budget: MemoryBudget) -> tuple[str, int] | None:
     """(what comes back, net bytes it adds) for the event leaving `snap.phase`; None: nothing does."""
     resident = snap.engine_resident
+    if snap.phase is Phase.TRAIN:  # pause_grads
+        if not snap.kept:
+            return None
+        return "pause_grads: the update and rollout to come, beside what the offload choice keeps", sleep_need(
+            budget, snap.kept
+        )
     if snap.phase is Phase.GRADS_PAUSED:  # update_weights
         need = 0 if EngineMemory.WEIGHTS in resident else budget.engine.get(EngineMemory.WEIGHTS, 0)
         return "update_weights (or skip_update) brings back the engine's weights", need
@@ -51,8 +75,18 @@ def memory_fits(snap: Snapshot) -> str | None:
     what, need = found
     free = device_free(snap, budget)
     if need > free:
-        return f"{what}: needs {need:,} bytes ({gb(need)}), {free:,} bytes ({gb(free)}) free on {budget.source}"
+        return (
+            f"{what}: needs {need:,} bytes ({gb(need)}), {free:,} bytes ({gb(free)}) free on {budget.source}"
+            f"{_kept_note(snap, budget)}"
+        )
     return None
+
+
+def _kept_note(snap: Snapshot, budget: MemoryBudget) -> str:
+    if not snap.kept:
+        return ""
+    held = sum(budget.regions.get(tag, 0) for tag in snap.kept)
+    return f"; the offload choice keeps {names(snap.kept)} resident ({held:,} bytes, {gb(held)})"
 
 
 def device_free(snap: Snapshot, budget: MemoryBudget) -> int:

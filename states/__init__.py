@@ -1,6 +1,6 @@
 """Phases, events and the transition table: pure data, importing nothing of the project."""
 
-from states.phases import EngineMemory, Event, Mode, Phase, Region, Source
+from states.phases import EngineMemory, Event, Mode, Offload, Phase, Region, Source
 from states.setup import TrainingSetup
 from states.snapshot import MemoryBudget, Snapshot, TrainerLayout
 from states.table import CYCLE, INITIAL, TABLE, Transition
@@ -13,6 +13,7 @@ __all__ = [
     "Event",
     "MemoryBudget",
     "Mode",
+    "Offload",
     "Phase",
     "Region",
     "Snapshot",

@@ -50,6 +50,18 @@ class Region(StrEnum):
     DEFAULT = "default"  # fp32 mains, Adam moments, module buffers, everything else
 
 
+class Offload(StrEnum):
+    """Which trainer regions leave the device for the rollout (docs/lifecycle.md, offload).
+
+    `param_buffer` always leaves at drop_params: that is the phase. The choice is over the two
+    regions pause_grads pauses, `grad_buffer` and `default`.
+    """
+
+    AUTO = "auto"  # the plan decides region by region: one the rollout fits beside stays resident
+    ALWAYS = "always"  # both move every step
+    NEVER = "never"  # both stay resident; refused where the plan says the rollout does not fit beside them
+
+
 class EngineMemory(StrEnum):
     """Rollout-engine memory tags, as SGLang's /release_memory_occupation names them."""
 

@@ -71,6 +71,9 @@ class Snapshot:
     extras_stashed: bool  # the extras backup holds this step's values
     layout: TrainerLayout
     memory: MemoryBudget | None = None  # None: no plan given, the memory guard admits
+    # The regions the offload choice keeps on the device through the rollout: never paused, so
+    # never in `paused`, and counted by the memory guard as resident in every phase.
+    kept: frozenset[Region] = frozenset()
 
     @property
     def param_buffer_resident(self) -> bool:

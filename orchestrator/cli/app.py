@@ -13,7 +13,7 @@ from orchestrator.core import diagram
 from orchestrator.core.config import Device, DigestMethod, EngineKind, WeightSync
 from orchestrator.errors import ConfigError, TraceError
 from orchestrator.plan.command import plan_command
-from states import Mode
+from states import Mode, Offload
 
 
 class RunMode(StrEnum):
@@ -84,6 +84,9 @@ def run_command(
         ),
     ] = None,
     mode: Annotated[RunMode, typer.Option(help="How params survive the rollout.")] = RunMode.REMATERIALIZE,
+    offload: Annotated[
+        Offload, typer.Option(help="Which of grad_buffer, default leave the GPU for the rollout: auto decides.")
+    ] = Offload.AUTO,
     verify_cycles: Annotated[int, typer.Option(help="Check the first N restores bit-identical.")] = 2,
     digest: Annotated[
         DigestMethod | None,
@@ -141,6 +144,7 @@ def run_command(
             steps=steps,
             ranks=ranks if ranks is not None else (1 if device is Device.CUDA else 2),
             mode=Mode(mode.value),
+            offload=offload,
             verify_cycles=verify_cycles,
             digest=digest,
             seed=seed,

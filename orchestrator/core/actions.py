@@ -44,6 +44,8 @@ class Actions:
     ) -> None:
         self.config, self.known = config, known
         self._trainer, self._regions, self._engine, self._transport = trainer, regions, engine, transport
+        # The offload choice's regions, never paused; set once the lifecycle has chosen (core/offload.py).
+        self.keep: frozenset[Region] = frozenset()
 
     def by_name(self) -> dict[str, Action]:
         return {
@@ -76,7 +78,8 @@ class Actions:
         # The extras are stashed first: expert_bias lives in `default`, which is paused next.
         stashed = record.attributes[semconv.BYTES_STASHED] = self._trainer.stash(self.config.mode)
         self.known.extras_stashed = True
-        freed = self._regions.pause(Region.GRAD_BUFFER) + self._regions.pause(Region.DEFAULT)
+        moving = [tag for tag in (Region.GRAD_BUFFER, Region.DEFAULT) if tag not in self.keep]
+        freed = sum(self._regions.pause(tag) for tag in moving)
         record.attributes[semconv.BYTES_FREED] = freed
         # `default`'s whole contents went to its host arena (where the adapter keeps one).
         record.attributes[semconv.BYTES_TO_HOST] = stashed + self._regions.host_arena_bytes()

@@ -9,7 +9,7 @@ from enum import StrEnum
 from guards.config import violations
 from guards.verdict import Verdict
 from orchestrator.errors import ConfigError
-from states import MemoryBudget, Mode, TrainingSetup
+from states import MemoryBudget, Mode, Offload, TrainingSetup
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -22,6 +22,9 @@ class LifecycleConfig:
 
     `recover_idle_timeout_s`: how long `recover` waits for the engine's requests in flight to
     finish before it refuses (an engine is never released while busy).
+
+    `offload`: which of `grad_buffer` and `default` leave the device for the rollout
+    (core/offload.py). `auto` decides from `memory` at construction; without it, both move.
     """
 
     mode: Mode = Mode.REMATERIALIZE
@@ -32,11 +35,15 @@ class LifecycleConfig:
     # The memory-budget guard's input, read for each snapshot (orchestrator.plan.MemoryProbe);
     # None leaves memory unchecked.
     memory: Callable[[], MemoryBudget] | None = None
+    offload: Offload = Offload.AUTO
 
     def __post_init__(self) -> None:
         if self.mode not in Mode.__members__.values():
             raise ConfigError([f"mode must be one of {', '.join(Mode)}, got {self.mode!r}"])
+        if self.offload not in Offload.__members__.values():
+            raise ConfigError([f"offload must be one of {', '.join(Offload)}, got {self.offload!r}"])
         object.__setattr__(self, "mode", Mode(self.mode))  # accept "backup" as well as Mode.BACKUP
+        object.__setattr__(self, "offload", Offload(self.offload))
         problems: list[Verdict | str] = [*violations(self.mode, self.setup)]
         if self.verify_cycles < 0:
             problems.append(f"verify_cycles must be >= 0, got {self.verify_cycles}")

@@ -18,6 +18,7 @@ from orchestrator.core.actions import Actions, Work
 from orchestrator.core.config import LifecycleConfig
 from orchestrator.core.known import Known
 from orchestrator.core.machine import Firing, PhaseMachine
+from orchestrator.core.offload import choose
 from orchestrator.core.regions import RegionLedger
 from orchestrator.errors import (
     ActionFailed,
@@ -85,6 +86,10 @@ class Lifecycle:
         self.fault_cause: BaseException | None = None
         self._machine = PhaseMachine(actions.by_name(), self.snapshot, lambda record: self.listeners.on_begin(record))
         actions.take_over_engine()
+        # Chosen once the engine is released and every region resident: what is free then is
+        # what the sleeps to come start from.
+        self.residency = choose(config.offload, config.memory() if config.memory is not None else None)
+        actions.keep = self.residency.keep
 
     # ---- reading the state -------------------------------------------------------------------
 
@@ -123,6 +128,7 @@ class Lifecycle:
             extras_stashed=known.extras_stashed,
             layout=self._layout,
             memory=self.config.memory() if self.config.memory is not None else None,
+            kept=self.residency.keep,
         )
 
     # ---- firing events -----------------------------------------------------------------------

@@ -48,7 +48,7 @@ from orchestrator.protocols import JobEngine
 from orchestrator.telemetry import semconv
 from orchestrator.telemetry.listeners import Listener
 from orchestrator.telemetry.tracing import exporters_requested
-from states import Mode, Phase
+from states import Mode, Offload, Phase
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,6 +56,9 @@ class RunConfig:
     steps: int = 30
     ranks: int = 2
     mode: Mode = Mode.REMATERIALIZE
+    # Which of grad_buffer, default leave the device for the rollout (orchestrator/core/offload.py).
+    # The job gives the lifecycle no memory plan, so `auto` moves both, as `always` does.
+    offload: Offload = Offload.AUTO
     verify_cycles: int = 2
     # How the verified cycles check their restores; None: the device digest on GPUs, SHA256 on
     # the CPU (`orchestrator.adapters.digest.default_digest`, which each rank applies).
@@ -100,6 +103,8 @@ class RunConfig:
             problems.append(f"--ranks must be at least 1, got {self.ranks}")
         if self.mode not in (Mode.REMATERIALIZE, Mode.BACKUP):
             problems.append(f"--mode must be rematerialize or backup, got {self.mode!r}")
+        if self.offload not in Offload.__members__.values():
+            problems.append(f"--offload must be one of {', '.join(Offload)}, got {self.offload!r}")
         if self.verify_cycles < 0:
             problems.append(f"--verify-cycles must be >= 0, got {self.verify_cycles}")
         if self.ranks >= 1 and self.grpo.prompts_per_step * self.grpo.group_size % self.ranks:
@@ -210,7 +215,7 @@ class ColocatedJob:
         # The config guards judge the Megatron flags the ranks really built with.
         setup = self.trainer.setup()
         self._lifecycle = Lifecycle(
-            config=LifecycleConfig(mode=cfg.mode, verify_cycles=cfg.verify_cycles, setup=setup),
+            config=LifecycleConfig(mode=cfg.mode, verify_cycles=cfg.verify_cycles, setup=setup, offload=cfg.offload),
             trainer=self.trainer,
             regions=self.trainer,
             engine=self.engine,

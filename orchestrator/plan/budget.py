@@ -74,16 +74,7 @@ class MemoryProbe:
         verdict = host_backup_fits(plan.host_pinned(rank), available)
         if not verdict.ok:
             raise ConfigError([verdict])
-        regions = {
-            Region.PARAM_BUFFER: rank.param_buffer,
-            Region.GRAD_BUFFER: rank.grad_buffer,
-            Region.DEFAULT: rank.optimizer_state,
-        }
-        engine = {
-            EngineMemory.WEIGHTS: plan.engine_weights,
-            EngineMemory.KV_CACHE: plan.kv_cache,
-            EngineMemory.CUDA_GRAPH: plan.engine.cuda_graph_bytes,
-        }
+        regions, engine = plan.region_bytes(rank), plan.engine_bytes()
         if limit is not None:
             return cls(regions=regions, engine=engine, limit=int(limit), source=f"a {limit / 1e9:.2f} GB budget")
         where = f"cuda:{device}" if device is not None else "the current CUDA device"

@@ -10,9 +10,10 @@ from rich.console import Console
 
 from orchestrator.errors import ConfigError
 from orchestrator.plan.memory import EngineSpec, GradDtype, OptimizerSpec, Parallelism, plan
+from orchestrator.plan.offload import PINNED_COPY_GBPS
 from orchestrator.plan.presets import PRESETS, load_model
 from orchestrator.plan.show import show, to_json
-from states import Mode
+from states import Mode, Offload
 
 
 def _split(text: str | None) -> tuple[int, ...]:
@@ -42,6 +43,15 @@ def plan_command(
     gpu_memory_gb: Annotated[float, typer.Option(help="Memory of one GPU, GB (an H200: 150.75).")] = 150.75,
     mem_fraction_static: Annotated[float, typer.Option(help="The engine's share for weights + KV.")] = 0.8,
     cuda_graph_gb: Annotated[float, typer.Option(help="The engine's CUDA graphs, GB (measure it).")] = 0.0,
+    kv_tokens: Annotated[
+        int, typer.Option(help="Tokens the KV cache holds (max batch x max len); 0: sized by --mem-fraction-static.")
+    ] = 0,
+    offload: Annotated[
+        Offload, typer.Option(help="Which of grad_buffer, default leave the GPU for the rollout: auto decides.")
+    ] = Offload.AUTO,
+    pcie_gbps: Annotated[
+        float, typer.Option(help="Pinned host<->device copy rate each way, GB/s, to price a move.")
+    ] = PINNED_COPY_GBPS,
     gpus_per_node: Annotated[int, typer.Option(help="GPUs per node, for the node totals.")] = 8,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
 ) -> None:
@@ -50,6 +60,8 @@ def plan_command(
     try:
         if mode not in (Mode.REMATERIALIZE.value, Mode.BACKUP.value):
             raise ConfigError([f"--mode must be rematerialize or backup, got {mode!r}"])
+        if not pcie_gbps > 0:
+            raise ConfigError([f"--pcie-gbps must be a positive rate, got {pcie_gbps}"])
         the_plan = plan(
             load_model(model),
             Parallelism(tp=tp, pp=pp, dp=dp, ep=ep, etp=etp, pp_layers=_split(pp_layers)),
@@ -59,14 +71,16 @@ def plan_command(
                 device_bytes=int(gpu_memory_gb * 1e9),
                 mem_fraction_static=mem_fraction_static,
                 cuda_graph_bytes=int(cuda_graph_gb * 1e9),
+                kv_tokens=kv_tokens,
             ),
             mode=Mode(mode),
             gpus_per_node=gpus_per_node,
+            offload=offload,
         )
     except ConfigError as exc:
         err.print(f"[bold red]error:[/] {exc}")
         raise typer.Exit(2) from None
     if as_json:
-        typer.echo(json.dumps(to_json(the_plan), indent=1))
+        typer.echo(json.dumps(to_json(the_plan, gbps=pcie_gbps), indent=1))
     else:
-        show(the_plan, Console())
+        show(the_plan, Console(), gbps=pcie_gbps)

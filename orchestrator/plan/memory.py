@@ -10,12 +10,13 @@ and Adam moments (1/expert-DP for experts). The planner counts those the same wa
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
+from orchestrator.core.offload import Residency, choose
 from orchestrator.errors import ConfigError
 from orchestrator.plan.model import Kind, ModelSpec, Tensor, stage_tensors
-from states import Mode
+from states import EngineMemory, MemoryBudget, Mode, Offload, Region
 
 GB = 1e9
 
@@ -97,6 +98,9 @@ class EngineSpec:
     device_bytes: int = 143_771 * 2**20  # an H200
     mem_fraction_static: float = 0.8  # SGLang's: weights + KV pool, sized on an empty GPU
     cuda_graph_bytes: int = 0  # what this engine's CUDA graphs take; measure it, 0 leaves it out
+    # Tokens the KV cache holds (the transformers engine: max_batch x max_len); 0: the KV pool is
+    # what mem_fraction_static leaves beside the weights, as SGLang sizes it.
+    kv_tokens: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,25 +138,52 @@ class Plan:
     ranks: list[RankBytes] = field(default_factory=list)  # one per stage
     engine_weights: int = 0  # bytes per GPU
     kv_cache: int = 0  # bytes per GPU
+    kv_token_bytes: int = 0  # KV cache bytes of one token on one engine GPU
+    offload: Offload = Offload.ALWAYS
+    residency: tuple[Residency, ...] = ()  # the offload choice of each stage's ranks
 
     def host_pinned(self, r: RankBytes) -> int:
         return r.backup if self.mode is Mode.BACKUP else r.extras
 
-    def phases(self, r: RankBytes, *, engine: bool = True) -> dict[str, tuple[int, int]]:
+    def region_bytes(self, r: RankBytes) -> dict[Region, int]:
+        return {
+            Region.PARAM_BUFFER: r.param_buffer,
+            Region.GRAD_BUFFER: r.grad_buffer,
+            Region.DEFAULT: r.optimizer_state,
+        }
+
+    def engine_bytes(self) -> dict[EngineMemory, int]:
+        return {
+            EngineMemory.WEIGHTS: self.engine_weights,
+            EngineMemory.KV_CACHE: self.kv_cache,
+            EngineMemory.CUDA_GRAPH: self.engine.cuda_graph_bytes,
+        }
+
+    def kept(self, r: RankBytes) -> frozenset[Region]:
+        """The regions the offload choice keeps resident on this stage's ranks."""
+        return self.residency[r.stage].keep if self.residency else frozenset()
+
+    def phases(
+        self, r: RankBytes, *, engine: bool = True, keep: frozenset[Region] | None = None
+    ) -> dict[str, tuple[int, int]]:
         """(device, host) bytes of one rank in each phase, at its peak (activations excluded).
 
         Host counts the pinned backup of the mode and, while `default` is paused, its CPU copy
         of the fp32 mains and Adam moments (torch_memory_saver keeps one for that region).
-        `engine=False` leaves the engine's memory out: the trainer's alone.
+        `engine=False` leaves the engine's memory out: the trainer's alone. `keep`: the regions
+        that stay resident through the sleep (default: the plan's offload choice).
         """
-        pinned, opt = self.host_pinned(r), r.optimizer_state
+        keep = self.kept(r) if keep is None else keep
+        pinned, regions = self.host_pinned(r), self.region_bytes(r)
+        opt = 0 if Region.DEFAULT in keep else r.optimizer_state
+        stays = r.frozen + sum(regions[tag] for tag in keep)
         weights, kv = (self.engine_weights, self.kv_cache + self.engine.cuda_graph_bytes) if engine else (0, 0)
         return {
             "train": (r.trainer_state, pinned),
-            "grads_paused": (r.param_buffer + r.frozen, pinned + opt),
-            "update_weights": (r.param_buffer + r.frozen + weights, pinned + opt),
-            "params_dropped": (r.frozen + weights, pinned + opt),
-            "rollout": (r.frozen + weights + kv, pinned + opt),
+            "grads_paused": (r.param_buffer + stays, pinned + opt),
+            "update_weights": (r.param_buffer + stays + weights, pinned + opt),
+            "params_dropped": (stays + weights, pinned + opt),
+            "rollout": (stays + weights + kv, pinned + opt),
             # The engine releases first, then the regions come back and the rebuild writes them.
             "restore": (r.trainer_state, pinned + opt),
         }
@@ -225,14 +256,19 @@ def plan(
     engine: EngineSpec | None = None,
     mode: Mode = Mode.REMATERIALIZE,
     gpus_per_node: int = 8,
+    offload: Offload = Offload.AUTO,
 ) -> Plan:
-    """Plan every stage's memory. Raises ConfigError naming each problem with the input."""
+    """Plan every stage's memory and the offload choice of its ranks (core/offload.py): the
+    engine's weights, KV cache and graphs against one GPU, beside the regions kept resident.
+    Raises ConfigError naming each problem with the input, or what `never` cannot keep."""
     optimizer, engine = optimizer or OptimizerSpec(), engine or EngineSpec()
     problems = parallel.problems(model)
     if gpus_per_node < 1:
         problems.append(f"gpus per node must be >= 1, got {gpus_per_node}")
     if not 0 < engine.mem_fraction_static <= 1:
         problems.append(f"mem_fraction_static must be in (0, 1], got {engine.mem_fraction_static}")
+    if engine.kv_tokens < 0:
+        problems.append(f"kv_tokens must be >= 0, got {engine.kv_tokens}")
     if mode is Mode.REMATERIALIZE and not optimizer.distributed:
         problems.append("rematerialize needs the distributed optimizer (its fp32 mains rebuild the params)")
     if problems:
@@ -240,8 +276,13 @@ def plan(
     ranks = [rank_bytes(model, parallel, optimizer, s) for s in range(parallel.pp)]
     gpus = engine.gpus or parallel.world // parallel.dp
     weights = 2 * model.total_params() // gpus
-    kv = max(0, int(engine.mem_fraction_static * engine.device_bytes) - weights)
-    return Plan(
+    token = model.kv_bytes_per_token(gpus)
+    kv = (
+        engine.kv_tokens * token
+        if engine.kv_tokens
+        else max(0, int(engine.mem_fraction_static * engine.device_bytes) - weights)
+    )
+    the_plan = Plan(
         model=model,
         parallel=parallel,
         optimizer=optimizer,
@@ -251,4 +292,19 @@ def plan(
         ranks=ranks,
         engine_weights=weights,
         kv_cache=kv,
+        kv_token_bytes=token,
+        offload=Offload(offload),
     )
+    return replace(the_plan, residency=tuple(_choose(the_plan, r) for r in ranks))
+
+
+def _choose(p: Plan, r: RankBytes) -> Residency:
+    """One stage's choice, on a GPU of the engine's size; what no region holds (frozen params)
+    stays resident throughout, so it comes off the limit."""
+    budget = MemoryBudget(
+        device_limit=p.engine.device_bytes - r.frozen,
+        regions=p.region_bytes(r),
+        engine=p.engine_bytes(),
+        source=f"a {p.engine.device_bytes / GB:.2f} GB GPU (stage {r.stage})",
+    )
+    return choose(p.offload, budget)

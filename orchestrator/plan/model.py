@@ -102,6 +102,15 @@ class ModelSpec:
     def mla(self) -> bool:
         return self.kv_lora_rank > 0
 
+    def kv_bytes_per_token(self, gpus: int = 1) -> int:
+        """bf16 KV cache bytes one token takes on one of `gpus` engine GPUs (tensor parallel), over
+        every decoder layer: K and V of the KV heads that GPU holds (heads fewer than the GPUs are
+        replicated), or MLA's latent and rope key, which every GPU holds whole."""
+        if self.mla:
+            return 2 * self.num_layers * (self.kv_lora_rank + self.qk_rope_head_dim)
+        heads = math.ceil(self.num_query_groups / max(gpus, 1))
+        return 2 * 2 * self.num_layers * heads * self.kv_channels
+
     def total_params(self) -> int:
         """Unique parameters of the model (no TP/PP copies), extras and MTP included."""
         whole = stage_tensors(self, range(self.num_layers), first=True, last=True, tp=1, ep=1, etp=1)

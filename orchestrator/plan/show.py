@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from orchestrator.plan.memory import GB, Plan, RankBytes
+from orchestrator.plan.offload import PINNED_COPY_GBPS, prices
 
 BUFFER_ROWS = (
     ("params held", "params"),
@@ -24,7 +25,7 @@ def _gb(n: int) -> str:
     return f"{n / GB:,.2f}"
 
 
-def to_json(p: Plan) -> dict[str, Any]:
+def to_json(p: Plan, *, gbps: float = PINNED_COPY_GBPS) -> dict[str, Any]:
     par, m = p.parallel, p.model
     return {
         "model": {"name": m.name, "total_params": m.total_params(), "active_params": m.active_params()},
@@ -44,23 +45,62 @@ def to_json(p: Plan) -> dict[str, Any]:
             "adam": p.optimizer.adam,
         },
         "mode": p.mode.value,
-        "engine": {"weights_per_gpu": p.engine_weights, "kv_cache_per_gpu": p.kv_cache},
-        "stages": [_stage_json(p, r) for r in p.ranks],
+        "engine": {
+            "weights_per_gpu": p.engine_weights,
+            "kv_cache_per_gpu": p.kv_cache,
+            "kv_bytes_per_token": p.kv_token_bytes,
+        },
+        "offload": {"policy": p.offload.value, "pinned_copy_gbps": gbps},
+        "stages": [_stage_json(p, r, gbps) for r in p.ranks],
         "nodes": [{"node": n, "device_peak": d, "host_peak": h} for n, d, h in p.node_totals()],
         "gpus_per_node": p.gpus_per_node,
     }
 
 
-def _stage_json(p: Plan, r: RankBytes) -> dict[str, Any]:
+def _stage_json(p: Plan, r: RankBytes, gbps: float) -> dict[str, Any]:
     return {
         "stage": r.stage,
         "layers": r.layers,
         **{key: getattr(r, key) for _, key in BUFFER_ROWS},
         "phases": {name: {"device": d, "host": h} for name, (d, h) in p.phases(r).items()},
+        "offload": {
+            x.region.value: {
+                "bytes": x.bytes,
+                "stays": x.stays,
+                "copied_each_way": x.copied,
+                "move_seconds_per_step": x.move_s,
+                "kv_tokens_given_up": x.kv_tokens,
+            }
+            for x in prices(p, r, gbps=gbps)
+        },
+        "offload_spare": p.residency[r.stage].spare if p.residency else None,
     }
 
 
-def show(p: Plan, console: Console) -> None:
+def show_offload(p: Plan, console: Console, *, gbps: float = PINNED_COPY_GBPS) -> None:
+    """Per stage and region: the choice, and its price both ways."""
+    table = Table(
+        title=f"--offload {p.offload.value}: which regions leave the GPU for the rollout, per rank "
+        f"(moving: pinned copies at {gbps:g} GB/s each way; staying: KV tokens per engine GPU "
+        f"at {p.kv_token_bytes:,} bytes a token)"
+    )
+    for col, justify in (("stage", "right"), ("region", "left"), ("GB", "right"), ("choice", "left")):
+        table.add_column(col, justify=justify)  # type: ignore[arg-type]
+    table.add_column("move: s per step", justify="right")
+    table.add_column("stay: KV tokens given up", justify="right")
+    for r in p.ranks:
+        for x in prices(p, r, gbps=gbps):
+            choice = "moves (drop_params)" if not x.choosable else "stays" if x.stays else "moves"
+            table.add_row(str(r.stage), x.region.value, _gb(x.bytes), choice, f"{x.move_s:.3f}", f"{x.kv_tokens:,}")
+    console.print(table)
+    spare = [res.spare for res in p.residency if res.spare is not None]
+    if spare:
+        console.print(
+            f"tightest point of a sleep leaves {_gb(min(spare))} GB of a {_gb(p.engine.device_bytes)} GB GPU free"
+        )
+
+
+def show(p: Plan, console: Console, *, gbps: float = PINNED_COPY_GBPS) -> None:
     m, par = p.model, p.parallel
     console.print(
         f"[bold]{m.name}[/]: {m.total_params() / 1e9:,.2f} B params ({m.active_params() / 1e9:,.2f} B active); "
@@ -89,6 +129,7 @@ def show(p: Plan, console: Console) -> None:
         f"(mem_fraction_static {p.engine.mem_fraction_static} of {_gb(p.engine.device_bytes)} GB), "
         f"CUDA graphs {_gb(p.engine.cuda_graph_bytes)} GB"
     )
+    show_offload(p, console, gbps=gbps)
     nodes = Table(title=f"per node of {p.gpus_per_node} GPUs, peak over phases (GB)")
     for col in ("node", "device", "host (pinned)"):
         nodes.add_column(col, justify="right")

@@ -46,7 +46,7 @@ takes the engine over (releases its memory) as it always does.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -67,7 +67,7 @@ from orchestrator.core.lifecycle import Lifecycle, require_restore_coverage
 from orchestrator.errors import ConfigError
 from orchestrator.protocols import LoadsWeights, MemoryRegions, Named, RolloutEngine, WeightTransport
 from orchestrator.telemetry.listeners import Listener
-from states import Mode
+from states import MemoryBudget, Mode, Offload
 
 __all__ = ["colocate_megatron", "gpt_shape", "hf_converter", "otel_listeners"]
 
@@ -162,6 +162,8 @@ def colocate_megatron(
     digest: DigestMethod | None = None,
     verify_cycles: int = 2,
     rank: int | None = None,
+    offload: Offload | str = Offload.AUTO,
+    memory: Callable[[], MemoryBudget] | None = None,
     **flags: bool,
 ) -> Lifecycle:
     """The `Lifecycle` for one rank of a Megatron-core trainer (see the module docstring).
@@ -174,6 +176,12 @@ def colocate_megatron(
     Raises ConfigError, naming every problem, with the engine untouched: a setup the mode refuses,
     a flag Megatron's configs hold, an engine that loads no weights, a model the HF conversion
     cannot map (when `convert` and `transport` are not given), a param no restore path covers.
+
+    `offload` chooses which of `grad_buffer` and `default` leave the device for the rollout
+    (`orchestrator.core.offload`); `auto` decides from `memory`, the memory guard's budget
+    (`orchestrator.plan.MemoryProbe.for_plan(...)`), and moves both without one. `never` keeps
+    both and, given `memory`, raises ConfigError naming the bytes where the rollout does not fit
+    beside them (checked once the engine is taken over).
     """
     model = _chunks(model)
     if not torch.cuda.is_available():
@@ -188,6 +196,8 @@ def colocate_megatron(
         rank=rank,
         verify_cycles=verify_cycles,
         setup=megatron_setup(model, optimizer, **flags),
+        offload=offload,  # type: ignore[arg-type]  # the config takes "never" as well as Offload.NEVER
+        memory=memory,
     )
     trainer = MegatronTrainer(model, optimizer, extras=extras, digest=digest)
     if config.mode is not Mode.TRAIN_ONLY:
