@@ -55,6 +55,14 @@ class MemoryRegions(Protocol):
 
 
 @runtime_checkable
+class KnowsFootprint(Protocol):
+    """An engine that can say, from its own settings, what each of its memory tags takes while
+    resident, released or not (the transformers engine; an SGLang server sizes its pools itself)."""
+
+    def footprint(self) -> Mapping[EngineMemory, int]: ...
+
+
+@runtime_checkable
 class KeepsHostArena(Protocol):
     """Memory regions that keep host copies of what they pause (`default`'s contents), pinned
     once and held across cycles rather than pinned anew at every pause."""

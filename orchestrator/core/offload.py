@@ -3,7 +3,7 @@
 `param_buffer` always leaves (drop_params is that move; under rematerialize it copies nothing,
 the restore casts and gathers the params back). The choice is over what pause_grads pauses:
 
-- `default`: the fp32 mains and Adam moments, paused with a CPU backup: a copy out at
+- `default`: the fp32 mains and Adam moments, paused with a host copy: a copy out at
   pause_grads and back at restore, the price of moving it;
 - `grad_buffer`: paused without a backup (grads are zeroed before use): no copy, only the
   memory unmapped and mapped again.

@@ -37,9 +37,10 @@ from orchestrator.adapters.registry import ENGINES, EngineSpec
 from orchestrator.core.config import Device, DigestMethod, EngineKind, LifecycleConfig, WeightSync
 from orchestrator.core.lifecycle import Lifecycle
 from orchestrator.demo.grpo import GRPOConfig, SyntheticTask, group_advantages
+from orchestrator.demo.memory import MeasuredMemory
 from orchestrator.demo.ray_cluster import address_problems, driver_ip
 from orchestrator.demo.report import DeviceMemoryListener, ReportListener, RunReport
-from orchestrator.demo.workers.fanout import WEIGHT_SYNCS, DistributedTrainer
+from orchestrator.demo.workers.fanout import WEIGHT_SYNCS, DistributedTrainer, ReplicaSet
 from orchestrator.demo.workers.placement import LocalPlacement, Placement, RayPlacement, in_process
 from orchestrator.demo.workers.pool import RANK_TIMEOUT_S
 from orchestrator.demo.workers.trainer_rank import Batch
@@ -57,7 +58,7 @@ class RunConfig:
     ranks: int = 2
     mode: Mode = Mode.REMATERIALIZE
     # Which of grad_buffer, default leave the device for the rollout (orchestrator/core/offload.py).
-    # The job gives the lifecycle no memory plan, so `auto` moves both, as `always` does.
+    # `auto` decides from the measured budget on GPUs (`demo.memory`); on the CPU it moves both.
     offload: Offload = Offload.AUTO
     verify_cycles: int = 2
     # How the verified cycles check their restores; None: the device digest on GPUs, SHA256 on
@@ -215,7 +216,9 @@ class ColocatedJob:
         # The config guards judge the Megatron flags the ranks really built with.
         setup = self.trainer.setup()
         self._lifecycle = Lifecycle(
-            config=LifecycleConfig(mode=cfg.mode, verify_cycles=cfg.verify_cycles, setup=setup, offload=cfg.offload),
+            config=LifecycleConfig(
+                mode=cfg.mode, verify_cycles=cfg.verify_cycles, setup=setup, offload=cfg.offload, memory=self._memory()
+            ),
             trainer=self.trainer,
             regions=self.trainer,
             engine=self.engine,
@@ -223,6 +226,14 @@ class ColocatedJob:
             listeners=listeners,
         )
         self.report.param_bytes_bf16_per_rank = self._lifecycle.snapshot().layout.param_bytes
+
+    def _memory(self) -> MeasuredMemory | None:
+        """On GPUs, with an engine that knows its footprint, the measured budget the memory guard
+        and `--offload auto` read; else none: nothing is checked, and `auto` moves what `always` does."""
+        footprint = self.engine.footprint() if isinstance(self.engine, ReplicaSet) else None
+        if self.config.device is not Device.CUDA or footprint is None:
+            return None
+        return MeasuredMemory(self.trainer, footprint)
 
     def _place(self, store_host: str, *, engine_bundle: bool) -> Placement:
         """The driver's own process where it can hold the job (one rank, on the device it has);

@@ -2,7 +2,7 @@
 seconds per step against the KV cache tokens keeping it gives up.
 
 A region moves out at pause_grads (or drop_params) and back at restore. What crosses the link
-is what a pause copies: `default` keeps a CPU backup, so its bytes go out and come back;
+is what a pause copies: `default` keeps a host copy, so its bytes go out and come back;
 `grad_buffer` and a rematerialized `param_buffer` are paused without one (grads are zeroed
 before use, params are cast and gathered back on the device), so they copy nothing; backup
 mode copies the param buffer both ways. The rate is a pinned copy's, each way.

@@ -69,6 +69,14 @@ def test_a_flipped_bit_is_caught_by_name(ranks: list[dict]) -> None:
         assert "1 tensor(s) differ: decoder.layers.0.mlp.linear_fc1.weight" in rank["flipped"]
 
 
+def test_region_bytes_before_the_first_step_count_the_moments_it_makes(ranks: list[dict]) -> None:
+    """What `--offload auto` decides from at start-up: the optimizer state as it will be once Adam has
+    stepped, equal to what it holds after that step."""
+    for rank in ranks:
+        before, after = rank["region_bytes"]["before_first_step"], rank["region_bytes"]["after_it"]
+        assert before == after and after["default"] > 0, rank["region_bytes"]
+
+
 def test_the_trainer_digests_with_sha256_on_the_cpu(ranks: list[dict]) -> None:
     assert {rank["digest"] for rank in ranks} == {"sha256"}
 

@@ -102,9 +102,11 @@ def cycles_scenario(rank: int, world_size: int, out: Path, cfg: TinyGPTConfig = 
     chunks, optimizer = build_gpt(cfg)
     trainer = MegatronTrainer(chunks, optimizer)  # its default digest: the device's on a GPU
     generator = torch.Generator().manual_seed(100 + rank)  # each rank its own data shard
+    predicted = trainer.region_bytes()  # before the Adam moments exist
     train_step(chunks, optimizer, tokens(cfg, generator))
     ledger = RegionLedger(regions_for(trainer))
     result: dict[str, Any] = {
+        "region_bytes": {"before_first_step": predicted, "after_it": trainer.region_bytes()},
         "digest": trainer.digest_method.value,
         "uncovered": list(trainer.layout().uncovered),
         "setup_violations": [str(v) for v in violations(Mode.REMATERIALIZE, megatron_setup(chunks, optimizer))],

@@ -192,6 +192,14 @@ class TransformersEngine:
             raise EngineError(self.name, "digests of released weights would prove nothing")
         return sha256_digests({name: p.detach() for name, p in self._params.items()})
 
+    def footprint(self) -> dict[EngineMemory, int]:
+        """Bytes each tag takes while resident, from the engine's settings (released or not)."""
+        return {
+            EngineMemory.WEIGHTS: sum(self._param_bytes.values()),
+            EngineMemory.KV_CACHE: self._kv_bytes,
+            EngineMemory.CUDA_GRAPH: 0,
+        }
+
     def resident_bytes(self) -> dict[EngineMemory, int]:
         """Bytes each tag holds now (0 while released; cuda_graph is always 0 here)."""
         return {

@@ -13,7 +13,7 @@ import torch
 from orchestrator.adapters.registry import ENGINES, EngineSpec
 from orchestrator.demo.workers.staging import Slot, attach
 from orchestrator.demo.workers.traced import Traced
-from orchestrator.protocols import Named
+from orchestrator.protocols import KnowsFootprint, Named
 from orchestrator.telemetry import semconv
 from states import EngineMemory
 
@@ -67,6 +67,10 @@ class EngineReplica(Traced):
 
     def is_idle(self) -> bool:
         return self.engine.is_idle()
+
+    def footprint(self) -> dict[EngineMemory, int] | None:
+        """Bytes each engine tag takes on this GPU while resident; None where the engine cannot say."""
+        return dict(self.engine.footprint()) if isinstance(self.engine, KnowsFootprint) else None
 
     def digests(self) -> dict[str, str] | None:
         return self.engine.digests()

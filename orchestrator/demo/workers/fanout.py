@@ -57,6 +57,11 @@ class DistributedTrainer:
     def tags(self) -> frozenset[str]:
         return frozenset(self.ranks.one(0, TrainerRank.tags))
 
+    def region_bytes(self) -> dict[str, int]:
+        """Per region tag, the most any rank holds once its optimizer has stepped."""
+        each = self.ranks.all(TrainerRank.region_bytes)
+        return {tag: max(r[tag] for r in each) for tag in each[0]}
+
     def host_arena_bytes(self) -> int:
         """Per rank, what its regions' host arenas pin: every rank pins the same."""
         return max(self.ranks.all(TrainerRank.host_arena_bytes))
@@ -126,6 +131,14 @@ class ReplicaSet:
             EngineReplica.generate, prompts, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed
         )
         return torch.cat([c for c, _ in shares]), torch.cat([lp for _, lp in shares])
+
+    def footprint(self) -> dict[EngineMemory, int] | None:
+        """What each tag takes on one replica's GPU while resident (the most any replica takes);
+        None where a replica cannot say."""
+        each = self.replicas.all(EngineReplica.footprint)
+        if any(f is None for f in each):
+            return None
+        return {tag: max(f[tag] for f in each if f is not None) for tag in EngineMemory}
 
     def digests(self) -> dict[str, str] | None:
         """Replica 0's digests when every replica holds the same weights; else each replica's,

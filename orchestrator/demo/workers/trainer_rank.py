@@ -138,6 +138,9 @@ class TrainerRank(Traced):
     def host_arena_bytes(self) -> int:
         return self.regions.host_arena_bytes()
 
+    def region_bytes(self) -> dict[str, int]:
+        return self.trainer.region_bytes()
+
     def pause(self, tag: str) -> int:
         return self.regions.pause(tag)
 
