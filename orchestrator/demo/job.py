@@ -230,10 +230,10 @@ class ColocatedJob:
     def _memory(self) -> MeasuredMemory | None:
         """On GPUs, with an engine that knows its footprint, the measured budget the memory guard
         and `--offload auto` read; else none: nothing is checked, and `auto` moves what `always` does."""
-        footprint = self.engine.footprint() if isinstance(self.engine, ReplicaSet) else None
-        if self.config.device is not Device.CUDA or footprint is None:
+        if self.config.device is not Device.CUDA or not isinstance(self.engine, ReplicaSet):
             return None
-        return MeasuredMemory(self.trainer, footprint)
+        footprint = self.engine.footprint()
+        return None if footprint is None else MeasuredMemory(self.trainer, footprint)
 
     def _place(self, store_host: str, *, engine_bundle: bool) -> Placement:
         """The driver's own process where it can hold the job (one rank, on the device it has);
