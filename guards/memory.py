@@ -100,12 +100,13 @@ def device_free(snap: Snapshot, budget: MemoryBudget) -> int:
 
 
 def host_backup_fits(pinned: int, available: int, *, where: str = "the host") -> Verdict:
-    """At init: the pinned host backup of the mode fits in the host's available memory."""
+    """At init: what a rank pins on the host (the mode's backup, the optimizer state's arena where it
+    moves) fits in the host's available memory."""
     ok = pinned <= available
     reason = (
         "ok"
         if ok
-        else f"the pinned host backup needs {pinned:,} bytes ({gb(pinned)}), "
+        else f"the pinned host memory needs {pinned:,} bytes ({gb(pinned)}), "
         f"{available:,} bytes ({gb(available)}) available on {where}"
     )
     return Verdict("host_backup_fits", ok, reason)

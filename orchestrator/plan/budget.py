@@ -67,11 +67,13 @@ class MemoryProbe:
     ) -> MemoryProbe:
         """The probe for one rank of `stage`. Without `limit`, free memory comes from CUDA.
 
-        `host_free` (default: the host's available memory) must hold the mode's pinned backup.
+        `host_free` (default: the host's available memory) must hold what the rank pins: the mode's
+        backup and the host arena of the optimizer state where it moves.
         """
         rank = plan.ranks[stage]
         available = host_available() if host_free is None else host_free
-        verdict = host_backup_fits(plan.host_pinned(rank), available)
+        # The mode's backup and, where `default` moves, the host arena kept for it: the host's peak.
+        verdict = host_backup_fits(max(host for _, host in plan.phases(rank).values()), available)
         if not verdict.ok:
             raise ConfigError([verdict])
         regions, engine = plan.region_bytes(rank), plan.engine_bytes()

@@ -168,8 +168,8 @@ class Plan:
     ) -> dict[str, tuple[int, int]]:
         """(device, host) bytes of one rank in each phase, at its peak (activations excluded).
 
-        Host counts the pinned backup of the mode and, while `default` is paused, its CPU copy
-        of the fp32 mains and Adam moments (torch_memory_saver keeps one for that region).
+        Host counts the pinned backup of the mode and, where `default` moves, the host arena its
+        fp32 mains and Adam moments go to: pinned once and kept, so every phase holds it, TRAIN too.
         `engine=False` leaves the engine's memory out: the trainer's alone. `keep`: the regions
         that stay resident through the sleep (default: the plan's offload choice).
         """
@@ -179,7 +179,7 @@ class Plan:
         stays = r.frozen + sum(regions[tag] for tag in keep)
         weights, kv = (self.engine_weights, self.kv_cache + self.engine.cuda_graph_bytes) if engine else (0, 0)
         return {
-            "train": (r.trainer_state, pinned),
+            "train": (r.trainer_state, pinned + opt),
             "grads_paused": (r.param_buffer + stays, pinned + opt),
             "update_weights": (r.param_buffer + stays + weights, pinned + opt),
             "params_dropped": (stays + weights, pinned + opt),
