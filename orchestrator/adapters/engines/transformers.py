@@ -2,8 +2,9 @@
 
 Implements `orchestrator.protocols.RolloutEngine` the way SGLang behaves, on CPU or one GPU:
 
-- `weights`: the model's params. Released by resizing each param's storage to 0 bytes (contents
-  lost); resumed by resizing them back (contents undefined until the next complete sync).
+- `weights`: the model's params, all views of one storage. Released by resizing it to 0 bytes
+  (contents lost); resumed by resizing it back (contents undefined until the next complete sync):
+  one allocation each way, not one a param.
 - `kv_cache`: one preallocated tensor for every layer's keys and values, sized
   (max_batch, max_len). Each `generate` runs on the first rows of it, through a transformers
   `Cache` whose layers are views of it (decode.py). Released and resumed like the weights.
@@ -19,7 +20,7 @@ Single-threaded: `is_idle` is False only while `generate` or `logits` runs.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 import transformers
@@ -33,6 +34,8 @@ from orchestrator.adapters.regions.storage import return_large_frees_to_the_os
 from orchestrator.adapters.transport.bucketed import nbytes
 from orchestrator.errors import EngineError
 from states import EngineMemory
+
+_ALIGN = 256  # bytes: where each param starts in the engine's one weight storage
 
 __all__ = ["TransformersEngine"]
 
@@ -71,6 +74,23 @@ def _check_bucket(
         raise ValueError(f"engine {engine}: wrong shape(s): {', '.join(wrong)}")
 
 
+def _one_storage(params: Iterable[torch.nn.Parameter], device: torch.device) -> torch.Tensor:
+    """Move every param into one storage and make it a view there: releasing the weights and
+    taking them back is then one allocation each, not one a param (a few hundred for a 1 B model).
+    Each param starts 256-byte aligned, as an allocator would place it."""
+    params = list(params)
+    sizes = [-(-nbytes(p) // _ALIGN) * _ALIGN for p in params]
+    weights = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+    offset = 0
+    with torch.no_grad():
+        for param, size in zip(params, sizes, strict=True):
+            view = weights[offset : offset + nbytes(param)].view(param.dtype).view(param.shape)
+            view.copy_(param)
+            param.data = view
+            offset += size
+    return weights
+
+
 class TransformersEngine:
     """Implements `orchestrator.protocols.RolloutEngine` on an HF Llama, with no hub download.
 
@@ -98,6 +118,8 @@ class TransformersEngine:
         self.max_len = max_len if max_len is not None else self.config.max_position_embeddings
         self._params = dict(self.model.named_parameters())
         self._param_bytes = {n: nbytes(p) for n, p in self._params.items()}
+        self._weights = _one_storage(self._params.values(), self.device)
+        self._weights_bytes = nbytes(self._weights)
         self._kv = kv_slab(self.config, self.model, max_batch, self.max_len)
         self._kv_bytes = nbytes(self._kv)
         self._released: set[EngineMemory] = set()
@@ -117,8 +139,7 @@ class TransformersEngine:
         if already:
             raise EngineError(self.name, f"release of {', '.join(sorted(already))}: already released")
         if EngineMemory.WEIGHTS in tags:
-            for param in self._params.values():
-                param.untyped_storage().resize_(0)
+            self._weights.untyped_storage().resize_(0)  # every param is a view of it
             self._missing, self._loading = set(self._params), None
         if EngineMemory.KV_CACHE in tags:
             self._kv.untyped_storage().resize_(0)
@@ -130,8 +151,7 @@ class TransformersEngine:
         if not_released:
             raise EngineError(self.name, f"resume of {', '.join(sorted(not_released))}: not released")
         if EngineMemory.WEIGHTS in tags:
-            for name, param in self._params.items():
-                param.untyped_storage().resize_(self._param_bytes[name])
+            self._weights.untyped_storage().resize_(self._weights_bytes)
         if EngineMemory.KV_CACHE in tags:
             self._kv.untyped_storage().resize_(self._kv_bytes)
             # Fresh pages may hold NaN bit patterns, and a masked slot still contributes 0 · NaN.
@@ -195,7 +215,7 @@ class TransformersEngine:
     def footprint(self) -> dict[EngineMemory, int]:
         """Bytes each tag takes while resident, from the engine's settings (released or not)."""
         return {
-            EngineMemory.WEIGHTS: sum(self._param_bytes.values()),
+            EngineMemory.WEIGHTS: self._weights_bytes,
             EngineMemory.KV_CACHE: self._kv_bytes,
             EngineMemory.CUDA_GRAPH: 0,
         }
@@ -203,7 +223,7 @@ class TransformersEngine:
     def resident_bytes(self) -> dict[EngineMemory, int]:
         """Bytes each tag holds now (0 while released; cuda_graph is always 0 here)."""
         return {
-            EngineMemory.WEIGHTS: sum(p.untyped_storage().nbytes() for p in self._params.values()),
+            EngineMemory.WEIGHTS: self._weights.untyped_storage().nbytes(),
             EngineMemory.KV_CACHE: self._kv.untyped_storage().nbytes(),
             EngineMemory.CUDA_GRAPH: 0,
         }
