@@ -106,7 +106,12 @@ def tms_regions() -> Iterator[RegionsCase]:
         torch.cuda.synchronize()
         return torch.cuda.mem_get_info()[0]
 
-    yield RegionsCase(regions, tensors, free=free, tolerance=4 * MiB, grows=True)
+    try:
+        yield RegionsCase(regions, tensors, free=free, tolerance=4 * MiB, grows=True)
+    finally:  # a case that failed midway must not leave this process's regions paused for the next
+        for tag in regions.paused:
+            regions.resume(tag)
+        regions.close()
 
 
 # ---- RolloutEngine ------------------------------------------------------------------------------

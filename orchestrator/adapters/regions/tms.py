@@ -61,6 +61,7 @@ class TorchMemorySaverRegions:
         self._homed: set[int] = set()  # data_ptr of re-homed storages: stable across pause and resume
         self._arenas = {tag: HostArena(pinned=True) for tag in _KEEP_CONTENTS}
         self._saved: dict[str, list[torch.UntypedStorage]] = {}  # what each arena holds, while paused
+        self._paused: set[str] = set()
         self._rehome_new()
 
     def _rehome_new(self) -> None:
@@ -85,18 +86,29 @@ class TorchMemorySaverRegions:
     def tags(self) -> frozenset[str]:
         return frozenset(r.value for r in Region)
 
+    @property
+    def paused(self) -> frozenset[str]:
+        """The tags this adapter has paused and not resumed."""
+        return frozenset(self._paused)
+
     def pause(self, tag: str) -> int:
+        if tag in self._paused:  # torch_memory_saver would end the process
+            raise RuntimeError(f"pause of {tag!r}: already paused")
         self._rehome_new()
         before = _free_device_bytes()  # the arena's copy counts in: what the whole pause gave back
         if tag in self._arenas:
             self._saved[tag] = storages_by_tag(self._tensors())[tag]
             self._arenas[tag].save(self._saved[tag])
         self._tms.pause(tag)
+        self._paused.add(tag)
         return _free_device_bytes() - before
 
     def resume(self, tag: str) -> int:
+        if tag not in self._paused:  # torch_memory_saver would end the process
+            raise RuntimeError(f"resume of {tag!r}: not paused")
         before = _free_device_bytes()
         self._tms.resume(tag)
+        self._paused.discard(tag)
         if tag in self._arenas:
             self._arenas[tag].load(self._saved.pop(tag))
         return before - _free_device_bytes()
