@@ -221,12 +221,8 @@ class TransformersEngine:
         }
 
     def resident_bytes(self) -> dict[EngineMemory, int]:
-        """Bytes each tag holds now (0 while released; cuda_graph is always 0 here)."""
-        return {
-            EngineMemory.WEIGHTS: self._weights.untyped_storage().nbytes(),
-            EngineMemory.KV_CACHE: self._kv.untyped_storage().nbytes(),
-            EngineMemory.CUDA_GRAPH: 0,
-        }
+        """Bytes each tag holds now: its footprint, 0 while released (cuda_graph is always 0 here)."""
+        return {tag: 0 if tag in self._released else n for tag, n in self.footprint().items()}
 
     # ---- serving ---------------------------------------------------------------------------
 

@@ -307,29 +307,27 @@ class MegatronTrainer:
         }
 
     def region_bytes(self) -> dict[str, int]:
-        """Bytes each region tag holds once the optimizer has stepped: the buffers as they are, and
-        `default` as Adam's (Megatron's default optimizer): two moments the size of every fp32 shard
-        it updates, besides the mains of the bf16 params (those of fp32 params are views of the param
-        buffer). The moments appear only at the first step; where they exist, what is held."""
-        from orchestrator.adapters.regions.storage import storages_by_tag
-
-        held = {
-            tag: sum(s.nbytes() for s in storages) for tag, storages in storages_by_tag(self.region_tensors()).items()
-        }
-
-        def shard_bytes(groups: str) -> int:
-            return sum(
-                t.numel() * t.element_size()
-                for optimizer in self._optimizers
-                for group in getattr(optimizer, groups, [])
-                for t in group
-            )
-
-        mains = shard_bytes("shard_fp32_from_float16_groups")
-        held["default"] = max(held["default"], 3 * mains + 2 * shard_bytes("shard_fp32_groups"))
-        return held
+        """Bytes each region tag holds once the optimizer has stepped (`steady_region_bytes`)."""
+        return steady_region_bytes(self.region_tensors(), self._optimizers)
 
     @staticmethod
     def _synchronize() -> None:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
+
+
+def steady_region_bytes(tensors: Mapping[str, Sequence[torch.Tensor]], optimizers: Sequence[Any]) -> dict[str, int]:
+    """Bytes each region tag holds once the optimizer has stepped: the buffers as they are, and
+    `default` as Adam's (Megatron's default optimizer): two moments the size of every fp32 shard
+    it updates, besides the mains of the bf16 params (those of fp32 params are views of the param
+    buffer). The moments appear only at the first step; where they exist, what is held."""
+    from orchestrator.adapters.regions.storage import storages_by_tag
+
+    held = {tag: sum(s.nbytes() for s in storages) for tag, storages in storages_by_tag(tensors).items()}
+
+    def shard_bytes(groups: str) -> int:
+        return sum(t.numel() * t.element_size() for o in optimizers for g in getattr(o, groups, []) for t in g)
+
+    mains = shard_bytes("shard_fp32_from_float16_groups")
+    held["default"] = max(held["default"], 3 * mains + 2 * shard_bytes("shard_fp32_groups"))
+    return held
