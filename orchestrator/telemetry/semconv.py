@@ -124,8 +124,8 @@ BYTES_BY_KIND: Final[Mapping[str, str]] = MappingProxyType(
         "stashed": BYTES_STASHED,
         "retaken": BYTES_RETAKEN,
         "rebuilt": BYTES_REBUILT,
-        "to host": BYTES_TO_HOST,
-        "from host": BYTES_FROM_HOST,
+        "to_host": BYTES_TO_HOST,
+        "from_host": BYTES_FROM_HOST,
     }
 )
 """The byte counts a lifecycle span may carry, by the short name `colocate trace` shows them under."""
