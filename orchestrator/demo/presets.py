@@ -17,10 +17,14 @@ rates are the usual ones for the size, not tuned on the copy task.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from orchestrator.adapters.megatron.gpt import TinyGPTConfig
 
-__all__ = ["BENCHMARK_MODELS", "PRESETS", "benchmark_model", "param_count", "preset"]
+if TYPE_CHECKING:
+    from orchestrator.demo.grpo import GRPOConfig
+
+__all__ = ["BENCHMARK_MODELS", "PRESETS", "benchmark_model", "grpo_config", "param_count", "preset"]
 
 
 def _tiny() -> TinyGPTConfig:
@@ -46,6 +50,13 @@ def preset(name: str) -> TinyGPTConfig:
     if name not in _GPU:
         raise ValueError(f"unknown model preset {name!r}; known: {', '.join(PRESETS)}")
     return _GPU[name]
+
+
+def grpo_config(name: str) -> GRPOConfig:
+    """What `colocate run --model NAME` trains: the preset's model and the GRPO settings for it."""
+    from orchestrator.demo.grpo import GRPOConfig
+
+    return GRPOConfig(model=preset(name))
 
 
 # The CPU-size model of the restore benchmark and the planner's byte-for-byte check.
