@@ -38,7 +38,9 @@ def _model(grpo: GRPOConfig, layers: int, hidden: int | None, seed: int) -> torc
         scale = hidden / cfg.hidden_size
         heads = max(cfg.num_query_groups, round(cfg.num_attention_heads * scale))
         heads -= heads % cfg.num_query_groups
-        cfg = replace(cfg, hidden_size=hidden, num_attention_heads=heads, ffn_hidden_size=round(cfg.ffn_hidden_size * scale))
+        cfg = replace(
+            cfg, hidden_size=hidden, num_attention_heads=heads, ffn_hidden_size=round(cfg.ffn_hidden_size * scale)
+        )
     config = hf_llama_config(cfg)
     config.initializer_range = 0.02  # Megatron's init_method_std
     torch.manual_seed(seed)
@@ -47,7 +49,7 @@ def _model(grpo: GRPOConfig, layers: int, hidden: int | None, seed: int) -> torc
 
 def _logprobs(model: torch.nn.Module, prompts: torch.Tensor, completions: torch.Tensor) -> torch.Tensor:
     tokens = torch.cat([prompts, completions], dim=1)
-    logits = model(input_ids=tokens[:, :-1]).logits[:, prompts.shape[1] - 1 :].float()
+    logits = model(input_ids=tokens[:, :-1], logits_to_keep=completions.shape[1]).logits.float()
     return torch.log_softmax(logits, dim=-1).gather(2, completions.unsqueeze(2)).squeeze(2)
 
 
@@ -56,23 +58,23 @@ def rollout(
     model: torch.nn.Module, prompts: torch.Tensor, max_new_tokens: int, temperature: float, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Completions and their log-probs, sampled token by token as the engine does (no cache)."""
-    tokens, logps = prompts, []
+    tokens, logps = prompts, list[torch.Tensor]()
     for _ in range(max_new_tokens):
         logits = model(input_ids=tokens, logits_to_keep=1).logits[:, -1]
         token, logp = _sample(logits, temperature, generator)
-        tokens, logps = torch.cat([tokens, token.unsqueeze(1)], dim=1), logps + [logp]
+        tokens, logps = torch.cat([tokens, token.unsqueeze(1)], dim=1), [*logps, logp]
     return tokens[:, prompts.shape[1] :], torch.stack(logps, dim=1)
 
 
 def step_signal(task: SyntheticTask, prompts: torch.Tensor, completions: torch.Tensor, group: int) -> dict[str, float]:
     rewards = task.rewards(prompts, completions)
     grouped = rewards.view(-1, group)
-    symbols = getattr(task, "symbols", None)
-    read = symbols(completions) >= 0 if symbols is not None else completions < task.config.alphabet_size
+    read = task.symbols(completions) >= 0
     return {
         "reward_mean": round(float(rewards.mean()), 4),
         "groups_with_spread": round(float((grouped.max(1).values > grouped.min(1).values).float().mean()), 4),
         "tokens_read_as_symbols": round(float(read.float().mean()), 4),
+        "distinct_tokens": int(completions.unique().numel()),  # how spread the policy still is
     }
 
 

@@ -11,7 +11,9 @@ is downloaded), and `convert.hf_llama_config` gives the Hugging Face Llama an en
   goals are stated at this size.
 
 The GPU presets' sequence length (128) holds the copy task's prompt and completion; their learning
-rates are the usual ones for the size, not tuned on the copy task.
+rates are the usual ones for the size, not tuned on the copy task. `grpo_config` writes the task
+in the preset's whole vocabulary (`grpo.TaskConfig`): the engine samples from all of it, and with
+the 8 symbols as 8 ids only, a random policy's completion token was a symbol once in thousands.
 """
 
 from __future__ import annotations
@@ -53,10 +55,12 @@ def preset(name: str) -> TinyGPTConfig:
 
 
 def grpo_config(name: str) -> GRPOConfig:
-    """What `colocate run --model NAME` trains: the preset's model and the GRPO settings for it."""
-    from orchestrator.demo.grpo import GRPOConfig
+    """What `colocate run --model NAME` trains: the preset's model, and the copy task written in
+    its whole vocabulary (`grpo.TaskConfig`), since the policy samples from all of it."""
+    from orchestrator.demo.grpo import GRPOConfig, TaskConfig
 
-    return GRPOConfig(model=preset(name))
+    model = preset(name)
+    return GRPOConfig(model=model, task=TaskConfig(vocab_size=model.vocab_size))
 
 
 # The CPU-size model of the restore benchmark and the planner's byte-for-byte check.
