@@ -129,12 +129,12 @@ def run_command(
     """Run the colocated GRPO demo: Megatron-core ranks and a rollout engine, one full cycle per step."""
     from orchestrator.demo.grpo import GRPOConfig
     from orchestrator.demo.job import RunConfig
-    from orchestrator.demo.presets import preset
+    from orchestrator.demo.presets import grpo_config
     from orchestrator.demo.run import output_problems, run
 
     problems: list[str] = output_problems(report=report, log=log, trace_dir=trace_dir)
     try:
-        grpo = GRPOConfig(model=preset(model))
+        grpo = grpo_config(model)
     except ValueError as exc:
         problems.append(f"--model: {exc}")
         grpo = GRPOConfig()

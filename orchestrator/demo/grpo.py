@@ -9,6 +9,11 @@ reward alone in a few dozen steps. Reverse needs a position-dependent offset and
 counting; both learn far slower from a random start. A dense per-position reward (rather than
 all-or-nothing) gives a non-zero group spread from the first step.
 
+The alphabet stays small whatever the model's vocabulary: in a vocabulary wider than the
+alphabet (a GPU preset's), every id but BOS, SEP and a few spare ones reads as a symbol
+(``TaskConfig``), so a random policy sampling from the whole vocabulary is right at a position one
+time in ``alphabet_size``, not one in ``vocab_size``.
+
     task = SyntheticTask(TaskConfig())
     prompts = task.prompts(n, generator)                  # [n, k + 2]
     rewards = task.rewards(prompts, completions)          # [n] in [0, 1]
@@ -48,31 +53,47 @@ __all__ = [
 
 @dataclass(frozen=True, kw_only=True)
 class TaskConfig:
-    """Copy ``length`` symbols drawn from ``alphabet_size``; two more token ids for BOS and SEP."""
+    """Copy ``length`` symbols of an alphabet of ``alphabet_size``, written in ``vocab_size`` token ids.
+
+    The policy samples every completion token from the model's whole vocabulary, so the task reads
+    every id of it: the last two are BOS and SEP, and below them each symbol ``s`` has
+    ``tokens_per_symbol`` ids, ``s, s + A, s + 2A, ...`` (``A = alphabet_size``). A prompt writes
+    ``s`` as the id ``s``; a completion token reads as the symbol ``id % A`` (ids above the last
+    whole set of ``A``, BOS and SEP read as no symbol). So a uniformly random policy writes the right
+    symbol at a position with probability ``1 / A`` whatever the vocabulary, and a group's rewards
+    differ from the first step. ``vocab_size`` defaults to ``alphabet_size + 2``: one id per symbol.
+    """
 
     alphabet_size: int = 8
     length: int = 4
+    vocab_size: int = 0  # 0: alphabet_size + 2
 
     def __post_init__(self) -> None:
+        if self.vocab_size == 0:
+            object.__setattr__(self, "vocab_size", self.alphabet_size + 2)
         problems = []
         if self.alphabet_size < 2:
             problems.append(f"alphabet_size must be >= 2, got {self.alphabet_size}")
         if self.length < 1:
             problems.append(f"length must be >= 1, got {self.length}")
+        if self.vocab_size < self.alphabet_size + 2:
+            problems.append(
+                f"vocab_size must hold the alphabet, BOS and SEP (>= {self.alphabet_size + 2}), got {self.vocab_size}"
+            )
         if problems:
             raise ConfigError(problems)
 
     @property
     def bos(self) -> int:
-        return self.alphabet_size
+        return self.vocab_size - 2
 
     @property
     def sep(self) -> int:
-        return self.alphabet_size + 1
+        return self.vocab_size - 1
 
     @property
-    def vocab_size(self) -> int:
-        return self.alphabet_size + 2
+    def tokens_per_symbol(self) -> int:
+        return (self.vocab_size - 2) // self.alphabet_size
 
     @property
     def prompt_len(self) -> int:
@@ -80,7 +101,7 @@ class TaskConfig:
 
 
 class SyntheticTask:
-    """Prompts and verifiable rewards for the copy task (see the module docstring)."""
+    """Prompts and verifiable rewards for the copy task (see the module docstring and `TaskConfig`)."""
 
     def __init__(self, config: TaskConfig) -> None:
         self.config = config
@@ -94,15 +115,20 @@ class SyntheticTask:
         return torch.cat([bos, symbols, sep], dim=1)
 
     def targets(self, prompts: torch.Tensor) -> torch.Tensor:
-        """The correct completion of each prompt, ``[n, k]``."""
+        """The symbols each prompt asks for, ``[n, k]``."""
         return prompts[:, 1 : 1 + self.config.length]
 
+    def symbols(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The symbol each token id reads as, or -1 for an id that is none (BOS, SEP, the spare ids)."""
+        cfg = self.config
+        return torch.where(tokens < cfg.alphabet_size * cfg.tokens_per_symbol, tokens % cfg.alphabet_size, -1)
+
     def rewards(self, prompts: torch.Tensor, completions: torch.Tensor) -> torch.Tensor:
-        """Fraction of completion positions equal to the target, FloatTensor ``[n]`` in [0, 1]."""
+        """Fraction of completion positions that read as the target symbol, FloatTensor ``[n]`` in [0, 1]."""
         k = self.config.length
         if completions.ndim != 2 or completions.shape[1] != k or completions.shape[0] != prompts.shape[0]:
             raise ValueError(f"completions must be [{prompts.shape[0]}, {k}], got {list(completions.shape)}")
-        right = completions.to(prompts.device) == self.targets(prompts)
+        right = self.symbols(completions.to(prompts.device)) == self.targets(prompts)
         return right.float().mean(dim=1)
 
 
@@ -300,8 +326,9 @@ class GRPOConfig:
         ]
         if self.group_size < 2:
             problems.append(f"group_size must be >= 2 (advantages are relative), got {self.group_size}")
-        if self.model.vocab_size < self.task.vocab_size:
-            problems.append(f"model.vocab_size {self.model.vocab_size} < task vocab {self.task.vocab_size}")
+        if self.model.vocab_size != self.task.vocab_size:
+            # The policy samples from all of the model's ids; the task must read every one of them.
+            problems.append(f"model.vocab_size {self.model.vocab_size} != task.vocab_size {self.task.vocab_size}")
         if self.model.seq_len < self.max_len:
             problems.append(f"model.seq_len {self.model.seq_len} < prompt + completion {self.max_len}")
         if problems:

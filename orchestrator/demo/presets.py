@@ -11,16 +11,22 @@ is downloaded), and `convert.hf_llama_config` gives the Hugging Face Llama an en
   goals are stated at this size.
 
 The GPU presets' sequence length (128) holds the copy task's prompt and completion; their learning
-rates are the usual ones for the size, not tuned on the copy task.
+rates are the usual ones for the size, not tuned on the copy task. `grpo_config` writes the task
+in the preset's whole vocabulary (`grpo.TaskConfig`): the engine samples from all of it, and with
+the 8 symbols as 8 ids only, a random policy's completion token was a symbol once in thousands.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from orchestrator.adapters.megatron.gpt import TinyGPTConfig
 
-__all__ = ["BENCHMARK_MODELS", "PRESETS", "benchmark_model", "param_count", "preset"]
+if TYPE_CHECKING:
+    from orchestrator.demo.grpo import GRPOConfig
+
+__all__ = ["BENCHMARK_MODELS", "PRESETS", "benchmark_model", "grpo_config", "param_count", "preset"]
 
 
 def _tiny() -> TinyGPTConfig:
@@ -46,6 +52,15 @@ def preset(name: str) -> TinyGPTConfig:
     if name not in _GPU:
         raise ValueError(f"unknown model preset {name!r}; known: {', '.join(PRESETS)}")
     return _GPU[name]
+
+
+def grpo_config(name: str) -> GRPOConfig:
+    """What `colocate run --model NAME` trains: the preset's model, and the copy task written in
+    its whole vocabulary (`grpo.TaskConfig`), since the policy samples from all of it."""
+    from orchestrator.demo.grpo import GRPOConfig, TaskConfig
+
+    model = preset(name)
+    return GRPOConfig(model=model, task=TaskConfig(vocab_size=model.vocab_size))
 
 
 # The CPU-size model of the restore benchmark and the planner's byte-for-byte check.

@@ -33,6 +33,48 @@ def test_task_config_reports_every_problem() -> None:
     with pytest.raises(ConfigError) as caught:
         TaskConfig(alphabet_size=1, length=0)
     assert len(caught.value.violations) == 2
+    with pytest.raises(ConfigError, match="vocab_size must hold the alphabet, BOS and SEP"):
+        TaskConfig(alphabet_size=8, vocab_size=9)
+
+
+def test_default_vocabulary_is_one_id_per_symbol_then_bos_and_sep() -> None:
+    cfg = TaskConfig()
+    assert (cfg.vocab_size, cfg.bos, cfg.sep, cfg.tokens_per_symbol) == (10, 8, 9, 1)
+    assert TaskConfig() == TaskConfig(vocab_size=10)
+
+
+WIDE = SyntheticTask(TaskConfig(alphabet_size=8, length=4, vocab_size=32))  # 3 ids per symbol, 6 spare
+
+
+def test_wide_vocabulary_reads_each_id_as_its_symbol_mod_the_alphabet() -> None:
+    cfg = WIDE.config
+    assert (cfg.bos, cfg.sep, cfg.tokens_per_symbol) == (30, 31, 3)
+    ids = torch.arange(32)
+    expected = [i % 8 for i in range(24)] + [-1] * 8  # 24..29 spare, then BOS and SEP
+    assert WIDE.symbols(ids).tolist() == expected
+
+
+def test_wide_vocabulary_prompts_write_each_symbol_as_its_own_id() -> None:
+    prompts = WIDE.prompts(50, torch.Generator().manual_seed(0))
+    assert (prompts[:, 0] == 30).all() and (prompts[:, -1] == 31).all()
+    assert ((prompts[:, 1:-1] >= 0) & (prompts[:, 1:-1] < 8)).all()
+
+
+def test_wide_vocabulary_rewards_every_id_of_the_right_symbol() -> None:
+    prompts = torch.tensor([[30, 1, 2, 3, 4, 31]] * 4)
+    completions = torch.tensor([[1, 2, 3, 4], [9, 18, 11, 20], [25, 30, 31, 0], [17, 2, 27, 4]])
+    assert WIDE.rewards(prompts, completions).tolist() == [1.0, 1.0, 0.0, 0.75]
+
+
+def test_a_uniform_policy_scores_one_in_alphabet_size_whatever_the_vocabulary() -> None:
+    gen = torch.Generator().manual_seed(0)
+    for vocab in (10, 32768, 65536):
+        task = SyntheticTask(TaskConfig(vocab_size=vocab))
+        prompts = task.prompts(4096, gen)
+        rewards = task.rewards(prompts, torch.randint(0, vocab, (4096, 4), generator=gen))
+        assert ((rewards >= 0) & (rewards <= 1)).all()
+        share = task.config.alphabet_size * task.config.tokens_per_symbol / vocab  # ids that are a symbol
+        assert rewards.mean().item() == pytest.approx(share / 8, abs=0.01)
 
 
 def test_advantages_are_zero_mean_unit_scale_per_group() -> None:
@@ -132,3 +174,11 @@ def test_grpo_config_defaults_fit_the_task_and_refuse_bad_values() -> None:
     with pytest.raises(ConfigError) as caught:
         GRPOConfig(group_size=1, clip_eps=0.0, task=TaskConfig(alphabet_size=200))
     assert len(caught.value.violations) == 3
+
+
+def test_grpo_config_refuses_a_model_that_samples_ids_the_task_cannot_read() -> None:
+    from orchestrator.adapters.megatron.gpt import TinyGPTConfig
+    from orchestrator.demo.grpo import GRPOConfig
+
+    with pytest.raises(ConfigError, match=r"model.vocab_size 32768 != task.vocab_size 10"):
+        GRPOConfig(model=TinyGPTConfig(vocab_size=32768))
