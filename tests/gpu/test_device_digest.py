@@ -13,7 +13,7 @@ import torch
 from orchestrator.adapters import digest, digest_kernel
 from orchestrator.adapters.digest import device_digests
 from tests.unit.test_digest import samples
-from tests.unit.test_digest_kernel import buffer_views
+from tests.unit.test_digest_kernel import alignments, buffer_views
 
 pytestmark = [
     pytest.mark.gpu,
@@ -39,9 +39,11 @@ def kernel(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_cuda_digests_equal_the_cpu_ones() -> None:
     tensors = samples()
     large = torch.randn(3, 1 << 22, generator=torch.Generator().manual_seed(2)).bfloat16()
-    tensors["large"], tensors["offset"] = large, large.view(-1)[1:]  # a view at an odd offset
-    on_gpu = device_digests({name: t.cuda() for name, t in tensors.items()})
-    assert on_gpu == device_digests(tensors)
+    tensors["large"] = large
+    on_gpu = {name: t.cuda() for name, t in tensors.items()}
+    on_gpu["offset"] = on_gpu["large"].view(-1)[1:]  # a view at an odd offset, on the GPU
+    tensors["offset"] = large.view(-1)[1:]
+    assert device_digests(on_gpu) == device_digests(tensors)
 
 
 def test_every_bit_flipped_on_the_gpu_changes_the_digest() -> None:
@@ -55,18 +57,18 @@ def test_every_bit_flipped_on_the_gpu_changes_the_digest() -> None:
     assert original not in device_digests(variants).values()
 
 
-@pytest.mark.parametrize(("seed", "dtype"), [(0, torch.bfloat16), (1, torch.uint8), (2, torch.float32)])
+@pytest.mark.parametrize(("seed", "dtype"), [(0, torch.bfloat16), (3, torch.uint8), (2, torch.float32)])
 def test_the_kernel_equals_the_torch_path_on_buffer_views(
     kernel: None, seed: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Views into one buffer at 16-byte, 4-byte and odd offsets, with odd sizes, among them
     several blocks long: the kernel's digests on the GPU, the torch path's on the GPU and on the
     CPU, all equal."""
-    views = buffer_views(seed, 64, dtype)
-    big = torch.randn(3 * digest_kernel.BLOCK_WORDS + 777, generator=torch.Generator().manual_seed(seed))
-    views |= {"big": big, "big at 2": big.bfloat16()[1:], "big at 1": big.view(torch.uint8)[1:-1]}
-    on_gpu = {name: t.cuda() for name, t in views.items()}
-    expected = device_digests(views)  # the CPU: the torch path
+    on_gpu = buffer_views(seed, 64, dtype, "cuda")  # views into one buffer on the GPU
+    assert alignments(on_gpu) == ({16, 4} if dtype == torch.float32 else {16, 4, 1})
+    big = torch.randn(3 * digest_kernel.BLOCK_WORDS + 777, generator=torch.Generator().manual_seed(seed)).cuda()
+    on_gpu |= {"big": big, "big at 2": big.bfloat16()[1:], "big at 1": big.view(torch.uint8)[1:-1]}
+    expected = device_digests({name: t.cpu() for name, t in on_gpu.items()})  # the CPU: the torch path
     assert device_digests(on_gpu) == expected
     assert torch_path(on_gpu, monkeypatch) == expected
 
