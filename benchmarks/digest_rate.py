@@ -14,7 +14,10 @@ Rates are in GB/s (1e9 bytes):
   (twice the bytes copied): what the memory moves, the ceiling a pass over the bytes meets;
 - `ratio`: `digest_gbps / d2d_copy_gbps`.
 
-    python benchmarks/digest_rate.py [--gib 4] [--repeats 5] [--row-words 1024]
+`digest_path` says which computed the device digest: `triton` (`digest_kernel`, one launch for
+all the params; on CUDA where Triton imports) or `torch` (reductions per param).
+
+    python benchmarks/digest_rate.py [--gib 4] [--repeats 5] [--row-words 1024] [--block-words 131072]
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from typing import Any
 
 import torch
 
-from orchestrator.adapters import digest
+from orchestrator.adapters import digest, digest_kernel
 
 LAYERS = 32
 HIDDEN, KV, FFN, VOCAB = 2048, 512, 8192, 128256  # Llama 3.2 1B, the scale of 1.0
@@ -105,6 +108,8 @@ def run(gib: float, repeats: int, sha256_repeats: int) -> dict[str, Any]:
         "bytes": size,
         "tensors": len(params),
         "row_words": digest.ROW_WORDS,
+        "digest_path": "triton" if digest_kernel.kernel_available(device, digest.ROW_WORDS) else "torch",
+        "block_words": digest_kernel.BLOCK_WORDS,
         "digest_ms": digest_s * 1e3,
         "sha256_ms": sha256_s * 1e3,
         "d2d_copy_ms": copy_s * 1e3,
@@ -124,8 +129,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--repeats", type=int, default=5, help="timed calls of the digest and the copy")
     parser.add_argument("--sha256-repeats", type=int, default=2, help="timed SHA256 calls (seconds each on a GPU)")
     parser.add_argument("--row-words", type=int, default=digest.ROW_WORDS, help="the device digest's row length")
+    parser.add_argument(
+        "--block-words", type=int, default=digest_kernel.BLOCK_WORDS, help="words per program of the Triton digest"
+    )
     args = parser.parse_args(argv)
     digest.ROW_WORDS = args.row_words
+    digest_kernel.BLOCK_WORDS = args.block_words
     result = run(args.gib, args.repeats, args.sha256_repeats)
     print(json.dumps(result, indent=2))
     return result

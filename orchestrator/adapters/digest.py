@@ -3,8 +3,9 @@
 - `sha256`: SHA256 of each tensor's bytes on the host, tensors and 64 MiB chunks spread over
   threads (hashlib releases the GIL on large buffers). Strong, but every byte crosses to the
   host: on a GPU it made the verified cycles cost seconds.
-- `device`: four 64-bit sums over each tensor's 32-bit words, computed where the tensor lives,
-  two reductions over the bytes and one transfer to the host per device for the whole mapping. Not
+- `device`: four 64-bit sums over each tensor's 32-bit words, computed where the tensor lives
+  and one transfer to the host per device for the whole mapping. On CUDA one Triton launch reads
+  every tensor's bytes once (`digest_kernel`); elsewhere two torch reductions per tensor. Not
   cryptographic: it only has to catch accidental damage (a flipped bit, a word out of place),
   at device bandwidth. `default_digest` picks it for CUDA tensors.
 
@@ -31,7 +32,8 @@ The digest is `P Wr Q Wc` in hex, then `:` and the byte count (so padding never 
   the columns differ, and Q or Wc changes the same way.
 
 Integer addition is associative modulo 2**32, so the sums do not depend on the order a kernel
-adds in: the same bytes give the same digest on every call and every device.
+adds in: the same bytes give the same digest on every call and every device, and by either path
+(`digest_kernel` sums blocks of rows, then adds the blocks' partials).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from itertools import accumulate
 
 import torch
 
+from orchestrator.adapters import digest_kernel
 from orchestrator.core.config import DigestMethod
 
 CHUNK_BYTES = 64 << 20
@@ -87,11 +90,32 @@ def device_digests(tensors: Mapping[str, torch.Tensor], threads: int = 1) -> dic
 
 
 def _device_group(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
-    """Row and column sums of every tensor of one device into shared buffers, then all the
-    64-bit sums at once: per tensor only its two reductions (and a copy of its last, partial
-    row) are launched, since at device bandwidth the launches, not the bytes, set the pace."""
+    """The four sums of every tensor of one device, then one transfer to the host: on CUDA by
+    `digest_kernel` (one launch for all the tensors), elsewhere by torch reductions per tensor."""
     k = ROW_WORDS
     sizes = [t.numel() * t.element_size() for t in tensors.values()]
+    device = next(iter(tensors.values())).device
+    kernel = (
+        digest_kernel.try_block_sums(list(tensors.values()), k) if digest_kernel.kernel_available(device, k) else None
+    )
+    sums = _column_sums(*kernel) if kernel is not None else _torch_sums(tensors, sizes, k)
+    four = sums.cpu().tolist()
+    return {
+        name: "".join(f"{value & _MASK:016x}" for value in sums) + f":{size}"
+        for name, sums, size in zip(tensors, four, sizes, strict=True)
+    }
+
+
+def _column_sums(cols: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """[tensors, 4] int64: P and Wr as given in `rows`, then Q and Wc from the column sums `cols`."""
+    cols = cols.long()
+    column = torch.arange(1, cols.shape[1] + 1, dtype=torch.int64, device=cols.device)
+    return torch.cat([rows, cols.sum(1, keepdim=True), (cols * column).sum(1, keepdim=True)], dim=1)
+
+
+def _torch_sums(tensors: Mapping[str, torch.Tensor], sizes: list[int], k: int) -> torch.Tensor:
+    """Row and column sums of every tensor into shared buffers, then all the 64-bit sums at
+    once: per tensor only its two reductions (and a copy of its last, partial row)."""
     full_rows = [size // (4 * k) for size in sizes]
     starts = list(accumulate(full_rows, initial=0))
     device = next(iter(tensors.values())).device
@@ -109,11 +133,7 @@ def _device_group(tensors: Mapping[str, torch.Tensor]) -> dict[str, str]:
             torch.sum(words, 0, dtype=torch.int32, out=cols[i])
         if sizes[i] > body:
             tails[i, : sizes[i] - body].copy_(raw[body:])
-    sums = _sums(rows, cols, tails.view(torch.int32), starts).cpu().tolist()
-    return {
-        name: "".join(f"{value & _MASK:016x}" for value in four) + f":{size}"
-        for name, four, size in zip(tensors, sums, sizes, strict=True)
-    }
+    return _sums(rows, cols, tails.view(torch.int32), starts)
 
 
 def _sums(rows: torch.Tensor, cols: torch.Tensor, tails: torch.Tensor, starts: list[int]) -> torch.Tensor:
@@ -122,7 +142,7 @@ def _sums(rows: torch.Tensor, cols: torch.Tensor, tails: torch.Tensor, starts: l
     `starts[i]`), `cols` each one's column sums over them, `tails` each one's last, partial row."""
     device = rows.device
     tail_rows = tails.sum(1, dtype=torch.int32).long()
-    cols = (cols + tails).long()  # int32 addition wraps: still each column's sum modulo 2**32
+    cols = cols + tails  # int32 addition wraps: still each column's sum modulo 2**32
     values = rows.long()
     position = torch.arange(1, values.numel() + 1, dtype=torch.int64, device=device)
     zero = values.new_zeros(1)
@@ -135,8 +155,7 @@ def _sums(rows: torch.Tensor, cols: torch.Tensor, tails: torch.Tensor, starts: l
     weighted = running_weighted[end] - running_weighted[first] - first * plain  # rows count from 1 in each tensor
     row_plain = plain + tail_rows
     row_weighted = weighted + (end - first + 1) * tail_rows
-    column = torch.arange(1, cols.shape[1] + 1, dtype=torch.int64, device=device)
-    return torch.stack([row_plain, row_weighted, cols.sum(1), (cols * column).sum(1)], dim=1)
+    return _column_sums(cols, torch.stack([row_plain, row_weighted], dim=1))
 
 
 DIGESTS: dict[DigestMethod, Callable[..., dict[str, str]]] = {

@@ -10,7 +10,7 @@ import itertools
 import pytest
 import torch
 
-from orchestrator.adapters import digest
+from orchestrator.adapters import digest, digest_kernel
 from orchestrator.adapters.digest import DIGESTS, DigestMethod, default_digest, device_digests
 
 MASK = (1 << 64) - 1
@@ -126,6 +126,31 @@ def test_equal_bytes_give_equal_digests_however_laid_out() -> None:
     assert device_digests({"m": matrix.t()}) == device_digests({"m": matrix.t().contiguous()})
     base = torch.arange(100, dtype=torch.int16)
     assert device_digests({"v": base[1:64]}) == device_digests({"v": base[1:64].clone()})
+
+
+def test_the_kernel_runs_on_cuda_only_with_rows_a_power_of_two() -> None:
+    assert not digest_kernel.kernel_available(torch.device("cpu"), 1024)
+    assert not digest_kernel.kernel_available(torch.device("cuda"), 1000)
+
+
+def test_a_kernel_that_fails_leaves_the_digest_to_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the Triton kernel cannot run, a warning says so once and the torch path gives the
+    same digests; the kernel is not tried again."""
+
+    def fail(tensors: object, k: int) -> None:
+        calls.append(k)
+        raise RuntimeError("no kernel here")
+
+    calls: list[int] = []
+    monkeypatch.setattr(digest_kernel, "unavailable", None)
+    monkeypatch.setattr(digest_kernel, "kernel_available", lambda device, k: digest_kernel.unavailable is None)
+    monkeypatch.setattr(digest_kernel, "block_sums", fail)
+    tensors = samples()
+    expected = {name: reference(t, digest.ROW_WORDS) for name, t in tensors.items()}
+    with pytest.warns(RuntimeWarning, match="no kernel here"):
+        assert device_digests(tensors) == expected
+    assert device_digests(tensors) == expected
+    assert calls == [digest.ROW_WORDS] and "no kernel here" in str(digest_kernel.unavailable)
 
 
 @pytest.mark.parametrize("method", list(DigestMethod))
