@@ -20,8 +20,9 @@ class StepReport:
     weight_version: int = 0
     restore_verified: bool | None = None
     phase_seconds: dict[str, float] = field(default_factory=dict)
-    # Bytes each event copied: to the host (pause_grads), into the engine (update_weights), back
-    # from the host and rebuilt on the device (restore)
+    # Bytes each event copied across a link: to the host (pause_grads), into the engine
+    # (update_weights), back from the host (restore; the params it rebuilds on the device are not
+    # counted here, they are `colocate.bytes_rebuilt`)
     phase_bytes: dict[str, int] = field(default_factory=dict)
     loss: float | None = None
     engine_matches_trainer: bool | None = None
@@ -56,7 +57,7 @@ class RunReport:
 _COPIED = {
     Event.PAUSE_GRADS: (semconv.BYTES_TO_HOST,),
     Event.UPDATE_WEIGHTS: (semconv.BYTES_MOVED,),
-    Event.RESTORE: (semconv.BYTES_FROM_HOST, semconv.BYTES_REBUILT),
+    Event.RESTORE: (semconv.BYTES_FROM_HOST,),
 }
 
 
