@@ -75,7 +75,11 @@ class HostArena:
         return sum(s.nbytes() for s in storages)
 
     def load(self, storages: Sequence[torch.UntypedStorage]) -> int:
-        """Copy the arena back into the same storages `save` was given. Returns the bytes copied."""
+        """Copy the arena back into the same storages `save` was given. Returns the bytes copied.
+
+        On a GPU this returns once the copy is queued: the current stream waits for it, so every
+        kernel queued after (the restore's cast reads the mains) sees the bytes, while the host
+        goes on (maps the next region) during the copy."""
         if tuple(_key(s) for s in storages) != self._layout:
             raise RuntimeError("host arena: load of storages other than the ones saved")
         self._copy(storages, to_host=False)
@@ -124,5 +128,9 @@ class HostArena:
                         host[start:end].copy_(device[start:end], non_blocking=on_device)
                     else:
                         device[start:end].copy_(host[start:end], non_blocking=on_device)
-        if stream is not None:
-            stream.synchronize()
+        if stream is None:
+            return
+        if to_host:
+            stream.synchronize()  # the bytes are on the host before the device memory is unmapped
+        else:
+            torch.cuda.current_stream(stream.device).wait_stream(stream)

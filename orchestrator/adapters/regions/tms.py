@@ -40,7 +40,8 @@ def _saver() -> Any:
 
 
 def _free_device_bytes() -> int:
-    torch.cuda.synchronize()
+    """The driver's count: torch_memory_saver maps and unmaps synchronously, so no device sync is
+    needed, and none is made (it would wait for the arena's copy back, which overlaps the next map)."""
     return torch.cuda.mem_get_info()[0]
 
 
@@ -95,7 +96,8 @@ class TorchMemorySaverRegions:
         if tag in self._paused:  # torch_memory_saver would end the process
             raise RuntimeError(f"pause of {tag!r}: already paused")
         self._rehome_new()
-        before = _free_device_bytes()  # the arena's copy counts in: what the whole pause gave back
+        torch.cuda.synchronize()  # nothing queued may still touch memory about to be unmapped
+        before = _free_device_bytes()
         if tag in self._arenas:
             self._saved[tag] = storages_by_tag(self._tensors())[tag]
             self._arenas[tag].save(self._saved[tag])
@@ -109,9 +111,10 @@ class TorchMemorySaverRegions:
         before = _free_device_bytes()
         self._tms.resume(tag)
         self._paused.discard(tag)
-        if tag in self._arenas:
+        retaken = before - _free_device_bytes()
+        if tag in self._arenas:  # queued: the current stream waits for it (HostArena.load)
             self._arenas[tag].load(self._saved.pop(tag))
-        return before - _free_device_bytes()
+        return retaken
 
     def host_arena_bytes(self) -> int:
         """Pinned host bytes the arenas hold: kept across cycles, so the same in every phase."""
