@@ -31,31 +31,13 @@ from typing import Any
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+from benchmarks.digest_rate import seconds
+
 OVERHEAD = ("pause_grads", "update_weights", "drop_params", "restore")
 WORK = ("train", "rollout")
 # Each phase that copies, and the copy that bounds it.
 CEILING = {"pause_grads": "to_host", "restore": "from_host", "update_weights": "device_copy"}
-
-
-def _time(copy: Any, repeat: int = 5) -> float:
-    """Median seconds of `copy()`, synchronised (one warm-up first)."""
-    copy()
-    times = []
-    for _ in range(repeat):
-        if torch.cuda.is_available():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            copy()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            import time
-
-            t0 = time.perf_counter()
-            copy()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def copy_rates(host_bytes: int, device_bytes: int, device: str) -> dict[str, float]:
@@ -66,10 +48,11 @@ def copy_rates(host_bytes: int, device_bytes: int, device: str) -> dict[str, flo
     host = torch.empty(n_host, dtype=torch.uint8, pin_memory=pin)
     a = torch.empty(n_dev, dtype=torch.uint8, device=device).random_(0, 256)
     b = torch.empty_like(a)
+    cuda = device == "cuda"
     rates = {
-        "to_host": n_host / _time(lambda: host.copy_(src, non_blocking=pin)) / 1e9,
-        "from_host": n_host / _time(lambda: src.copy_(host, non_blocking=pin)) / 1e9,
-        "device_copy": n_dev / _time(lambda: b.copy_(a)) / 1e9,
+        "to_host": n_host / seconds(lambda: host.copy_(src, non_blocking=pin), 5, cuda) / 1e9,
+        "from_host": n_host / seconds(lambda: src.copy_(host, non_blocking=pin), 5, cuda) / 1e9,
+        "device_copy": n_dev / seconds(lambda: b.copy_(a), 5, cuda) / 1e9,
     }
     return rates
 
@@ -84,10 +67,10 @@ def phases(report: dict[str, Any], rates: dict[str, float]) -> dict[str, dict[st
     steps = _steady(report)
     out: dict[str, dict[str, float]] = {}
     for event in (*OVERHEAD, *WORK):
-        seconds = [s["phase_seconds"][event] for s in steps if event in s["phase_seconds"]]
-        if not seconds:
+        times = [s["phase_seconds"][event] for s in steps if event in s["phase_seconds"]]
+        if not times:
             continue
-        row: dict[str, float] = {"seconds": statistics.mean(seconds), "seconds_max": max(seconds)}
+        row: dict[str, float] = {"seconds": statistics.mean(times), "seconds_max": max(times)}
         moved = [s["phase_bytes"].get(event, 0) for s in steps]
         if any(moved):
             row["bytes"] = statistics.mean(moved)
