@@ -14,6 +14,7 @@ class _Ranks:
     def __init__(self) -> None:
         self.free = [40 * GB, 30 * GB]
         self.asked = 0
+        self.moments_to_come = 0
 
     def region_bytes(self) -> dict[str, int]:
         return {"param_buffer": 2 * GB, "grad_buffer": 4 * GB, "default": 12 * GB}
@@ -21,6 +22,9 @@ class _Ranks:
     def device_memory(self) -> list[tuple[int, int]]:
         self.asked += 1
         return [(f, 80 * GB) for f in self.free]
+
+    def unallocated_bytes(self) -> int:
+        return self.moments_to_come
 
 
 ENGINE = {EngineMemory.WEIGHTS: 2 * GB, EngineMemory.KV_CACHE: 10 * GB, EngineMemory.CUDA_GRAPH: 0}
@@ -45,3 +49,14 @@ def test_auto_keeps_what_the_rollout_fits_beside() -> None:
     ranks.free = [1 * GB, 1 * GB]
     tight = choose(Offload.AUTO, MeasuredMemory(ranks, ENGINE)())
     assert tight.keep == {Region.GRAD_BUFFER}
+
+
+def test_memory_the_adam_moments_will_take_is_not_free_before_the_first_step() -> None:
+    ranks = _Ranks()
+    ranks.moments_to_come = 8 * GB  # the optimizer has not stepped yet
+    memory = MeasuredMemory(ranks, ENGINE)
+    assert memory().device_free == 30 * GB - 8 * GB
+    ranks.moments_to_come = 0  # the first step made them: the GPU's free count now says it all
+    assert memory().device_free == 30 * GB
+    ranks.moments_to_come = 99 * GB  # no longer asked once they were all there
+    assert memory().device_free == 30 * GB

@@ -62,6 +62,10 @@ class DistributedTrainer:
         each = self.ranks.all(TrainerRank.region_bytes)
         return {tag: max(r[tag] for r in each) for tag in each[0]}
 
+    def unallocated_bytes(self) -> int:
+        """The most any rank's regions will hold beyond what they hold now (`TrainerRank.unallocated_bytes`)."""
+        return max(self.ranks.all(TrainerRank.unallocated_bytes))
+
     def host_arena_bytes(self) -> int:
         """Per rank, what its regions' host arenas pin: every rank pins the same."""
         return max(self.ranks.all(TrainerRank.host_arena_bytes))

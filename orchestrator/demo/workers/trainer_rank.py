@@ -141,6 +141,13 @@ class TrainerRank(Traced):
     def region_bytes(self) -> dict[str, int]:
         return self.trainer.region_bytes()
 
+    def unallocated_bytes(self) -> int:
+        """What the regions will hold and do not yet: the Adam moments, before the first step."""
+        from orchestrator.adapters.regions.storage import storages_by_tag
+
+        held = sum(s.nbytes() for storages in storages_by_tag(self.trainer.region_tensors()).values() for s in storages)
+        return sum(self.trainer.region_bytes().values()) - held
+
     def pause(self, tag: str) -> int:
         return self.regions.pause(tag)
 
