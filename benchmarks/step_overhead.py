@@ -12,7 +12,7 @@ moments) it gives the bytes the phase copied, its seconds, its GB/s and the rati
 ceiling, and the lifecycle's overhead (pause_grads + update_weights + drop_params + restore)
 against train + rollout. Writes JSON (`--out`) and prints a table.
 
-    python benchmarks/step_overhead.py --model llama-1b --steps 6 --device cuda [--out step.json] [-- run options]
+    python benchmarks/step_overhead.py --model llama-1b --steps 6 [--offload auto] [--out step.json] [-- run options]
 
 On the CPU (`--device cpu`) it runs the same way, as a check of the script; the copy ceilings are
 then plain host copies.
@@ -96,9 +96,10 @@ def main() -> None:
     parser.add_argument("--model", default="llama-1b")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--offload", choices=("auto", "always", "never"), default="auto", help="the run's --offload")
     parser.add_argument("--out", type=Path, default=None, help="write the JSON here")
     args, extra = parser.parse_known_args()
-    extra = [a for a in extra if a != "--"]
+    extra = ["--offload", args.offload, *(a for a in extra if a != "--")]
     if args.steps < 3:
         parser.error(f"--steps must be at least 3 (steps 3 on are the steady state), got {args.steps}")
     with tempfile.TemporaryDirectory() as folder:

@@ -7,7 +7,8 @@
 # runs:  colocate run --device cuda --ranks 2, tiny and llama-1b (MODELS=... picks) -> run_<model>.json
 # bench: benchmarks/restore.py --ranks 2 and update_weights.py at llama-1b, digest_rate.py at 4 GiB
 #        -> restore.json, update_weights.json, digest_rate.json
-# step:  benchmarks/step_overhead.py on one GPU, llama-1b (STEP_MODELS=..., STEP_OPTIONS=... pass run options)
+# step:  benchmarks/step_overhead.py on one GPU, llama-1b (STEP_MODELS=..., STEP_OFFLOAD=always|auto|never,
+#        STEP_OPTIONS=... other run options)
 #        -> step_<model>.json
 # Everything's output also goes to $OUT/<part>.log.
 set -uo pipefail
@@ -67,7 +68,8 @@ bench() {
 step() {
   for model in ${STEP_MODELS:-llama-1b}; do
     timeout "${STEP_TIMEOUT:-300}" $PY benchmarks/step_overhead.py --device cuda --model "$model" \
-      --steps "${STEP_STEPS:-6}" --out "$OUT/step_$model${STEP_SUFFIX:-}.json" -- ${STEP_OPTIONS:-} 2>&1 \
+      --steps "${STEP_STEPS:-6}" --offload "${STEP_OFFLOAD:-auto}" --out "$OUT/step_$model${STEP_SUFFIX:-}.json" \
+      -- ${STEP_OPTIONS:-} 2>&1 \
       | tee -a "$OUT/step.log" | tail -12
   done
 }
