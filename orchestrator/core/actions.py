@@ -81,9 +81,9 @@ class Actions:
         moving = [tag for tag in (Region.GRAD_BUFFER, Region.DEFAULT) if tag not in self.keep]
         freed = sum(self._regions.pause(tag) for tag in moving)
         record.attributes[semconv.BYTES_FREED] = freed
-        # `default`'s whole contents went to its host arena (where the adapter keeps one).
-        record.attributes[semconv.BYTES_TO_HOST] = stashed + self._regions.host_arena_bytes()
-        record.attributes[semconv.HOST_PINNED_BYTES] = self._host_pinned_total()
+        arena = self._regions.host_arena_bytes()  # `default`'s whole contents went there, if it moved
+        record.attributes[semconv.BYTES_TO_HOST] = stashed + arena
+        record.attributes[semconv.HOST_PINNED_BYTES] = self._trainer.host_pinned_bytes() + arena
 
     def push_weights(self, record: TransitionRecord, work: Work | None) -> None:
         version = self.known.weight_version + 1
@@ -113,7 +113,8 @@ class Actions:
         self._engine_release(self.known.engine_resident)
         record.attributes.update(self._bring_trainer_back())
         # Back in TRAIN the regions' host arenas stay pinned for the next pause: count them here too.
-        record.attributes[semconv.HOST_PINNED_BYTES] = self._host_pinned_total()
+        arena = self._regions.host_arena_bytes()
+        record.attributes[semconv.HOST_PINNED_BYTES] = self._trainer.host_pinned_bytes() + arena
         cycle, self.known.cycles = self.known.cycles, self.known.cycles + 1
         self.known.last_restore_verified = None
         verdict = self._verify(record)
@@ -182,14 +183,10 @@ class Actions:
             }
         )
 
-    def _host_pinned_total(self) -> int:
-        """The trainer's backups (extras, or every param in backup mode) and the regions' arenas."""
-        return self._trainer.host_pinned_bytes() + self._regions.host_arena_bytes()
-
     def _bring_trainer_back(self) -> dict[str, int]:
         paused = sorted(self._regions.paused)
         retaken = sum(self._regions.resume(tag) for tag in paused)
-        from_host = self._regions.host_arena_bytes() if Region.DEFAULT in paused else 0
+        from_host = self._regions.host_arena_bytes() if Region.DEFAULT in paused else 0  # all of it came back
         written = 0
         if not self.known.params_valid:
             written = self._trainer.rebuild(self.config.mode)
