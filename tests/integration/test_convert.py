@@ -23,6 +23,7 @@ from orchestrator.adapters.megatron.convert import (
     Family,
     ModelSpec,
     convert,
+    family_of,
     hf_buckets,
     hf_config,
     hf_llama_config,
@@ -249,7 +250,7 @@ def test_a_model_the_family_cannot_compute_is_refused(family: Family, change: di
 def test_the_family_is_read_from_megatrons_config(experts: int | None, qk_layernorm: bool, family: Family) -> None:
     from types import SimpleNamespace
 
-    assert Family.of(SimpleNamespace(num_moe_experts=experts, qk_layernorm=qk_layernorm)) is family
+    assert family_of(SimpleNamespace(num_moe_experts=experts, qk_layernorm=qk_layernorm)) is family
 
 
 def test_a_bucket_budget_must_be_positive() -> None:

@@ -18,7 +18,7 @@ argument that replaces each choice:
 | trainer | `MegatronTrainer(model, optimizer)`: expert_bias, fp32 and frozen params are extras | `extras=` |
 | regions | torch_memory_saver where the param buffers are on a GPU, storage resizing on the CPU | `regions=` |
 | setup | read from the DDP and optimizer configs (`megatron_setup`); the trainer's other flags as keywords | `**flags` |
-| transport | `MegatronTransport` through `hf_buckets` (`orchestrator.adapters.megatron.convert`): Megatron GPT → HF at any TP, PP and EP, the family read from the config (`Family.of`); only sync sources send (`is_sync_source`) | `convert=`, `transport=` |
+| transport | `MegatronTransport` through `hf_buckets` (`orchestrator.adapters.megatron.convert`): Megatron GPT → HF at any TP, PP and EP, the family read from the config (`family_of`); only sync sources send (`is_sync_source`) | `convert=`, `transport=` |
 | listeners | spans to the trainer's global tracer provider, else to one the `OTEL_*` variables ask for (set as the global one: `otel_listeners`); structlog lines | `listeners=` |
 | rank | torch.distributed's | `rank=` |
 

@@ -22,7 +22,7 @@ from orchestrator.adapters.megatron.convert.hf import (
     hf_targets,
     to_hf,
 )
-from orchestrator.adapters.megatron.convert.spec import Family, ModelSpec
+from orchestrator.adapters.megatron.convert.spec import Family, ModelSpec, family_of
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -31,6 +31,7 @@ __all__ = [
     "ModelSpec",
     "conversion_problems",
     "convert",
+    "family_of",
     "hf_buckets",
     "hf_config",
     "hf_llama_config",

@@ -61,7 +61,7 @@ def unwrap_gpt(chunk: Any) -> Any:
 
 def model_spec(model_chunks: Sequence[Any], family: Family | str | None = None, config: Any = None) -> ModelSpec:
     """The conversion's `ModelSpec`, from the `TransformerConfig` (the chunks' own by default); the
-    family is the one the config reads as (`Family.of`) unless given. Raises ValueError as
+    family is the one the config reads as (`family_of`) unless given. Raises ValueError as
     `ModelSpec.from_megatron` does."""
     gpt = unwrap_gpt(model_chunks[0])
     return ModelSpec.from_megatron(config if config is not None else gpt.config, gpt, family)
@@ -213,7 +213,7 @@ def hf_buckets(
 
     `model_chunks` are the DDP chunks (or bare GPTModels) of this rank; `config` is the
     `TransformerConfig` (the chunks' own by default); `family` is the one the config reads as
-    (`Family.of`: experts → qwen3_moe, q/k norm → qwen3, else llama) unless given. Call it on
+    (`family_of`: experts → qwen3_moe, q/k norm → qwen3, else llama) unless given. Call it on
     every rank of the model, in the same order as its other collectives; only `is_sync_source()`
     ranks need send the buckets.
     A bucket is emptied when the next is asked for: keep what it holds, not the list.

@@ -12,31 +12,23 @@ before a rank starts a collective, with every problem named at once.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from enum import StrEnum
 from typing import Any
 
 from orchestrator.adapters.megatron.gpt import TinyGPTConfig
+from orchestrator.models import Family
 
-__all__ = ["Family", "ModelSpec"]
+__all__ = ["Family", "ModelSpec", "family_of"]
 
 # TransformerConfig.layernorm_epsilon's default; HF's configs default to 1e-6.
 MEGATRON_LAYERNORM_EPS = 1e-5
 
 
-class Family(StrEnum):
-    """The HF model family a Megatron GPT converts to."""
-
-    LLAMA = "llama"  # LlamaForCausalLM
-    QWEN3 = "qwen3"  # Qwen3ForCausalLM: Llama plus a per-head RMSNorm on q and k
-    QWEN3_MOE = "qwen3_moe"  # Qwen3MoeForCausalLM: Qwen3 with softmax-routed experts
-
-    @classmethod
-    def of(cls, config: Any) -> Family:
-        """The family a `TransformerConfig` reads as: experts make it Qwen3-MoE, a q/k norm Qwen3,
-        else Llama. A model the family cannot compute is refused by `ModelSpec.from_megatron`."""
-        if config.num_moe_experts:
-            return cls.QWEN3_MOE
-        return cls.QWEN3 if config.qk_layernorm else cls.LLAMA
+def family_of(config: Any) -> Family:
+    """The family a `TransformerConfig` reads as: experts make it Qwen3-MoE, a q/k norm Qwen3,
+    else Llama. A model the family cannot compute is refused by `ModelSpec.from_megatron`."""
+    if config.num_moe_experts:
+        return Family.QWEN3_MOE
+    return Family.QWEN3 if config.qk_layernorm else Family.LLAMA
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,10 +112,10 @@ class ModelSpec:
     @classmethod
     def from_megatron(cls, config: Any, gpt: Any, family: Family | str | None = None) -> ModelSpec:
         """From a `TransformerConfig` and the (unwrapped) `GPTModel` built with it; the family is
-        `Family.of(config)` unless given.
+        `family_of(config)` unless given.
 
         Raises ValueError naming every setting HF's `family` cannot compute the same way."""
-        family = Family.of(config) if family is None else Family(family)
+        family = family_of(config) if family is None else Family(family)
         problems = _megatron_problems(config, gpt)
         if problems:
             raise ValueError(f"no HF {family.value} equivalent: " + "; ".join(problems))

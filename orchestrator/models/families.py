@@ -1,0 +1,49 @@
+"""The HF families a Megatron-core GPT converts to, and what each was checked at.
+
+One table (`SUPPORT`) answers "can colocate sync this model?" everywhere it is asked: the README,
+`colocate plan --help`, and the converter's refusals, which name the families it knows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+__all__ = ["SUPPORT", "Family", "Support", "support_table"]
+
+
+class Family(StrEnum):
+    """An HF model family, by its `model_type`."""
+
+    LLAMA = "llama"
+    QWEN3 = "qwen3"
+    QWEN3_MOE = "qwen3_moe"
+    MIXTRAL = "mixtral"
+    DEEPSEEK_V3 = "deepseek_v3"
+    GLM4_MOE = "glm4_moe"
+    GLM_MOE_DSA = "glm_moe_dsa"
+
+
+@dataclass(frozen=True)
+class Support:
+    """What the converter does for one family: the transformers class an engine loads, what it
+    adds over Llama, and the layouts a test syncs it at into that class and checks its logits."""
+
+    family: Family
+    hf_class: str
+    adds: str
+    layouts: tuple[str, ...]  # checked: "TP", "PP", "EP", "expert TP"
+
+
+SUPPORT: tuple[Support, ...] = (
+    Support(Family.LLAMA, "LlamaForCausalLM", "", ("TP", "PP", "EP")),
+    Support(Family.QWEN3, "Qwen3ForCausalLM", "q/k norm", ("TP", "PP", "EP")),
+    Support(Family.QWEN3_MOE, "Qwen3MoeForCausalLM", "softmax-routed experts", ("TP", "PP", "EP", "expert TP")),
+)
+
+
+def support_table() -> str:
+    """`SUPPORT` as one line per family, for help texts and error messages."""
+    return "\n".join(
+        f"{s.family.value} ({s.hf_class}{': ' + s.adds if s.adds else ''}) at {', '.join(s.layouts)}" for s in SUPPORT
+    )
