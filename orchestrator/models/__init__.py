@@ -7,6 +7,6 @@
 Pure Python: no torch, no transformers.
 """
 
-from orchestrator.models.families import SUPPORT, Family, Support, support_table
+from orchestrator.models.families import SUPPORT, Family, Support, support_markdown, support_table
 
-__all__ = ["SUPPORT", "Family", "Support", "support_table"]
+__all__ = ["SUPPORT", "Family", "Support", "support_markdown", "support_table"]

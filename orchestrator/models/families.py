@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-__all__ = ["SUPPORT", "Family", "Support", "support_table"]
+__all__ = ["SUPPORT", "Family", "Support", "support_markdown", "support_table"]
 
 
 class Family(StrEnum):
@@ -47,3 +47,13 @@ def support_table() -> str:
     return "\n".join(
         f"{s.family.value} ({s.hf_class}{': ' + s.adds if s.adds else ''}) at {', '.join(s.layouts)}" for s in SUPPORT
     )
+
+
+def support_markdown() -> str:
+    """`SUPPORT` as the Markdown table the README carries (a docs test keeps them equal)."""
+    rows = [
+        "| family | transformers class | beyond Llama | synced and checked at |",
+        "| --- | --- | --- | --- |",
+    ]
+    rows += [f"| `{s.family.value}` | `{s.hf_class}` | {s.adds or '—'} | {', '.join(s.layouts)} |" for s in SUPPORT]
+    return "\n".join(rows)

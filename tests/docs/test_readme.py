@@ -352,3 +352,11 @@ def test_the_layout_table_names_every_package_and_module_folder() -> None:
         if path.startswith(("orchestrator", "states", "guards")) and not (ROOT / path.split(",")[0]).exists()
     ]
     assert gone == [], f"Layout rows naming paths that are gone: {gone}"
+
+
+def test_the_readme_lists_the_families_the_converter_supports() -> None:
+    from orchestrator.models import support_markdown
+
+    assert support_markdown() in section(README, "### Models it syncs"), (
+        "regenerate it from orchestrator.models.SUPPORT"
+    )
