@@ -12,50 +12,9 @@ from orchestrator.errors import ConfigError
 from orchestrator.models import Family, read_config
 from orchestrator.plan.model import from_config
 from orchestrator.plan.presets import QWEN3_4B
+from tests.support.hf_configs import LLAMA4_TEXT, MIXTRAL, QWEN3_VL
 
 QWEN3_4B_PARAMS = 4_022_468_096
-
-# Qwen3-4B's text model, as a Qwen3-VL config nests it (transformers 5 layout): no architectures
-# or tie key inside text_config; those are at the top level.
-QWEN3_VL = {
-    "architectures": ["Qwen3VLForConditionalGeneration"],
-    "model_type": "qwen3_vl",
-    "tie_word_embeddings": True,
-    "text_config": {
-        "model_type": "qwen3_vl_text",
-        **{k: v for k, v in QWEN3_4B.items() if k not in ("architectures", "tie_word_embeddings")},
-    },
-    "vision_config": {"model_type": "qwen3_vl", "depth": 24, "hidden_size": 1024},
-}
-
-MIXTRAL = {
-    "architectures": ["MixtralForCausalLM"],
-    "model_type": "mixtral",
-    "hidden_size": 64,
-    "intermediate_size": 96,  # Mixtral's expert FFN
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "num_local_experts": 4,
-    "num_experts_per_tok": 2,
-    "vocab_size": 256,
-}
-
-# Llama-4's text model: dense and MoE layers interleaved, one shared expert, L2 q/k norm.
-LLAMA4_TEXT = {
-    "model_type": "llama4_text",
-    "hidden_size": 64,
-    "intermediate_size": 32,  # the experts'
-    "intermediate_size_mlp": 128,  # the dense layers'
-    "num_hidden_layers": 4,
-    "interleave_moe_layer_step": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "num_local_experts": 4,
-    "num_experts_per_tok": 1,
-    "vocab_size": 256,
-}
 
 
 def attention(h: int, heads: int, groups: int, d: int) -> int:

@@ -15,8 +15,7 @@ from orchestrator.cli.app import app
 from orchestrator.models import SUPPORT
 from orchestrator.plan.model import ModelSpec, padded_vocab
 from orchestrator.plan.presets import GLM5, QWEN3_4B
-from tests.unit.test_model_config import LLAMA4_TEXT, MIXTRAL, QWEN3_VL
-from tests.unit.test_plan import SMALL_MLA
+from tests.support.hf_configs import LLAMA4_TEXT, MIXTRAL, QWEN3_VL, SMALL_MLA
 
 
 def colocate(*args: str) -> Result:
