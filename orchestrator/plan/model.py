@@ -62,7 +62,8 @@ class ModelSpec:
 
     `moe_layers[i]` says whether decoder layer i has a routed-expert MLP. MLA is on when
     `kv_lora_rank` is set; then `qk_head_dim` (= nope + rope) and `v_head_dim` apply.
-    `not_counted`: the parts of the source model these numbers leave out (a vision tower).
+    `not_counted`: the parts of the source model these numbers leave out (a vision tower);
+    `assumed`: what its config did not say and the reader assumed.
     """
 
     name: str
@@ -76,7 +77,9 @@ class ModelSpec:
     qk_norm: bool = False
     qkv_bias: bool = False
     out_bias: bool = False  # a bias on the attention's output projection (replicated over TP)
-    sandwich_norms: bool = False  # Gemma's norms after attention and before/after the MLP
+    # Gemma's norms after attention and after the MLP: counted as HF builds them (megatron-core's
+    # TransformerLayer has no slot for them; a Gemma layer spec adds its own).
+    sandwich_norms: bool = False
     tie_embeddings: bool = False
     # MLA (DeepSeek-V3 / GLM-5)
     q_lora_rank: int = 0
@@ -99,12 +102,14 @@ class ModelSpec:
     fp32_param_numel: int = 0  # fp32-dtype params added beside the architecture's
     frozen: tuple[str, ...] = ()  # names of params with requires_grad=False
     not_counted: tuple[str, ...] = ()
+    assumed: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.moe_layers:
             object.__setattr__(self, "moe_layers", (False,) * self.num_layers)
-        if self.problems():
-            raise ConfigError([f"model {self.name}: {p}" for p in self.problems()])
+        problems = self.problems()
+        if problems:
+            raise ConfigError([f"model {self.name}: {p}" for p in problems])
 
     def problems(self) -> list[str]:
         ints = {k: v for k, v in vars(self).items() if isinstance(v, int) and not isinstance(v, bool)}
@@ -155,7 +160,8 @@ class ModelSpec:
             shared_expert_gate=a.shared_expert_gate,
             expert_bias=a.expert_bias,
             num_mtp_layers=a.num_mtp_layers,
-            not_counted=a.not_counted + a.assumed,
+            not_counted=a.not_counted,
+            assumed=a.assumed,
         )
 
     @property

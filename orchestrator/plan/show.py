@@ -42,7 +42,8 @@ def headline(p: Plan) -> str:
     else:
         layout = f"TP{par.tp} x PP{par.pp} x DP{par.dp}"
     line = f"{m.name}: {params}; {layout}; {par.world} GPUs; mode {p.mode.value}; layer spec {par.spec.value}"
-    return line + "".join(f"\nnot counted: {part}" for part in m.not_counted)
+    notes = [f"not counted: {part}" for part in m.not_counted] + [f"assumed: {what}" for what in m.assumed]
+    return "\n".join([line, *notes])
 
 
 def to_json(p: Plan, *, gbps: float = PINNED_COPY_GBPS) -> dict[str, Any]:
@@ -58,6 +59,7 @@ def to_json(p: Plan, *, gbps: float = PINNED_COPY_GBPS) -> dict[str, Any]:
             "vocab_size": m.vocab_size,
             "padded_vocab_size": padded_vocab(m.vocab_size, par.tp),
             "not_counted": list(m.not_counted),
+            "assumed": list(m.assumed),
         },
         "parallelism": {
             "tp": par.tp,

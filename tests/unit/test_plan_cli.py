@@ -77,6 +77,10 @@ def test_a_missing_tie_key_is_the_model_types_default(tmp_path: Path) -> None:
     tied = planned(write(tmp_path, gemma))["model"]["hf_params"]
     untied = planned(write(tmp_path, {**gemma, "tie_word_embeddings": False}))["model"]["hf_params"]
     assert untied - tied == 151936 * 2560
+    unknown = colocate("plan", write(tmp_path, {**gemma, "model_type": "somebody_new"}))
+    assert "\nassumed: tie_word_embeddings not given and model_type 'somebody_new' unknown: counted untied" in (
+        unknown.stdout
+    )
 
 
 @pytest.mark.parametrize(
