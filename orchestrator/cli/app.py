@@ -12,7 +12,7 @@ from rich.console import Console
 from orchestrator.core import diagram
 from orchestrator.core.config import Device, DigestMethod, EngineKind, WeightSync
 from orchestrator.errors import ConfigError, TraceError
-from orchestrator.plan.command import plan_command
+from orchestrator.plan.command import PLAN_HELP, plan_command
 from states import Mode, Offload
 
 
@@ -262,7 +262,7 @@ def trace_timeline_command(
     err.print(f"{output}: step {chosen.number}, {chosen.root.duration_ms:.1f} ms")
 
 
-app.command("plan")(plan_command)
+app.command("plan", help=PLAN_HELP)(plan_command)
 
 
 def main() -> None:

@@ -10,19 +10,21 @@ guard's input (`LifecycleConfig(memory=...)`).
 
 from orchestrator.plan.budget import MemoryProbe
 from orchestrator.plan.memory import EngineSpec, GradDtype, OptimizerSpec, Parallelism, Plan, RankBytes, plan
-from orchestrator.plan.model import ModelSpec, from_hf_config
+from orchestrator.plan.model import LayerSpec, ModelSpec, from_config, from_hf_config
 from orchestrator.plan.presets import PRESETS, load_model
 
 __all__ = [
     "PRESETS",
     "EngineSpec",
     "GradDtype",
+    "LayerSpec",
     "MemoryProbe",
     "ModelSpec",
     "OptimizerSpec",
     "Parallelism",
     "Plan",
     "RankBytes",
+    "from_config",
     "from_hf_config",
     "load_model",
     "plan",

@@ -9,20 +9,62 @@ import typer
 from rich.console import Console
 
 from orchestrator.errors import ConfigError
+from orchestrator.models import support_table
 from orchestrator.plan.memory import EngineSpec, GradDtype, OptimizerSpec, Parallelism, plan
+from orchestrator.plan.model import LayerSpec, ModelSpec
 from orchestrator.plan.offload import PINNED_COPY_GBPS
 from orchestrator.plan.presets import PRESETS, load_model
 from orchestrator.plan.show import show, to_json
 from states import Mode, Offload
 
+# `\b` keeps click from re-flowing the table's lines into one paragraph.
+PLAN_HELP = (
+    "Plan each rank's memory per lifecycle phase: params, grads, mains, Adam, backups, engine.\n\n"
+    "MODEL is an HF config.json (dense, MoE, MLA and DSA decoders; the text model of a multimodal "
+    "config, whose other parts the plan names as not counted) or a preset. "
+    "Weight sync to an engine converts these families, checked at these layouts:\n\n\b\n" + support_table()
+)
 
-def _split(text: str | None) -> tuple[int, ...]:
+
+def _split(text: str | None, problems: list[str]) -> tuple[int, ...]:
     if not text:
         return ()
     try:
         return tuple(int(x) for x in text.split(","))
     except ValueError:
-        raise ConfigError([f"--pp-layers {text!r}: give comma-separated layer counts, e.g. 19,20,20,19"]) from None
+        problems.append(f"--pp-layers {text!r}: give comma-separated layer counts, e.g. 19,20,20,19")
+        return ()
+
+
+def _option_problems(
+    *, mode: str, pcie_gbps: float, engine: EngineSpec, gpu_memory_gb: float, cuda_graph_gb: float, gpus_per_node: int
+) -> list[str]:
+    """Every option out of its range, named by its flag."""
+    checks = {
+        f"--mode must be rematerialize or backup, got {mode!r}": mode not in (Mode.REMATERIALIZE, Mode.BACKUP),
+        f"--pcie-gbps must be a positive rate, got {pcie_gbps}": not pcie_gbps > 0,
+        f"--engine-gpus must be >= 0 (0: TP x PP), got {engine.gpus}": engine.gpus < 0,
+        f"--gpu-memory-gb must be > 0, got {gpu_memory_gb}": not gpu_memory_gb > 0,
+        f"--cuda-graph-gb must be >= 0, got {cuda_graph_gb}": not cuda_graph_gb >= 0,
+        f"--mem-fraction-static must be in (0, 1], got {engine.mem_fraction_static}": not (
+            0 < engine.mem_fraction_static <= 1
+        ),
+        f"--kv-tokens must be >= 0, got {engine.kv_tokens}": engine.kv_tokens < 0,
+        f"--gpus-per-node must be >= 1, got {gpus_per_node}": gpus_per_node < 1,
+    }
+    return [problem for problem, bad in checks.items() if bad]
+
+
+def _model(model: str, layout: Parallelism, problems: list[str]) -> ModelSpec:
+    """The model, or one ConfigError naming every problem with it, the layout and the options."""
+    try:
+        spec = load_model(model)
+    except ConfigError as exc:
+        raise ConfigError([*problems, *map(str, exc.violations)]) from None
+    problems = problems + layout.problems(spec)
+    if problems:
+        raise ConfigError(problems)
+    return spec
 
 
 def plan_command(
@@ -35,6 +77,10 @@ def plan_command(
     ep: Annotated[int, typer.Option(help="Expert parallel size.")] = 1,
     etp: Annotated[int, typer.Option(help="Expert tensor parallel size.")] = 1,
     pp_layers: Annotated[str | None, typer.Option(help="Decoder layers per stage, e.g. 19,20,20,19.")] = None,
+    spec: Annotated[
+        LayerSpec,
+        typer.Option(help="Megatron's layer spec: te replicates MLA's down projections over TP, local splits them."),
+    ] = LayerSpec.TE,
     mode: Annotated[str, typer.Option(help="rematerialize or backup.")] = Mode.REMATERIALIZE.value,
     distributed_optimizer: Annotated[bool, typer.Option(help="Megatron's DistributedOptimizer.")] = True,
     grad_dtype: Annotated[GradDtype, typer.Option(help="Grad buffer dtype.")] = GradDtype.FP32,
@@ -55,24 +101,30 @@ def plan_command(
     gpus_per_node: Annotated[int, typer.Option(help="GPUs per node, for the node totals.")] = 8,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of tables.")] = False,
 ) -> None:
-    """Plan each rank's memory per lifecycle phase: params, grads, mains, Adam, backups, engine."""
+    """`colocate plan`; its help is PLAN_HELP."""
     err = Console(stderr=True, soft_wrap=True)
+    engine = EngineSpec(
+        gpus=engine_gpus,
+        device_bytes=int(gpu_memory_gb * 1e9),
+        mem_fraction_static=mem_fraction_static,
+        cuda_graph_bytes=int(cuda_graph_gb * 1e9),
+        kv_tokens=kv_tokens,
+    )
     try:
-        if mode not in (Mode.REMATERIALIZE.value, Mode.BACKUP.value):
-            raise ConfigError([f"--mode must be rematerialize or backup, got {mode!r}"])
-        if not pcie_gbps > 0:
-            raise ConfigError([f"--pcie-gbps must be a positive rate, got {pcie_gbps}"])
+        problems = _option_problems(
+            mode=mode,
+            pcie_gbps=pcie_gbps,
+            engine=engine,
+            gpu_memory_gb=gpu_memory_gb,
+            cuda_graph_gb=cuda_graph_gb,
+            gpus_per_node=gpus_per_node,
+        )
+        layout = Parallelism(tp=tp, pp=pp, dp=dp, ep=ep, etp=etp, pp_layers=_split(pp_layers, problems), spec=spec)
         the_plan = plan(
-            load_model(model),
-            Parallelism(tp=tp, pp=pp, dp=dp, ep=ep, etp=etp, pp_layers=_split(pp_layers)),
+            _model(model, layout, problems),
+            layout,
             optimizer=OptimizerSpec(distributed=distributed_optimizer, grad_dtype=grad_dtype, adam=adam),
-            engine=EngineSpec(
-                gpus=engine_gpus,
-                device_bytes=int(gpu_memory_gb * 1e9),
-                mem_fraction_static=mem_fraction_static,
-                cuda_graph_bytes=int(cuda_graph_gb * 1e9),
-                kv_tokens=kv_tokens,
-            ),
+            engine=engine,
             mode=Mode(mode),
             gpus_per_node=gpus_per_node,
             offload=offload,

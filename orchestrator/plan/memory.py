@@ -15,7 +15,7 @@ from enum import StrEnum
 
 from orchestrator.core.offload import Residency, choose
 from orchestrator.errors import ConfigError
-from orchestrator.plan.model import Kind, ModelSpec, Tensor, stage_tensors
+from orchestrator.plan.model import Kind, LayerSpec, ModelSpec, Tensor, stage_tensors
 from states import EngineMemory, MemoryBudget, Mode, Offload, Region
 
 GB = 1e9
@@ -28,7 +28,8 @@ class GradDtype(StrEnum):
 
 @dataclass(frozen=True, kw_only=True)
 class Parallelism:
-    """TP x PP x DP ranks; experts split EP x expert-TP within each stage's TP x DP ranks."""
+    """TP x PP x DP ranks; experts split EP x expert-TP within each stage's TP x DP ranks;
+    `spec`: the Megatron layer spec, which decides how MLA's down projections shard."""
 
     tp: int = 1
     pp: int = 1
@@ -36,6 +37,7 @@ class Parallelism:
     ep: int = 1
     etp: int = 1
     pp_layers: tuple[int, ...] = ()  # decoder layers per stage; () splits evenly
+    spec: LayerSpec = LayerSpec.TE
 
     @property
     def world(self) -> int:
@@ -47,6 +49,9 @@ class Parallelism:
 
     def problems(self, m: ModelSpec) -> list[str]:
         out = [f"{k} must be >= 1, got {v}" for k, v in vars(self).items() if isinstance(v, int) and v < 1]
+        empty = [n for n in self.pp_layers if n < 1]
+        if empty:
+            out.append(f"--pp-layers {','.join(map(str, self.pp_layers))}: every stage needs >= 1 layer")
         if out:
             return out
         checks = [
@@ -61,7 +66,17 @@ class Parallelism:
                 (m.moe_ffn_hidden_size, self.etp, "the expert FFN size", "expert TP"),
                 (self.tp * self.dp, self.ep * self.etp, "TP x DP ranks of a stage", "EP x expert TP"),
             ]
+        if m.mla and self.spec is LayerSpec.LOCAL:
+            checks += [
+                (m.q_lora_rank, self.tp, "the q LoRA rank", "TP (the local spec splits the down projections)"),
+                (m.kv_lora_rank + m.qk_rope_head_dim, self.tp, "the kv LoRA rank + RoPE dim", "TP"),
+            ]
         out = [f"{what} ({n}) do not divide by {by} ({d})" for n, d, what, by in checks if n % d]
+        if m.index_n_heads and self.spec is LayerSpec.LOCAL:
+            out.append(
+                "the DSA indexer: megatron-core builds it only with the TE spec (its indexer linears are "
+                "TE's replicated Linear; the local backend has none): use --spec te"
+            )
         if self.pp_layers:
             if len(self.pp_layers) != self.pp or sum(self.pp_layers) != m.num_layers:
                 out.append(
@@ -217,7 +232,9 @@ def buffer_numel(tensors: list[Tensor], dp: int, distributed: bool) -> int:
 
 def rank_bytes(m: ModelSpec, par: Parallelism, opt: OptimizerSpec, stage: int) -> RankBytes:
     layers = par.stages(m)[stage]
-    tensors = stage_tensors(m, layers, first=stage == 0, last=stage == par.pp - 1, tp=par.tp, ep=par.ep, etp=par.etp)
+    tensors = stage_tensors(
+        m, layers, first=stage == 0, last=stage == par.pp - 1, tp=par.tp, ep=par.ep, etp=par.etp, spec=par.spec
+    )
     param_buffer = grad_buffer = mains = adam = 0
     grad_width = 4 if opt.grad_dtype is GradDtype.FP32 else 2
     for expert, dp in ((False, par.dp), (True, par.expert_dp)):
@@ -269,6 +286,11 @@ def plan(
         problems.append(f"mem_fraction_static must be in (0, 1], got {engine.mem_fraction_static}")
     if engine.kv_tokens < 0:
         problems.append(f"kv_tokens must be >= 0, got {engine.kv_tokens}")
+    if engine.gpus < 0 or engine.device_bytes <= 0 or engine.cuda_graph_bytes < 0:
+        problems.append(
+            f"engine gpus must be >= 0, device bytes > 0 and CUDA graph bytes >= 0, got {engine.gpus}, "
+            f"{engine.device_bytes}, {engine.cuda_graph_bytes}"
+        )
     if mode is Mode.REMATERIALIZE and not optimizer.distributed:
         problems.append("rematerialize needs the distributed optimizer (its fp32 mains rebuild the params)")
     if problems:

@@ -1,11 +1,12 @@
 """A model's architecture as numbers, and the tensors one rank holds of it, without building it.
 
-`ModelSpec` reads an HF `config.json` (Llama, Qwen2/3, Qwen3-MoE, DeepSeek-V3 and GLM-5 style
-MLA + MoE) or comes from a preset. `stage_tensors` lists, for one pipeline stage, every tensor
-one rank holds under Megatron-core's sharding: column- and row-parallel linears and the
-vocabulary split by TP; norms, routers and MLA's down projections replicated; routed experts
-split by EP, and each expert by expert TP. Shapes follow Megatron-core's GPT layers, so the
-numbers can be checked against its DDP buffers (tests/integration/test_plan_vs_megatron.py).
+`ModelSpec` comes from an HF config, read by orchestrator.models' one reader (`from_hf_config`,
+`from_architecture`), or from a preset. `stage_tensors` lists, for one pipeline stage, every
+tensor one rank holds under Megatron-core's sharding: column- and row-parallel linears and the
+vocabulary split by TP; norms and routers replicated; routed experts split by EP, and each
+expert by expert TP. MLA's down projections follow the layer spec (`LayerSpec`). Shapes follow
+Megatron-core's GPT layers, so the numbers can be checked against its DDP buffers
+(tests/integration/test_plan_vs_megatron.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,21 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.errors import ConfigError
+from orchestrator.models import Architecture, read_config
+
+
+class LayerSpec(StrEnum):
+    """Megatron-core's layer spec, where it shards differently.
+
+    Both build MLA with its q and kv down projections; the TE spec
+    (`get_gpt_layer_with_transformer_engine_spec`) makes them `backend.linear()`, replicated
+    over TP, and the local spec (`get_gpt_layer_local_spec`) column-parallel, split over TP.
+    DSA's indexer is built only by the TE spec (`get_dsa_module_spec_for_backend`: its linears
+    are `parallel_mode="duplicated"`, replicated); the local backend has no such linear.
+    """
+
+    TE = "te"
+    LOCAL = "local"
 
 
 class Kind(StrEnum):
@@ -46,6 +62,8 @@ class ModelSpec:
 
     `moe_layers[i]` says whether decoder layer i has a routed-expert MLP. MLA is on when
     `kv_lora_rank` is set; then `qk_head_dim` (= nope + rope) and `v_head_dim` apply.
+    `not_counted`: the parts of the source model these numbers leave out (a vision tower);
+    `assumed`: what its config did not say and the reader assumed.
     """
 
     name: str
@@ -58,6 +76,10 @@ class ModelSpec:
     head_dim: int = 0  # 0: hidden_size // num_attention_heads
     qk_norm: bool = False
     qkv_bias: bool = False
+    out_bias: bool = False  # a bias on the attention's output projection (replicated over TP)
+    # Gemma's norms after attention and after the MLP: counted as HF builds them (megatron-core's
+    # TransformerLayer has no slot for them; a Gemma layer spec adds its own).
+    sandwich_norms: bool = False
     tie_embeddings: bool = False
     # MLA (DeepSeek-V3 / GLM-5)
     q_lora_rank: int = 0
@@ -73,26 +95,74 @@ class ModelSpec:
     moe_ffn_hidden_size: int = 0
     moe_router_topk: int = 1
     shared_expert_ffn: int = 0  # all shared experts together
+    shared_expert_gate: bool = False
     expert_bias: bool = False
     num_mtp_layers: int = 0  # DeepSeek-style multi-token prediction, on the last stage
     # tensors that the fp32 mains cannot rebuild, beyond expert_bias
     fp32_param_numel: int = 0  # fp32-dtype params added beside the architecture's
     frozen: tuple[str, ...] = ()  # names of params with requires_grad=False
+    not_counted: tuple[str, ...] = ()
+    assumed: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.moe_layers:
             object.__setattr__(self, "moe_layers", (False,) * self.num_layers)
-        problems = [
-            f"{name} must be > 0, got {getattr(self, name)}"
-            for name in ("hidden_size", "num_layers", "vocab_size", "num_attention_heads", "num_query_groups")
-            if getattr(self, name) <= 0
-        ]
-        if len(self.moe_layers) != self.num_layers:
-            problems.append(f"moe_layers has {len(self.moe_layers)} entries for {self.num_layers} layers")
-        if any(self.moe_layers) and (self.num_experts <= 0 or self.moe_ffn_hidden_size <= 0):
-            problems.append("MoE layers need num_experts and moe_ffn_hidden_size")
+        problems = self.problems()
         if problems:
             raise ConfigError([f"model {self.name}: {p}" for p in problems])
+
+    def problems(self) -> list[str]:
+        ints = {k: v for k, v in vars(self).items() if isinstance(v, int) and not isinstance(v, bool)}
+        out = [f"{k} must be >= 0, got {v}" for k, v in ints.items() if v < 0]
+        required = ("hidden_size", "num_layers", "vocab_size", "num_attention_heads", "num_query_groups")
+        out += [f"{k} must be > 0, got {ints[k]}" for k in required if ints[k] == 0]
+        if out:
+            return out
+        if not self.mla and self.num_attention_heads % self.num_query_groups:
+            out.append(f"{self.num_attention_heads} heads do not split into {self.num_query_groups} query groups")
+        if len(self.moe_layers) != self.num_layers:
+            out.append(f"moe_layers has {len(self.moe_layers)} entries for {self.num_layers} layers")
+        if any(self.moe_layers) and (self.num_experts <= 0 or self.moe_ffn_hidden_size <= 0):
+            out.append("MoE layers need num_experts and moe_ffn_hidden_size")
+        if not all(self.moe_layers) and self.ffn_hidden_size <= 0:
+            out.append("dense layers need ffn_hidden_size")
+        return out
+
+    @classmethod
+    def from_architecture(cls, a: Architecture, name: str | None = None) -> ModelSpec:
+        """The planner's view of an HF architecture (orchestrator.models.read_config)."""
+        return cls(
+            name=name or a.name,
+            hidden_size=a.hidden_size,
+            num_layers=a.num_layers,
+            vocab_size=a.vocab_size,
+            num_attention_heads=a.num_attention_heads,
+            num_query_groups=a.num_kv_heads,
+            ffn_hidden_size=a.ffn_hidden_size,
+            head_dim=a.head_dim,
+            qk_norm=a.qk_norm,
+            qkv_bias=a.qkv_bias,
+            out_bias=a.out_bias,
+            sandwich_norms=a.sandwich_norms,
+            tie_embeddings=a.tie_embeddings,
+            q_lora_rank=a.q_lora_rank,
+            kv_lora_rank=a.kv_lora_rank,
+            qk_head_dim=a.qk_head_dim,
+            qk_rope_head_dim=a.qk_rope_head_dim,
+            v_head_dim=a.v_head_dim,
+            index_n_heads=a.index_n_heads,
+            index_head_dim=a.index_head_dim,
+            moe_layers=a.moe_layers,
+            num_experts=a.num_experts,
+            moe_ffn_hidden_size=a.moe_ffn_hidden_size,
+            moe_router_topk=a.moe_router_topk or 1,
+            shared_expert_ffn=a.shared_expert_ffn,
+            shared_expert_gate=a.shared_expert_gate,
+            expert_bias=a.expert_bias,
+            num_mtp_layers=a.num_mtp_layers,
+            not_counted=a.not_counted,
+            assumed=a.assumed,
+        )
 
     @property
     def kv_channels(self) -> int:
@@ -111,16 +181,34 @@ class ModelSpec:
         heads = math.ceil(self.num_query_groups / max(gpus, 1))
         return 2 * 2 * self.num_layers * heads * self.kv_channels
 
-    def total_params(self) -> int:
-        """Unique parameters of the model (no TP/PP copies), extras and MTP included."""
+    def total_params(self, tp: int = 1) -> int:
+        """Unique parameters of Megatron's model (no TP/PP copies), extras and MTP included, with
+        the vocabulary padded as Megatron pads it at tensor-parallel size `tp`."""
         whole = stage_tensors(self, range(self.num_layers), first=True, last=True, tp=1, ep=1, etp=1)
-        return sum(t.numel for t in whole if t.kind is not Kind.EXPERT_BIAS)
+        counted = sum(t.numel for t in whole if t.kind is not Kind.EXPERT_BIAS)
+        return counted + (padded_vocab(self.vocab_size, tp) - padded_vocab(self.vocab_size, 1)) * self.vocab_row_params
 
-    def active_params(self) -> int:
+    def mtp_params(self) -> int:
+        """Parameters of the MTP layers (their embedding is the model's)."""
+        whole = stage_tensors(self, range(0), first=False, last=True, tp=1, ep=1, etp=1)
+        return sum(t.numel for t in whole if t.name.startswith("mtp.") and t.kind is not Kind.EXPERT_BIAS)
+
+    def hf_params(self) -> int:
+        """What the HF checkpoint holds of it: no vocabulary padding, no MTP layers (HF's models
+        do not build them), and none of `not_counted`."""
+        padding = (padded_vocab(self.vocab_size, 1) - self.vocab_size) * self.vocab_row_params
+        return self.total_params() - self.mtp_params() - padding
+
+    @property
+    def vocab_row_params(self) -> int:
+        """Parameters one vocabulary entry adds: its embedding row, and its output row unless tied."""
+        return self.hidden_size * (1 if self.tie_embeddings else 2)
+
+    def active_params(self, tp: int = 1) -> int:
         """Parameters one token touches: routed experts counted `moe_router_topk` times, not all."""
         per_expert = 3 * self.hidden_size * self.moe_ffn_hidden_size
         moe = sum(self.moe_layers) + (self.num_mtp_layers if any(self.moe_layers) else 0)
-        return self.total_params() - moe * per_expert * (self.num_experts - self.moe_router_topk)
+        return self.total_params(tp) - moe * per_expert * (self.num_experts - self.moe_router_topk)
 
 
 def padded_vocab(vocab: int, tp: int, multiple: int = 128) -> int:
@@ -129,39 +217,48 @@ def padded_vocab(vocab: int, tp: int, multiple: int = 128) -> int:
     return math.ceil(vocab / step) * step
 
 
-def _attention(m: ModelSpec, p: str, tp: int) -> Iterator[Tensor]:
+def _attention(m: ModelSpec, p: str, tp: int, spec: LayerSpec) -> Iterator[Tensor]:
     h = m.hidden_size
     yield Tensor(f"{p}input_layernorm.weight", h)
     a = f"{p}self_attention."
     if m.mla:
-        heads = m.num_attention_heads // tp
-        if m.q_lora_rank:
-            yield Tensor(f"{a}linear_q_down_proj.weight", m.q_lora_rank * h)  # replicated over TP
-            yield Tensor(f"{a}q_layernorm.weight", m.q_lora_rank)
-            yield Tensor(f"{a}linear_q_up_proj.weight", heads * m.qk_head_dim * m.q_lora_rank)
-        else:
-            yield Tensor(f"{a}linear_q_proj.weight", heads * m.qk_head_dim * h)
-        yield Tensor(f"{a}linear_kv_down_proj.weight", (m.kv_lora_rank + m.qk_rope_head_dim) * h)
-        yield Tensor(f"{a}kv_layernorm.weight", m.kv_lora_rank)
-        nope = m.qk_head_dim - m.qk_rope_head_dim
-        yield Tensor(f"{a}linear_kv_up_proj.weight", heads * (nope + m.v_head_dim) * m.kv_lora_rank)
-        yield Tensor(f"{a}linear_proj.weight", h * heads * m.v_head_dim)
-        if m.index_n_heads:  # replicated over TP
-            d = m.index_head_dim
-            yield Tensor(f"{a}indexer.wq_b.weight", m.index_n_heads * d * (m.q_lora_rank or h))
-            yield Tensor(f"{a}indexer.wk.weight", d * h)
-            yield Tensor(f"{a}indexer.k_norm.weight_and_bias", 2 * d)
-            yield Tensor(f"{a}indexer.weights_proj.weight", m.index_n_heads * h)
-        return
-    d, heads, groups = m.kv_channels, m.num_attention_heads // tp, m.num_query_groups // tp
-    qkv = (heads + 2 * groups) * d
-    yield Tensor(f"{a}linear_qkv.weight", qkv * h)
-    if m.qkv_bias:
-        yield Tensor(f"{a}linear_qkv.bias", qkv)
-    if m.qk_norm:
-        yield Tensor(f"{a}q_layernorm.weight", d)
-        yield Tensor(f"{a}k_layernorm.weight", d)
-    yield Tensor(f"{a}linear_proj.weight", h * heads * d)
+        yield from _mla(m, a, tp, spec)
+    else:
+        d, heads, groups = m.kv_channels, m.num_attention_heads // tp, m.num_query_groups // tp
+        qkv = (heads + 2 * groups) * d
+        yield Tensor(f"{a}linear_qkv.weight", qkv * h)
+        if m.qkv_bias:
+            yield Tensor(f"{a}linear_qkv.bias", qkv)
+        if m.qk_norm:
+            yield Tensor(f"{a}q_layernorm.weight", d)
+            yield Tensor(f"{a}k_layernorm.weight", d)
+        yield Tensor(f"{a}linear_proj.weight", h * heads * d)
+    if m.out_bias:
+        yield Tensor(f"{a}linear_proj.bias", h)  # a row-parallel bias: whole on every rank
+    if m.sandwich_norms:
+        yield Tensor(f"{p}post_attention_layernorm.weight", h)
+
+
+def _mla(m: ModelSpec, a: str, tp: int, spec: LayerSpec) -> Iterator[Tensor]:
+    h, heads = m.hidden_size, m.num_attention_heads // tp
+    down = tp if spec is LayerSpec.LOCAL else 1  # the down projections: split, or replicated
+    if m.q_lora_rank:
+        yield Tensor(f"{a}linear_q_down_proj.weight", m.q_lora_rank // down * h)
+        yield Tensor(f"{a}q_layernorm.weight", m.q_lora_rank)
+        yield Tensor(f"{a}linear_q_up_proj.weight", heads * m.qk_head_dim * m.q_lora_rank)
+    else:
+        yield Tensor(f"{a}linear_q_proj.weight", heads * m.qk_head_dim * h)
+    yield Tensor(f"{a}linear_kv_down_proj.weight", (m.kv_lora_rank + m.qk_rope_head_dim) // down * h)
+    yield Tensor(f"{a}kv_layernorm.weight", m.kv_lora_rank)
+    nope = m.qk_head_dim - m.qk_rope_head_dim
+    yield Tensor(f"{a}linear_kv_up_proj.weight", heads * (nope + m.v_head_dim) * m.kv_lora_rank)
+    yield Tensor(f"{a}linear_proj.weight", h * heads * m.v_head_dim)
+    if m.index_n_heads:  # replicated over TP (the TE spec is the only one that builds it)
+        d = m.index_head_dim
+        yield Tensor(f"{a}indexer.wq_b.weight", m.index_n_heads * d * (m.q_lora_rank or h))
+        yield Tensor(f"{a}indexer.wk.weight", d * h)
+        yield Tensor(f"{a}indexer.k_norm.weight_and_bias", 2 * d)
+        yield Tensor(f"{a}indexer.weights_proj.weight", m.index_n_heads * h)
 
 
 def _gated_mlp(p: str, h: int, ffn: int, *, expert: bool = False) -> Iterator[Tensor]:
@@ -172,6 +269,8 @@ def _gated_mlp(p: str, h: int, ffn: int, *, expert: bool = False) -> Iterator[Te
 def _mlp(m: ModelSpec, p: str, moe: bool, tp: int, ep: int, etp: int) -> Iterator[Tensor]:
     h = m.hidden_size
     yield Tensor(f"{p}pre_mlp_layernorm.weight", h)
+    if m.sandwich_norms:
+        yield Tensor(f"{p}post_mlp_layernorm.weight", h)
     if not moe:
         yield from _gated_mlp(f"{p}mlp.", h, m.ffn_hidden_size // tp)
         return
@@ -182,16 +281,28 @@ def _mlp(m: ModelSpec, p: str, moe: bool, tp: int, ep: int, etp: int) -> Iterato
         yield from _gated_mlp(f"{p}mlp.experts.local_experts.{e}.", h, m.moe_ffn_hidden_size // etp, expert=True)
     if m.shared_expert_ffn:
         yield from _gated_mlp(f"{p}mlp.shared_experts.", h, m.shared_expert_ffn // tp)
+        if m.shared_expert_gate:
+            yield Tensor(f"{p}mlp.shared_experts.gate_weight", h)  # replicated over TP
 
 
-def stage_tensors(m: ModelSpec, layers: range, *, first: bool, last: bool, tp: int, ep: int, etp: int) -> list[Tensor]:
+def stage_tensors(
+    m: ModelSpec,
+    layers: range,
+    *,
+    first: bool,
+    last: bool,
+    tp: int,
+    ep: int,
+    etp: int,
+    spec: LayerSpec = LayerSpec.TE,
+) -> list[Tensor]:
     """Every tensor one rank of a stage holding decoder `layers` has (all its TP/EP shards alike)."""
     h, vocab = m.hidden_size, padded_vocab(m.vocab_size, tp) // tp
     out: list[Tensor] = []
     if first:
         out.append(Tensor("embedding.word_embeddings.weight", vocab * h))
     for i in layers:
-        out += _attention(m, f"decoder.layers.{i}.", tp)
+        out += _attention(m, f"decoder.layers.{i}.", tp, spec)
         out += _mlp(m, f"decoder.layers.{i}.", m.moe_layers[i], tp, ep, etp)
     if last:
         out.append(Tensor("decoder.final_layernorm.weight", h))
@@ -200,7 +311,7 @@ def stage_tensors(m: ModelSpec, layers: range, *, first: bool, last: bool, tp: i
             p = f"mtp.layers.{j}."
             out += [Tensor(f"{p}enorm.weight", h), Tensor(f"{p}hnorm.weight", h)]
             out.append(Tensor(f"{p}eh_proj.weight", (h // tp) * 2 * h))
-            out += _attention(m, f"{p}transformer_layer.", tp)
+            out += _attention(m, f"{p}transformer_layer.", tp, spec)
             out += _mlp(m, f"{p}transformer_layer.", mtp_moe, tp, ep, etp)
             out.append(Tensor(f"{p}final_layernorm.weight", h))
         # Off the first stage the last one holds its own copy of the embedding when it needs one:
@@ -217,61 +328,17 @@ def stage_tensors(m: ModelSpec, layers: range, *, first: bool, last: bool, tp: i
     return out
 
 
-def from_hf_config(path: Path) -> ModelSpec:
+def from_hf_config(path: Path, name: str | None = None) -> ModelSpec:
     """Read an HF `config.json`. Raises ConfigError naming the file and what is wrong."""
     try:
-        cfg = json.loads(path.read_text())
+        mapping = json.loads(path.read_text())
     except FileNotFoundError:
         raise ConfigError([f"{path}: no such file"]) from None
     except (OSError, ValueError) as exc:
         raise ConfigError([f"{path}: not a readable JSON config ({exc})"]) from None
-    if not isinstance(cfg, dict):
-        raise ConfigError([f"{path}: not a JSON object"])
-    cfg = cfg.get("text_config", cfg)
-    try:
-        return _spec_from_dict(cfg, name=str(cfg.get("_name_or_path") or path.parent.name or path.name))
-    except KeyError as exc:
-        raise ConfigError([f"{path}: missing {exc.args[0]!r}"]) from None
+    return from_config(mapping, source=str(path), name=name)
 
 
-def _spec_from_dict(c: dict[str, Any], *, name: str) -> ModelSpec:
-    layers, hidden = int(c["num_hidden_layers"]), int(c["hidden_size"])
-    heads = int(c["num_attention_heads"])
-    experts = int(c.get("n_routed_experts") or c.get("num_experts") or c.get("num_local_experts") or 0)
-    moe: tuple[bool, ...] = (False,) * layers
-    if experts:
-        dense_first = int(c.get("first_k_dense_replace", 0))
-        step = int(c.get("decoder_sparse_step", c.get("moe_layer_freq", 1)) or 1)
-        only_dense = set(c.get("mlp_only_layers") or [])
-        moe = tuple(i >= dense_first and (i + 1) % step == 0 and i not in only_dense for i in range(layers))
-    moe_ffn = int(c.get("moe_intermediate_size") or 0)
-    shared = int(c.get("n_shared_experts") or 0) * moe_ffn or int(c.get("shared_expert_intermediate_size") or 0)
-    arch = " ".join(c.get("architectures") or [c.get("model_type", "")])
-    qk_nope, qk_rope = int(c.get("qk_nope_head_dim") or 0), int(c.get("qk_rope_head_dim") or 0)
-    return ModelSpec(
-        name=name,
-        hidden_size=hidden,
-        num_layers=layers,
-        vocab_size=int(c["vocab_size"]),
-        num_attention_heads=heads,
-        num_query_groups=int(c.get("num_key_value_heads") or heads),
-        ffn_hidden_size=int(c.get("intermediate_size") or 4 * hidden),
-        head_dim=int(c.get("head_dim") or 0) if "kv_lora_rank" not in c else 0,
-        qk_norm="Qwen3" in arch or bool(c.get("use_qk_norm")),
-        qkv_bias=bool(c.get("attention_bias", "Qwen2" in arch)),
-        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-        q_lora_rank=int(c.get("q_lora_rank") or 0),
-        kv_lora_rank=int(c.get("kv_lora_rank") or 0),
-        qk_head_dim=qk_nope + qk_rope,
-        qk_rope_head_dim=qk_rope,
-        v_head_dim=int(c.get("v_head_dim") or 0),
-        index_n_heads=int(c.get("index_n_heads") or 0),
-        index_head_dim=int(c.get("index_head_dim") or 0),
-        moe_layers=moe,
-        num_experts=experts,
-        moe_ffn_hidden_size=moe_ffn,
-        moe_router_topk=int(c.get("num_experts_per_tok") or 1),
-        shared_expert_ffn=shared,
-        expert_bias=c.get("topk_method") == "noaux_tc" or "n_group" in c,
-        num_mtp_layers=int(c.get("num_nextn_predict_layers") or 0),
-    )
+def from_config(mapping: Any, *, source: str, name: str | None = None) -> ModelSpec:
+    """An HF config's mapping (a config.json's object, or `PretrainedConfig.to_dict()`)."""
+    return ModelSpec.from_architecture(read_config(mapping, source=source), name)

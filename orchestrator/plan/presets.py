@@ -12,7 +12,7 @@ from pathlib import Path
 from orchestrator.adapters.megatron.gpt import TinyGPTConfig
 from orchestrator.demo.presets import benchmark_model, preset
 from orchestrator.errors import ConfigError
-from orchestrator.plan.model import ModelSpec, _spec_from_dict, from_hf_config
+from orchestrator.plan.model import ModelSpec, from_config, from_hf_config
 
 # colocate's own GPTs: the job's default, and the restore benchmark's models (orchestrator/demo/presets.py);
 # `gpu-1b` is the benchmark's `llama-1b`, extras included.
@@ -95,8 +95,8 @@ def _tiny(name: str) -> Callable[[], ModelSpec]:
 
 PRESETS: dict[str, Callable[[], ModelSpec]] = {
     **{name: _tiny(name) for name in TINY_GPTS},
-    "qwen3-4b": lambda: _spec_from_dict(QWEN3_4B, name="qwen3-4b"),
-    "glm-5": lambda: _spec_from_dict(GLM5, name="glm-5"),
+    "qwen3-4b": lambda: from_config(QWEN3_4B, source="preset qwen3-4b", name="qwen3-4b"),
+    "glm-5": lambda: from_config(GLM5, source="preset glm-5", name="glm-5"),
 }
 
 

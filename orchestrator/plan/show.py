@@ -8,6 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from orchestrator.plan.memory import GB, Plan, RankBytes
+from orchestrator.plan.model import padded_vocab
 from orchestrator.plan.offload import PINNED_COPY_GBPS, prices
 
 BUFFER_ROWS = (
@@ -25,19 +26,51 @@ def _gb(n: int) -> str:
     return f"{n / GB:,.2f}"
 
 
+def headline(p: Plan) -> str:
+    """The model and layout in one line, saying what the count includes and what it leaves out."""
+    m, par = p.model, p.parallel
+    included = []
+    if m.num_mtp_layers:
+        layers = "layer" if m.num_mtp_layers == 1 else "layers"
+        included.append(f"incl. {m.num_mtp_layers} MTP {layers}: {m.mtp_params() / 1e9:,.1f} B")
+    if padded_vocab(m.vocab_size, par.tp) != m.vocab_size:
+        included.append(f"vocab padded {m.vocab_size:,} -> {padded_vocab(m.vocab_size, par.tp):,}")
+    params = f"{m.total_params(par.tp) / 1e9:,.2f} B params" + (f" ({'; '.join(included)})" if included else "")
+    if any(m.moe_layers):
+        params += f", {m.active_params(par.tp) / 1e9:,.2f} B active"
+        layout = f"TP{par.tp} x PP{par.pp} x DP{par.dp}, EP{par.ep} x ETP{par.etp} (expert DP {par.expert_dp})"
+    else:
+        layout = f"TP{par.tp} x PP{par.pp} x DP{par.dp}"
+    line = f"{m.name}: {params}; {layout}; {par.world} GPUs; mode {p.mode.value}; layer spec {par.spec.value}"
+    notes = [f"not counted: {part}" for part in m.not_counted] + [f"assumed: {what}" for what in m.assumed]
+    return "\n".join([line, *notes])
+
+
 def to_json(p: Plan, *, gbps: float = PINNED_COPY_GBPS) -> dict[str, Any]:
     par, m = p.parallel, p.model
+    moe = any(m.moe_layers)
     return {
-        "model": {"name": m.name, "total_params": m.total_params(), "active_params": m.active_params()},
+        "model": {
+            "name": m.name,
+            "total_params": m.total_params(par.tp),  # Megatron's: MTP and the padded vocabulary included
+            "active_params": m.active_params(par.tp),
+            "mtp_params": m.mtp_params(),
+            "hf_params": m.hf_params(),  # the HF checkpoint's: no padding, no MTP
+            "vocab_size": m.vocab_size,
+            "padded_vocab_size": padded_vocab(m.vocab_size, par.tp),
+            "not_counted": list(m.not_counted),
+            "assumed": list(m.assumed),
+        },
         "parallelism": {
             "tp": par.tp,
             "pp": par.pp,
             "dp": par.dp,
             "ep": par.ep,
             "etp": par.etp,
-            "expert_dp": par.expert_dp,
+            "expert_dp": par.expert_dp if moe else None,
             "world": par.world,
             "pp_layers": [len(s) for s in par.stages(m)],
+            "layer_spec": par.spec.value,
         },
         "optimizer": {
             "distributed": p.optimizer.distributed,
@@ -101,12 +134,7 @@ def show_offload(p: Plan, console: Console, *, gbps: float = PINNED_COPY_GBPS) -
 
 
 def show(p: Plan, console: Console, *, gbps: float = PINNED_COPY_GBPS) -> None:
-    m, par = p.model, p.parallel
-    console.print(
-        f"[bold]{m.name}[/]: {m.total_params() / 1e9:,.2f} B params ({m.active_params() / 1e9:,.2f} B active); "
-        f"TP{par.tp} x PP{par.pp} x DP{par.dp}, EP{par.ep} x ETP{par.etp} (expert DP {par.expert_dp}); "
-        f"{par.world} GPUs; mode {p.mode.value}"
-    )
+    console.print(headline(p), markup=False, highlight=False)
     per_rank = Table(title="per rank of each stage (GB; params in billions)")
     per_rank.add_column("")
     for r in p.ranks:

@@ -2,11 +2,13 @@
 
 The model is the `cpu` benchmark model of orchestrator/demo/presets.py (4 layers, the last MoE with
 expert_bias, an fp32 param, a frozen norm), built by `megatron_build.build_gpt` in DDP +
-DistributedOptimizer after one Adam step, at DP=1, DP=2 and DP=2 with EP=2.
+DistributedOptimizer after one Adam step, at DP=1, DP=2 and DP=2 with EP=2. And an MLA GPT of
+Megatron's local layer spec at TP2, tensor by tensor (the TE spec needs Transformer Engine).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -39,3 +41,29 @@ def test_every_buffer_is_planned_to_the_byte(measured: tuple[int, int, list[dict
         ]
         assert {name: have for name, _, have in table} == {name: want for name, want, _ in table}
         assert got["identical_rematerialize"] and got["identical_backup"]
+
+
+def test_the_local_spec_splits_mlas_down_projections_as_megatron_does(tmp_path: Path) -> None:
+    """`--spec local` against Megatron's own local layer spec at TP2 (tests/support/plan_spec_ranks.py
+    names the two parameter-free seams it replaces): every tensor of every rank, by name."""
+    from orchestrator.plan.model import LayerSpec, ModelSpec, stage_tensors
+    from tests.support.plan_spec_ranks import SHAPE, VOCAB, rank
+    from tests.support.spawn import spawn_ranks
+
+    spec = ModelSpec(
+        name="mla",
+        hidden_size=SHAPE["hidden_size"],
+        num_layers=SHAPE["num_layers"],
+        vocab_size=VOCAB,
+        num_attention_heads=SHAPE["num_attention_heads"],
+        num_query_groups=SHAPE["num_attention_heads"],
+        ffn_hidden_size=SHAPE["ffn_hidden_size"],
+        q_lora_rank=SHAPE["q_lora_rank"],
+        kv_lora_rank=SHAPE["kv_lora_rank"],
+        qk_head_dim=SHAPE["qk_head_dim"] + SHAPE["qk_pos_emb_head_dim"],
+        qk_rope_head_dim=SHAPE["qk_pos_emb_head_dim"],
+        v_head_dim=SHAPE["v_head_dim"],
+    )
+    planned = stage_tensors(spec, range(2), first=True, last=True, tp=2, ep=1, etp=1, spec=LayerSpec.LOCAL)
+    for got in spawn_ranks(rank, 2, tmp_path):
+        assert got["params"] == {t.name: t.numel for t in planned}

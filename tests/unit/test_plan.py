@@ -14,28 +14,7 @@ from orchestrator.plan.model import Kind, Tensor, from_hf_config, padded_vocab, 
 from orchestrator.plan.presets import GLM5, QWEN3_4B, load_model
 from states import Mode
 from tests.support.cli import run
-
-# A small DeepSeek-style model: MLA, 1 dense + 2 MoE layers, a shared expert, one MTP layer.
-SMALL_MLA = {
-    "architectures": ["DeepseekV3ForCausalLM"],
-    "hidden_size": 64,
-    "intermediate_size": 96,
-    "moe_intermediate_size": 16,
-    "num_hidden_layers": 3,
-    "first_k_dense_replace": 1,
-    "num_nextn_predict_layers": 1,
-    "n_routed_experts": 4,
-    "n_shared_experts": 1,
-    "num_experts_per_tok": 2,
-    "num_attention_heads": 4,
-    "q_lora_rank": 16,
-    "kv_lora_rank": 8,
-    "qk_nope_head_dim": 8,
-    "qk_rope_head_dim": 4,
-    "v_head_dim": 8,
-    "vocab_size": 256,
-    "topk_method": "noaux_tc",
-}
+from tests.support.hf_configs import SMALL_MLA
 
 
 def write(tmp_path: Path, config: dict) -> Path:

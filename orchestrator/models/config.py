@@ -1,0 +1,307 @@
+"""The one reader of HF model configs: a config.json's mapping to an `Architecture`.
+
+    arch = read_config(json.loads(path.read_text()), source=str(path))
+    arch = read_config(hf_config(spec).to_dict(), source="hf_config(spec)")
+
+A multimodal config nests its text model in `text_config`: its keys are read there first, then
+at the top level (`tie_word_embeddings`, `architectures` live there), and the rest of the model
+(a vision tower) is named in `not_counted`. What a config leaves to its `model_type` (Gemma's
+tied embeddings, Qwen2's q/k/v biases, Qwen3's q/k norms) comes from `hf_types`.
+
+Every problem is collected and raised at once as one ConfigError naming the key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from orchestrator.errors import ConfigError
+from orchestrator.models.architecture import Architecture
+from orchestrator.models.families import Family
+from orchestrator.models.hf_types import Bias, QKNorm, TypeFacts, facts_for, type_of_class
+
+__all__ = ["read_config"]
+
+_MISSING = object()
+
+
+class _Keys:
+    """Typed look-ups, the text model's keys first, then the top level's; problems collected."""
+
+    def __init__(self, top: Mapping[str, Any], text: Mapping[str, Any]) -> None:
+        self.top, self.text = top, text
+        self.problems: list[str] = []
+
+    def has(self, key: str) -> bool:
+        return self.raw(key) is not None
+
+    def raw(self, key: str) -> Any:
+        value = self.text.get(key, _MISSING)
+        return self.top.get(key) if value is _MISSING else value
+
+    def integer(self, key: str, default: int | None = None, *, minimum: int = 0) -> int:
+        """`key`'s integer; absent or null gives `default`, and without one it is a problem."""
+        value = self.raw(key)
+        if value is None:
+            if default is None:
+                self.problems.append(f"missing {key!r}" if not self._present(key) else f"{key} is null, not an integer")
+            return default or 0
+        if isinstance(value, bool) or not isinstance(value, int):
+            self.problems.append(f"{key} must be an integer, got {value!r}")
+            return 0
+        if value < minimum:
+            self.problems.append(f"{key} must be >= {minimum}, got {value}")
+            return 0
+        return value
+
+    def number(self, key: str, default: float) -> float:
+        value = self.raw(key)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+            self.problems.append(f"{key} must be a non-negative number, got {value!r}")
+            return default
+        return float(value)
+
+    def flag(self, key: str, default: bool) -> bool:
+        value = self.raw(key)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            self.problems.append(f"{key} must be true or false, got {value!r}")
+            return default
+        return value
+
+    def layer_list(self, key: str, layers: int) -> list[int]:
+        """A list of layer indices, each in [0, layers)."""
+        value = self.raw(key)
+        if value is None:
+            return []
+        if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
+            self.problems.append(f"{key} must be a list of layer indices, got {value!r}")
+            return []
+        bad = [i for i in value if not 0 <= i < layers]
+        if bad:
+            self.problems.append(f"{key} names layers {bad} outside the model's {layers} (0..{layers - 1})")
+        return value
+
+    def _present(self, key: str) -> bool:
+        return key in self.text or key in self.top
+
+
+def read_config(mapping: Mapping[str, Any], *, source: str) -> Architecture:
+    """An HF config (a config.json's object, or a `PretrainedConfig.to_dict()`) as an Architecture.
+
+    Raises ConfigError naming `source` and every key that is missing, mistyped or inconsistent."""
+    if not isinstance(mapping, Mapping):
+        raise ConfigError([f"{source}: not a JSON object"])
+    text = mapping.get("text_config") or {}
+    if not isinstance(text, Mapping):
+        raise ConfigError([f"{source}: text_config must be an object, got {text!r}"])
+    keys = _Keys(mapping, text)
+    listed = mapping.get("architectures") or []
+    if not isinstance(listed, list):
+        keys.problems.append(f"architectures must be a list of class names, got {listed!r}")
+        listed = []
+    architectures = tuple(str(a) for a in listed)
+    model_type = str(mapping.get("model_type") or type_of_class(architectures))
+    top_facts = facts_for(model_type)
+    text_type = str(text.get("model_type") or (top_facts.text_type if top_facts else "") or model_type)
+    # An unknown type reads as Llama does, its q/k norm as the key says.
+    facts = facts_for(text_type) or TypeFacts(text_type, qk_norm=QKNorm.RMS_IF_KEY)
+
+    fields = _shape(keys)
+    fields |= _experts(keys, facts, fields["num_layers"] or 1) | _attention_extras(keys, facts) | _positions(keys)
+    tie, assumed = _tie(keys, top_facts or facts, model_type)
+    if keys.problems:
+        raise ConfigError([f"{source}: {p}" for p in keys.problems])
+    arch = Architecture(
+        source=source,
+        name=_name(mapping, architectures, model_type) or source,
+        model_type=model_type,
+        text_model_type=text_type,
+        architectures=architectures,
+        family=next((f for f in Family if f.value == model_type), None),
+        tie_embeddings=tie,
+        not_counted=_not_counted(mapping, keys, fields["kv_lora_rank"] > 0),
+        assumed=assumed,
+        **fields,
+    )
+    problems = _relations(arch, keys)
+    if problems:
+        raise ConfigError([f"{source}: {p}" for p in problems])
+    return arch
+
+
+def _shape(keys: _Keys) -> dict[str, Any]:
+    hidden = keys.integer("hidden_size", minimum=1)
+    heads = keys.integer("num_attention_heads", minimum=1)
+    kv_lora_rank = keys.integer("kv_lora_rank", 0)
+    return {
+        "hidden_size": hidden,
+        "num_layers": keys.integer("num_hidden_layers", minimum=1),
+        "vocab_size": keys.integer("vocab_size", minimum=1),
+        "num_attention_heads": heads,
+        "num_kv_heads": keys.integer("num_key_value_heads", heads or 1, minimum=1),
+        # MLA's head dims are its own; GLM-5's config points `head_dim` at the RoPE slice.
+        "head_dim": 0 if kv_lora_rank else keys.integer("head_dim", hidden // heads if heads else 1, minimum=1),
+        "q_lora_rank": keys.integer("q_lora_rank", 0),
+        "kv_lora_rank": kv_lora_rank,
+        "qk_nope_head_dim": keys.integer("qk_nope_head_dim", 0),
+        "qk_rope_head_dim": keys.integer("qk_rope_head_dim", 0),
+        "v_head_dim": keys.integer("v_head_dim", 0),
+        "index_n_heads": keys.integer("index_n_heads", 0),
+        "index_head_dim": keys.integer("index_head_dim", 0),
+        "index_topk": keys.integer("index_topk", 0),
+        "num_mtp_layers": keys.integer("num_nextn_predict_layers", keys.integer("num_mtp_layers", 0)),
+    }
+
+
+def _experts(keys: _Keys, facts: TypeFacts, layers: int) -> dict[str, Any]:
+    """The MLPs. Mixtral and Llama-4 name their expert FFN `intermediate_size` (Llama-4's dense
+    one is `intermediate_size_mlp`); the others have `moe_intermediate_size`."""
+    experts = next(
+        (keys.integer(k, 0) for k in ("n_routed_experts", "num_experts", "num_local_experts") if keys.has(k)), 0
+    )
+    if not experts:
+        return {"ffn_hidden_size": keys.integer("intermediate_size", 0), "moe_layers": (False,) * layers}
+    if keys.has("moe_intermediate_size"):
+        moe_ffn, ffn = keys.integer("moe_intermediate_size"), keys.integer("intermediate_size", 0)
+    else:
+        moe_ffn, ffn = keys.integer("intermediate_size"), keys.integer("intermediate_size_mlp", 0)
+    shared = keys.integer("n_shared_experts", facts.shared_experts) * moe_ffn or keys.integer(
+        "shared_expert_intermediate_size", 0
+    )
+    topk_method = keys.raw("topk_method")
+    return {
+        "ffn_hidden_size": ffn,
+        "moe_layers": _moe_layers(keys, layers),
+        "num_experts": experts,
+        "moe_ffn_hidden_size": moe_ffn,
+        "moe_router_topk": keys.integer("num_experts_per_tok", minimum=1),
+        "shared_expert_ffn": shared,
+        "shared_expert_gate": facts.shared_expert_gate and shared > 0,
+        "router_score": str(keys.raw("scoring_func") or facts.router_score),
+        "expert_bias": facts.expert_bias or topk_method == "noaux_tc",
+        "n_group": keys.integer("n_group", 0),
+        "topk_group": keys.integer("topk_group", 0),
+        "routed_scaling_factor": keys.number("routed_scaling_factor", 1.0),
+        "norm_topk_prob": keys.flag("norm_topk_prob", facts.norm_topk_prob),
+    }
+
+
+def _moe_layers(keys: _Keys, layers: int) -> tuple[bool, ...]:
+    """Which layers route to experts, by whichever rule the config's type uses."""
+    types = keys.raw("mlp_layer_types")  # GLM-5: "dense" / "sparse" per layer
+    if types is not None:
+        if not isinstance(types, list) or len(types) != layers or not set(types) <= {"dense", "sparse"}:
+            keys.problems.append(f"mlp_layer_types must list 'dense' or 'sparse' for each of {layers} layers")
+            return (False,) * layers
+        return tuple(t == "sparse" for t in types)
+    if isinstance(keys.raw("moe_layers"), list):  # Llama-4, resolved
+        chosen = set(keys.layer_list("moe_layers", layers))
+        return tuple(i in chosen for i in range(layers))
+    step = keys.integer("interleave_moe_layer_step", 0) or keys.integer("decoder_sparse_step", 1, minimum=1)
+    first_dense = keys.integer("first_k_dense_replace", 0)
+    freq = keys.integer("moe_layer_freq", 1, minimum=1)  # DeepSeek's: MoE where i % freq == 0
+    dense = set(keys.layer_list("mlp_only_layers", layers))
+    return tuple(
+        i >= first_dense and (i + 1) % max(step, 1) == 0 and i % freq == 0 and i not in dense for i in range(layers)
+    )
+
+
+def _attention_extras(keys: _Keys, facts: TypeFacts) -> dict[str, Any]:
+    bias = keys.flag(facts.bias_key, facts.bias_default) if facts.bias is Bias.KEY else facts.bias is Bias.QKV
+    norm = keys.flag("use_qk_norm", facts.qk_norm_default)
+    return {
+        "qkv_bias": bias,
+        "out_bias": bias and facts.o_bias and facts.bias is Bias.KEY,
+        "qk_norm": facts.qk_norm is QKNorm.RMS or (facts.qk_norm is QKNorm.RMS_IF_KEY and norm),
+        "qk_l2_norm": facts.qk_norm is QKNorm.L2_IF_KEY and norm,
+        "sandwich_norms": facts.sandwich_norms,
+    }
+
+
+def _positions(keys: _Keys) -> dict[str, Any]:
+    """RoPE: transformers 5's `rope_parameters`, or the older `rope_scaling` beside a top-level
+    `rope_theta`; Gemma-3 keeps one per layer type (its full-attention one is read)."""
+    rope = keys.raw("rope_parameters") or keys.raw("rope_scaling") or {}
+    if not isinstance(rope, Mapping):
+        keys.problems.append(f"rope_parameters must be an object, got {rope!r}")
+        rope = {}
+    if rope and all(isinstance(v, Mapping) for v in rope.values()):
+        rope = rope.get("full_attention") or next(iter(rope.values()))
+    inner = _Keys({}, rope)
+    kind = str(rope.get("rope_type") or rope.get("type") or "default")
+    fields = {
+        "rope_theta": inner.number("rope_theta", keys.number("rope_theta", 0.0)),
+        "rope_scaling": "" if kind == "default" else kind,
+        "rope_factor": inner.number("factor", 1.0),
+        "partial_rotary_factor": inner.number("partial_rotary_factor", keys.number("partial_rotary_factor", 1.0)),
+    }
+    keys.problems += [f"rope: {p}" for p in inner.problems]
+    return fields
+
+
+def _tie(keys: _Keys, facts: TypeFacts, model_type: str) -> tuple[bool, tuple[str, ...]]:
+    """Tied embeddings: said where the model's LM head lives (the top level, or Llama-4's text
+    model), else where the other one says it (pre-v5 VL saves put it in text_config), else the
+    type's default."""
+    places = (keys.text, keys.top) if facts.lm_head_in_text else (keys.top, keys.text)
+    for place in places:
+        value = place.get("tie_word_embeddings")
+        if isinstance(value, bool):
+            return value, ()
+        if value is not None:
+            keys.problems.append(f"tie_word_embeddings must be true or false, got {value!r}")
+            return False, ()
+    if facts_for(model_type) is not None or facts_for(facts.model_type) is not None:
+        return facts.tie, ()
+    return False, (f"tie_word_embeddings not given and model_type {model_type!r} unknown: counted untied",)
+
+
+def _name(mapping: Mapping[str, Any], architectures: tuple[str, ...], model_type: str) -> str:
+    path = mapping.get("_name_or_path")
+    return str(path) if path else (architectures[0] if architectures else model_type)
+
+
+def _not_counted(mapping: Mapping[str, Any], keys: _Keys, mla: bool) -> tuple[str, ...]:
+    out = [
+        f"the {key.removesuffix('_config')} encoder ({key}) and what joins it to the text model"
+        for key, value in mapping.items()
+        if key.endswith("_config") and key != "text_config" and isinstance(value, Mapping)
+    ]
+    if mla and keys.flag("attention_bias", False):
+        out.append("MLA's projection biases (attention_bias)")
+    if keys.flag("mlp_bias", False):
+        out.append("MLP biases (mlp_bias)")
+    return tuple(out)
+
+
+def _relations(a: Architecture, keys: _Keys) -> list[str]:
+    """What the numbers must satisfy together, named by their keys."""
+    out = []
+    if a.mla:
+        if a.qk_head_dim <= 0 or a.v_head_dim <= 0:
+            out.append("kv_lora_rank is set (MLA): qk_nope_head_dim + qk_rope_head_dim and v_head_dim must be > 0")
+    elif a.num_attention_heads % a.num_kv_heads:
+        out.append(
+            f"num_attention_heads ({a.num_attention_heads}) must be a multiple of "
+            f"num_key_value_heads ({a.num_kv_heads})"
+        )
+    if bool(a.index_n_heads) != bool(a.index_head_dim):
+        out.append("the DSA indexer needs both index_n_heads and index_head_dim")
+    elif a.index_n_heads and not a.q_lora_rank:
+        out.append("the DSA indexer reads the q LoRA: index_n_heads needs q_lora_rank")
+    if a.dense_layers and a.ffn_hidden_size <= 0:
+        dense_key = (
+            "intermediate_size_mlp" if a.num_experts and not keys.has("moe_intermediate_size") else "intermediate_size"
+        )
+        out.append(f"{dense_key} must be > 0 for the {a.dense_layers} dense layers")
+    if a.num_experts:
+        if a.moe_ffn_hidden_size <= 0:
+            out.append("the expert FFN size (moe_intermediate_size, or intermediate_size) must be > 0")
+        if not 0 < a.moe_router_topk <= a.num_experts:
+            out.append(f"num_experts_per_tok ({a.moe_router_topk}) must be in 1..{a.num_experts} experts")
+    return out
