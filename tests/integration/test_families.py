@@ -28,7 +28,7 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("megatron.core")
 
-from orchestrator.adapters.megatron.convert import Family, ModelSpec
+from orchestrator.adapters.megatron.convert import Family, ModelSpec, hf_config
 from orchestrator.models import SUPPORT
 from tests.support.family_ranks import BUCKET_BYTES, CYCLES, LAYOUTS, rank_main
 from tests.support.megatron_parallel import FAMILIES
@@ -168,21 +168,29 @@ MISTAKES = {  # layout: (what goes wrong, the sync with that mistake)
 }
 
 
-def test_a_wrong_gather_breaks_the_tolerance(layout: dict[str, Any]) -> None:
-    """Otherwise the match above would prove nothing about this layout's gathers: the engine's
-    last sync of Qwen3-MoE with the layout's classic mistake, in a fresh engine of its class."""
+def _broken(layout: dict[str, Any], family: Family, mistake: Any, **wrong: Any) -> tuple[int, torch.Tensor]:
+    """Tokens over the tolerance, and |Δlogit|, when the engine's last sync of `family` goes through
+    `mistake(state)` into a fresh engine of its class whose config has the keys `wrong` set."""
     from orchestrator.adapters.engines.transformers import TransformersEngine
 
-    family = Family.QWEN3_MOE
-    _ran(layout, family)
-    what, mistake = MISTAKES[layout["name"]]
-    spec = ModelSpec.from_dict(layout["reports"][0][family.value]["spec"])
+    config = hf_config(ModelSpec.from_dict(layout["reports"][0][family.value]["spec"]))
+    for key, value in wrong.items():
+        setattr(config, key, value)
     rank0 = layout["ranks"][0][family.value]
-    engine = TransformersEngine(spec, max_batch=1)
+    engine = TransformersEngine(config, max_batch=1)
     engine.update_weights(list(mistake(rank0["weights"]).items()), version=1)
     megatron, _ = _logits(layout, family)
     diff = (engine.logits(rank0["tokens"]) - megatron[-1]).abs()
-    broken = _over(diff)
+    return _over(diff), diff
+
+
+def test_a_wrong_gather_breaks_the_tolerance(layout: dict[str, Any]) -> None:
+    """Otherwise the match above would prove nothing about this layout's gathers: Qwen3-MoE with
+    the layout's classic mistake."""
+    family = Family.QWEN3_MOE
+    _ran(layout, family)
+    what, mistake = MISTAKES[layout["name"]]
+    broken, diff = _broken(layout, family, mistake)
     print(f"\n{layout['name']} {what}: {broken}/{diff.shape[0] * diff.shape[1]} tokens over {TOLERANCE}")
     assert broken > 4 * ROUTING_FLIPS, f"{what}: only {broken} tokens over {TOLERANCE}, max {diff.max():.4f}"
 
