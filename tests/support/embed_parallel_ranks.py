@@ -29,6 +29,7 @@ from orchestrator.adapters.engines.transformers import TransformersEngine
 from orchestrator.errors import EngineError
 from orchestrator.protocols import Named
 from states import EngineMemory
+from tests.support.megatron_parallel import train_step as _train_step
 
 CYCLES = 2  # then, at TP=2, a failed update, a recovery and one more cycle
 AUTHKEY = b"colocate-embed-parallel"
@@ -36,12 +37,13 @@ AUTHKEY = b"colocate-embed-parallel"
 
 class SharedEngine(TransformersEngine):
     """The engine every rank sends to: one lock around loading (two pipeline stages may send at
-    once), and the names it received, per version."""
+    once), and the names and bucket sizes it received, per version."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._lock = threading.Lock()
         self.received: dict[int, Counter[str]] = {}
+        self.bucket_bytes: dict[int, list[int]] = {}  # per version, each bucket's bytes as sent
         self.fail_next = False  # refuse the next bucket, as a server that ran out of memory would
 
     def update_weights(self, named: Sequence[tuple[str, torch.Tensor]], version: int) -> int:
@@ -50,6 +52,7 @@ class SharedEngine(TransformersEngine):
                 self.fail_next = False
                 raise EngineError(self.name, "update_weights_from_tensor failed (injected)")
             self.received.setdefault(version, Counter()).update(name for name, _ in named)
+            self.bucket_bytes.setdefault(version, []).append(sum(t.numel() * t.element_size() for _, t in named))
             return super().update_weights(named, version)
 
     def update_weights_saved(self, blob: bytes, version: int) -> int:
@@ -102,20 +105,6 @@ def _connect(address: tuple[str, int]) -> RemoteEngine:
     manager = _Manager(address=tuple(address), authkey=AUTHKEY)
     manager.connect()
     return RemoteEngine(manager.engine())  # type: ignore[attr-defined]
-
-
-def _train_step(chunks: list[Any], optimizer: Any, batch: torch.Tensor) -> None:
-    from megatron.core.distributed import finalize_model_grads
-
-    from tests.support.megatron_parallel import schedule
-
-    for chunk in chunks:
-        chunk.train()
-        chunk.zero_grad_buffer()
-    optimizer.zero_grad()
-    schedule(chunks, batch, forward_only=False)
-    finalize_model_grads(chunks)
-    optimizer.step()
 
 
 def _generate_then_wait(engine: SharedEngine, prompts: torch.Tensor, seed: int) -> None:

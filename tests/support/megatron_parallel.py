@@ -2,6 +2,10 @@
 block spec and GPTModel in Float16Module, DDP and the DistributedOptimizer, trained through
 Megatron's own pipeline schedule. For the rank processes of the conversion and embedding tests.
 
+`FAMILIES` are the families `parallel_config` builds a tiny model of: every family of the support
+table (`orchestrator.models.SUPPORT`), so a family that claims support is built and checked by the
+whole-path test (tests/integration/test_families.py) with no list of its own to extend.
+
 Model: 2 layers, hidden 64, 4 heads in 2 query groups, head 16, ffn 128, vocab 128, RoPE base
 500000; Qwen3-MoE with 4 experts (ffn 32), top-2, layer 1 MoE.
 """
@@ -14,10 +18,23 @@ from typing import Any
 import torch
 
 from orchestrator.adapters.megatron.convert import Family
+from orchestrator.models import SUPPORT
 
-__all__ = ["BATCH", "SEQ", "VOCAB", "batches", "build", "parallel_config", "schedule"]
+__all__ = [
+    "BATCH",
+    "FAMILIES",
+    "SEQ",
+    "VOCAB",
+    "batches",
+    "build",
+    "logits",
+    "parallel_config",
+    "schedule",
+    "train_step",
+]
 
 SEQ, BATCH, VOCAB = 16, 4, 128
+FAMILIES: tuple[Family, ...] = tuple(row.family for row in SUPPORT)
 
 
 def parallel_config(family: Family, tp: int, pp: int, ep: int) -> Any:
@@ -129,6 +146,37 @@ def _loss(tokens: int, out: torch.Tensor, non_loss_data: bool = False) -> Any:
         return gather_from_tensor_model_parallel_region(out).float()
     loss = out.float().sum()
     return loss, torch.tensor(tokens), {"loss": loss.detach()}
+
+
+def train_step(chunks: list[Any], optimizer: Any, batch: torch.Tensor) -> None:
+    """One optimizer step through Megatron's own schedule (1F1B across the PP stages).
+
+    Megatron refuses to train an MoE layer at TP > 1 without sequence parallelism ("performance
+    may degrade"), which its torch norms (no Transformer Engine or apex here) refuse in turn. In
+    eval mode the MoE layer computes the same here (no dropout, jitter or aux loss; the router
+    still counts tokens for `expert_bias` while grads are on), so such a model trains in eval
+    mode: autograd and the optimizer are the same either way."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import finalize_model_grads
+
+    moe_at_tp = bool(chunks[0].config.num_moe_experts) and ps.get_tensor_model_parallel_world_size() > 1
+    for chunk in chunks:
+        chunk.train(not moe_at_tp)
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    schedule(chunks, batch, forward_only=False)
+    finalize_model_grads(chunks)
+    optimizer.step()
+
+
+def logits(chunks: list[Any], batch: torch.Tensor) -> torch.Tensor | None:
+    """Megatron's logits [batch, seq, vocab] of `batch`'s inputs, whole over the vocab, computed
+    across the PP stages by its own schedule: on the last stage, None on the others."""
+    for chunk in chunks:
+        chunk.eval()
+    with torch.no_grad():
+        out = schedule(chunks, batch, forward_only=True)
+    return out[0] if out else None
 
 
 def schedule(chunks: list[Any], batch: torch.Tensor, *, forward_only: bool) -> list[Any]:

@@ -1,18 +1,22 @@
-"""A real rollout engine on transformers' `LlamaForCausalLM`, with memory that really goes away.
+"""A real rollout engine on transformers' own model class for the family (`LlamaForCausalLM`,
+`Qwen3MoeForCausalLM`, ...), with memory that really goes away.
 
 Implements `orchestrator.protocols.RolloutEngine` the way SGLang behaves, on CPU or one GPU:
 
-- `weights`: the model's params, all views of one storage. Released by resizing it to 0 bytes
+- `weights`: the model's params (and persistent buffers, such as a router's
+  `e_score_correction_bias`), all views of one storage. Released by resizing it to 0 bytes
   (contents lost); resumed by resizing it back (contents undefined until the next complete sync):
-  one allocation each way, not one a param.
+  one allocation each way, not one a param. Weights arrive under their checkpoint names, each
+  written where `from_pretrained` would put it (`checkpoint.checkpoint_views`: an MoE's experts
+  into rows of its fused expert params).
 - `kv_cache`: one preallocated tensor for every layer's keys and values, sized
   (max_batch, max_len). Each `generate` runs on the first rows of it, through a transformers
   `Cache` whose layers are views of it (decode.py). Released and resumed like the weights.
 - `cuda_graph`: accepted and recorded; this engine captures no graphs, so nothing is freed.
 
-The engine serves a version once every HF name has been loaded at that version (`update_weights`
-takes one bucket at a time). Like SGLang, it keeps reporting that version after its weights are
-released, but it refuses to generate until a complete sync has refilled them.
+The engine serves a version once every checkpoint name has been loaded at that version
+(`update_weights` takes one bucket at a time). Like SGLang, it keeps reporting that version after
+its weights are released, but it refuses to generate until a complete sync has refilled them.
 
 Single-threaded: `is_idle` is False only while `generate` or `logits` runs.
 """
@@ -24,11 +28,12 @@ from collections.abc import Iterable, Sequence
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from orchestrator.adapters.digest import sha256_digests
+from orchestrator.adapters.engines.checkpoint import CheckpointSlots, live_tensors
 from orchestrator.adapters.engines.decode import decode, kv_slab, prompt_problems
-from orchestrator.adapters.megatron.convert import ModelSpec, hf_llama_config
+from orchestrator.adapters.megatron.convert import ModelSpec, hf_config
 from orchestrator.adapters.megatron.gpt import TinyGPTConfig
 from orchestrator.adapters.regions.storage import return_large_frees_to_the_os
 from orchestrator.adapters.transport.bucketed import nbytes
@@ -44,24 +49,20 @@ def _default_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def _build_model(config: LlamaConfig, device: torch.device) -> LlamaForCausalLM:
-    # transformers 5.x renamed forward's `past_key_values` to `cache` (5.17 lacks it, 5.24 has it);
-    # an older build would take `cache` into **kwargs and decode every token without its context.
-    if "cache" not in inspect.signature(LlamaForCausalLM.forward).parameters:
-        raise ImportError(
-            f"TransformersEngine needs a transformers whose LlamaForCausalLM.forward takes `cache` "
-            f"(5.24 does); this is {transformers.__version__}"
-        )
+def _build_model(config: PretrainedConfig, device: torch.device) -> PreTrainedModel:
     with device:  # built in place: no copy of throwaway weights from the host
         model = AutoModelForCausalLM.from_config(config)  # params in config.dtype; RoPE buffers stay fp32
-    if not isinstance(model, LlamaForCausalLM):
-        raise TypeError(f"expected a LlamaForCausalLM from {type(config).__name__}, got {type(model).__name__}")
+    # transformers 5.x renamed forward's `past_key_values` to `cache` (5.17 lacks it, 5.24 has it);
+    # an older build would take `cache` into **kwargs and decode every token without its context.
+    if "cache" not in inspect.signature(type(model).forward).parameters:
+        raise ImportError(
+            f"TransformersEngine needs a transformers whose {type(model).__name__}.forward takes `cache` "
+            f"(5.24 does); this is {transformers.__version__}"
+        )
     return model.eval().requires_grad_(False)
 
 
-def _check_bucket(
-    engine: str, named: Sequence[tuple[str, torch.Tensor]], params: dict[str, torch.nn.Parameter]
-) -> None:
+def _check_bucket(engine: str, named: Sequence[tuple[str, torch.Tensor]], params: dict[str, torch.Tensor]) -> None:
     unknown = sorted({name for name, _ in named if name not in params})
     if unknown:
         raise ValueError(f"engine {engine}: unknown weight name(s): {', '.join(unknown)}")
@@ -74,7 +75,22 @@ def _check_bucket(
         raise ValueError(f"engine {engine}: wrong shape(s): {', '.join(wrong)}")
 
 
-def _one_storage(params: Iterable[torch.nn.Parameter], device: torch.device) -> torch.Tensor:
+def _return_freed_pages(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _copy(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """Each source into its target, cast to the target's dtype, as SGLang's loader does."""
+    with torch.no_grad():
+        if all(t.dtype == s.dtype and t.device == s.device for t, s in zip(targets, sources, strict=True)):
+            torch._foreach_copy_(targets, sources)  # one multi-tensor launch, not one per tensor
+        else:
+            for target, source in zip(targets, sources, strict=True):
+                target.copy_(source)
+
+
+def _one_storage(params: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
     """Move every param into one storage and make it a view there: releasing the weights and
     taking them back is then one allocation each, not one a param (a few hundred for a 1 B model).
     Each param starts 256-byte aligned, as an allocator would place it."""
@@ -92,18 +108,19 @@ def _one_storage(params: Iterable[torch.nn.Parameter], device: torch.device) -> 
 
 
 class TransformersEngine:
-    """Implements `orchestrator.protocols.RolloutEngine` on an HF Llama, with no hub download.
+    """Implements `orchestrator.protocols.RolloutEngine` on an HF causal LM, with no hub download.
 
     `model` is the trainer's GPT shape (a `ModelSpec`, as `gpt_shape(model)` reads it from a
-    Megatron model, or a `TinyGPTConfig`: converted by `hf_llama_config`) or a ready
-    `LlamaConfig`. A plain constructor, so that a Ray actor can be made of it. The weights it
-    starts with are throwaway: it serves nothing until the first complete `update_weights`.
+    Megatron model, or a `TinyGPTConfig`: converted by `hf_config`, whose family picks the
+    transformers class) or a ready transformers config. A plain constructor, so that a Ray actor
+    can be made of it. The weights it starts with are throwaway: it serves nothing until the
+    first complete `update_weights`.
     `max_len` bounds prompt + completion (default: the config's `max_position_embeddings`).
     """
 
     def __init__(
         self,
-        model: ModelSpec | TinyGPTConfig | LlamaConfig,
+        model: ModelSpec | TinyGPTConfig | PretrainedConfig,
         *,
         max_batch: int = 64,
         max_len: int | None = None,
@@ -111,21 +128,22 @@ class TransformersEngine:
         name: str = "transformers",
     ) -> None:
         self.name = name
-        self.config = model if isinstance(model, LlamaConfig) else hf_llama_config(model)
+        self.config = model if isinstance(model, PretrainedConfig) else hf_config(model)
         self.device = torch.device(device) if device is not None else _default_device()
         self.model = _build_model(self.config, self.device)
         self.max_batch = max_batch
         self.max_len = max_len if max_len is not None else self.config.max_position_embeddings
-        self._params = dict(self.model.named_parameters())
-        self._param_bytes = {n: nbytes(p) for n, p in self._params.items()}
-        self._weights = _one_storage(self._params.values(), self.device)
+        live = live_tensors(self.model)
+        self._weights = _one_storage(live.values(), self.device)
+        self._slots = CheckpointSlots(self.model, live)
+        self._params = self._slots.views  # checkpoint name → where it loads
         self._weights_bytes = nbytes(self._weights)
         self._kv = kv_slab(self.config, self.model, max_batch, self.max_len)
         self._kv_bytes = nbytes(self._kv)
         self._released: set[EngineMemory] = set()
         self._version: int | None = None
         self._loading: int | None = None  # the version a sync in progress is loading
-        self._missing: set[str] = set(self._params)  # names not loaded since the weights were (re)allocated
+        self._missing = set(self._slots.names)  # not loaded since the weights were (re)allocated
         self._in_flight = 0
         self.cache_stale = False  # weights changed since the last flush_cache
         if self.device.type == "cpu":
@@ -140,11 +158,11 @@ class TransformersEngine:
             raise EngineError(self.name, f"release of {', '.join(sorted(already))}: already released")
         if EngineMemory.WEIGHTS in tags:
             self._weights.untyped_storage().resize_(0)  # every param is a view of it
-            self._missing, self._loading = set(self._params), None
+            self._missing, self._loading = set(self._slots.names), None
         if EngineMemory.KV_CACHE in tags:
             self._kv.untyped_storage().resize_(0)
         self._released |= tags
-        self._return_freed_pages()
+        _return_freed_pages(self.device)
 
     def resume(self, tags: frozenset[EngineMemory]) -> None:
         not_released = tags - self._released
@@ -184,33 +202,36 @@ class TransformersEngine:
         self._require_idle("update_weights")
         if EngineMemory.WEIGHTS in self._released:
             raise EngineError(self.name, "update_weights while the weights are released: resume them first")
-        _check_bucket(self.name, named, self._params)
+        views = self._params
+        _check_bucket(self.name, named, views)
         if self._loading != version:
-            self._loading, self._missing = version, set(self._params)
-        targets: list[torch.Tensor] = [self._params[name] for name, _ in named]
-        sources = [tensor for _, tensor in named]
-        with torch.no_grad():
-            if all(t.dtype == s.dtype and t.device == s.device for t, s in zip(targets, sources, strict=True)):
-                torch._foreach_copy_(targets, sources)  # one multi-tensor launch, not one per tensor
-            else:
-                for target, source in zip(targets, sources, strict=True):
-                    target.copy_(source)
-        written = sum(self._param_bytes[name] for name, _ in named)
-        self._missing.difference_update(name for name, _ in named)
+            self._loading, self._missing = version, set(self._slots.names)
+        _copy([views[name] for name, _ in named], [tensor for _, tensor in named])
+        written = sum(nbytes(views[name]) for name, _ in named)
+        self._missing.difference_update(self._slots.slot[name] for name, _ in named)
         self.cache_stale = True
         if not self._missing:
             self._version, self._loading = version, None
         return written
 
     def missing_weights(self) -> frozenset[str]:
-        """HF names not loaded since the weights were allocated or a new version began."""
+        """Checkpoint names not loaded since the weights were allocated or a new version began
+        (of tied names, one)."""
         return frozenset(self._missing)
 
+    def weights(self) -> dict[str, torch.Tensor]:
+        """A copy of what it serves, as a checkpoint: each checkpoint name once (of tied names, the
+        model's own first), as `save_pretrained` would un-fuse it."""
+        if EngineMemory.WEIGHTS in self._released:
+            raise EngineError(self.name, "the weights are released")
+        return {name: self._params[name].clone() for name in self._slots.names}
+
     def digests(self) -> dict[str, str]:
-        """SHA256 per param, to compare with digests of the trainer's converted tensors."""
+        """SHA256 per checkpoint tensor (as `weights`), to compare with digests of the trainer's
+        converted tensors."""
         if EngineMemory.WEIGHTS in self._released:
             raise EngineError(self.name, "digests of released weights would prove nothing")
-        return sha256_digests({name: p.detach() for name, p in self._params.items()})
+        return sha256_digests({name: self._params[name] for name in self._slots.names})
 
     def footprint(self) -> dict[EngineMemory, int]:
         """Bytes each tag takes while resident, from the engine's settings (released or not)."""
@@ -286,7 +307,3 @@ class TransformersEngine:
     def _require_idle(self, call: str) -> None:
         if self._in_flight:
             raise EngineError(self.name, f"{call} while {self._in_flight} request(s) are in flight")
-
-    def _return_freed_pages(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
