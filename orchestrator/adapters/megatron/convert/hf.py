@@ -32,19 +32,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from orchestrator.adapters.megatron.convert import mixtral
+from orchestrator.adapters.megatron.convert import layout, mixtral
 from orchestrator.adapters.megatron.convert.grouped import TE_GROUPED, per_expert, per_expert_names, read_as
-from orchestrator.adapters.megatron.convert.layout import (
-    ANY,
-    DENSE,
-    EXPERT,
-    LAYER,
-    MOE,
-    Split,
-    same,
-    split_fc1,
-    split_qkv,
-)
 from orchestrator.adapters.megatron.convert.spec import MEGATRON_LAYERNORM_EPS, Family, ModelSpec
 from orchestrator.adapters.megatron.gpt import TinyGPTConfig
 
@@ -132,90 +121,96 @@ def hf_llama_config(cfg: Shape) -> LlamaConfig:
 
 # ---- per-tensor mapping ---------------------------------------------------------------------
 
-# The rules (`layout`); Mixtral's MoE layer is in `mixtral`. The TE-spec names (norm fused into
-# the next linear as `layer_norm_weight`) map to the same HF norms.
+# The rule table's shorthands (`layout`): a rule is (Megatron name pattern, HF names with {i} for
+# the layer and {e} for the expert, how to split, the layer kind, the families that have it).
+Split = layout.Split
+_LAYER, _EXPERT, _DENSE, _MOE, _ANY = layout.LAYER, layout.EXPERT, layout.DENSE, layout.MOE, layout.ANY
+_split_qkv, _split_fc1, _same = layout.split_qkv, layout.split_fc1, layout.same
+
+# Mixtral's MoE layer is in `mixtral`. The TE-spec names (norm fused into the next linear as
+# `layer_norm_weight`) map to the same HF norms.
 _ALL = frozenset(Family)
 _QK = frozenset({Family.QWEN3, Family.QWEN3_MOE})
 _RULES: tuple[tuple[re.Pattern[str], tuple[str, ...], Split, str, frozenset[Family]], ...] = tuple(
     (re.compile(pattern + r"$"), targets, split, kind, frozenset(families))
     for pattern, targets, split, kind, families in (
         *mixtral.RULES,
-        (r"embedding\.word_embeddings\.weight", ("model.embed_tokens.weight",), same, ANY, _ALL),
-        (LAYER + r"input_layernorm\.weight", ("model.layers.{i}.input_layernorm.weight",), same, ANY, _ALL),
+        (r"embedding\.word_embeddings\.weight", ("model.embed_tokens.weight",), _same, _ANY, _ALL),
+        (_LAYER + r"input_layernorm\.weight", ("model.layers.{i}.input_layernorm.weight",), _same, _ANY, _ALL),
         (
-            LAYER + r"self_attention\.linear_qkv\.layer_norm_weight",
+            _LAYER + r"self_attention\.linear_qkv\.layer_norm_weight",
             ("model.layers.{i}.input_layernorm.weight",),
-            same,
-            ANY,
+            _same,
+            _ANY,
             _ALL,
         ),
         (
-            LAYER + r"self_attention\.linear_qkv\.weight",
+            _LAYER + r"self_attention\.linear_qkv\.weight",
             tuple(f"model.layers.{{i}}.self_attn.{p}_proj.weight" for p in "qkv"),
-            split_qkv,
-            ANY,
+            _split_qkv,
+            _ANY,
             _ALL,
         ),
         (
-            LAYER + r"self_attention\.q_layernorm\.weight",
+            _LAYER + r"self_attention\.q_layernorm\.weight",
             ("model.layers.{i}.self_attn.q_norm.weight",),
-            same,
-            ANY,
+            _same,
+            _ANY,
             _QK,
         ),
         (
-            LAYER + r"self_attention\.k_layernorm\.weight",
+            _LAYER + r"self_attention\.k_layernorm\.weight",
             ("model.layers.{i}.self_attn.k_norm.weight",),
-            same,
-            ANY,
+            _same,
+            _ANY,
             _QK,
         ),
         (
-            LAYER + r"self_attention\.linear_proj\.weight",
+            _LAYER + r"self_attention\.linear_proj\.weight",
             ("model.layers.{i}.self_attn.o_proj.weight",),
-            same,
-            ANY,
+            _same,
+            _ANY,
             _ALL,
         ),
         (
-            LAYER + r"pre_mlp_layernorm\.weight",
+            _LAYER + r"pre_mlp_layernorm\.weight",
             ("model.layers.{i}.post_attention_layernorm.weight",),
-            same,
-            ANY,
+            _same,
+            _ANY,
             _ALL,
         ),
         (
-            LAYER + r"mlp\.linear_fc1\.layer_norm_weight",
+            _LAYER + r"mlp\.linear_fc1\.layer_norm_weight",
             ("model.layers.{i}.post_attention_layernorm.weight",),
-            same,
-            DENSE,
+            _same,
+            _DENSE,
             _ALL,
         ),
         (
-            LAYER + r"mlp\.linear_fc1\.weight",
+            _LAYER + r"mlp\.linear_fc1\.weight",
             ("model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"),
-            split_fc1,
-            DENSE,
+            _split_fc1,
+            _DENSE,
             _ALL,
         ),
-        (LAYER + r"mlp\.linear_fc2\.weight", ("model.layers.{i}.mlp.down_proj.weight",), same, DENSE, _ALL),
-        (LAYER + r"mlp\.router\.weight", ("model.layers.{i}.mlp.gate.weight",), same, MOE, {Family.QWEN3_MOE}),
+        (_LAYER + r"mlp\.linear_fc2\.weight", ("model.layers.{i}.mlp.down_proj.weight",), _same, _DENSE, _ALL),
+        (_LAYER + r"mlp\.router\.weight", ("model.layers.{i}.mlp.gate.weight",), _same, _MOE, {Family.QWEN3_MOE}),
         (
-            EXPERT + r"linear_fc1\.weight",
+            _EXPERT + r"linear_fc1\.weight",
             ("model.layers.{i}.mlp.experts.{e}.gate_proj.weight", "model.layers.{i}.mlp.experts.{e}.up_proj.weight"),
-            split_fc1,
-            MOE,
+            _split_fc1,
+            _MOE,
             {Family.QWEN3_MOE},
         ),
         (
-            EXPERT + r"linear_fc2\.weight",
+            _EXPERT + r"linear_fc2\.weight",
             ("model.layers.{i}.mlp.experts.{e}.down_proj.weight",),
-            same,
-            MOE,
+            _same,
+            _MOE,
             {Family.QWEN3_MOE},
         ),
-        (r"decoder\.final_layernorm\.weight", ("model.norm.weight",), same, ANY, _ALL),
-        (r"output_layer\.weight", ("lm_head.weight",), same, ANY, _ALL),
+        (r"decoder\.final_layernorm\.weight", ("model.norm.weight",), _same, _ANY, _ALL),
+        (r"output_layer\.weight", ("lm_head.weight",), _same, _ANY, _ALL),
     )
 )
 
@@ -293,9 +288,9 @@ def _kind_problem(match: re.Match[str], kind: str, spec: ModelSpec) -> str | Non
     if int(layer) >= spec.num_layers:
         return f"layer {layer} is beyond num_layers={spec.num_layers}"
     moe = int(layer) in spec.moe_layers
-    if kind == DENSE and moe:
+    if kind == _DENSE and moe:
         return f"layer {layer} is an MoE layer, with no dense MLP"
-    if kind == MOE and not moe:
+    if kind == _MOE and not moe:
         return f"layer {layer} is a dense layer, with no experts"
     expert = match.groupdict().get("e")
     if expert is not None and int(expert) >= spec.num_experts:

@@ -93,7 +93,7 @@ class ModelSpec:
         if not self.num_experts:
             out.append("no MoE layer (use the llama family)")
         elif dense:
-            out.append(f"dense layers {dense} (every Mixtral layer is MoE: use qwen3_moe's mlp_only_layers)")
+            out.append(f"dense layers {dense} (every Mixtral layer is MoE)")
         if self.qk_layernorm:
             out.append("qk_layernorm (Mixtral has no q/k norm: use qwen3_moe)")
         if self.expert_bias:
