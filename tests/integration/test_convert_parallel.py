@@ -385,6 +385,8 @@ def test_each_tensor_is_gathered_once_and_no_rank_holds_more_than_one_bucket(lay
             assert r["largest_bucket"] <= BUCKET_BYTES
             assert r["buckets"] > 1, "a budget below the model's size must split it"
             # One bucket, plus the tensor in flight: its gathered shards and the whole they become.
-            assert r["peak_extra_bytes"] <= BUCKET_BYTES + 2 * LARGEST, (case, r)
-            assert r["peak_extra_bytes"] < r["synced_bytes"], (case, r)
+            bound = BUCKET_BYTES + 2 * LARGEST
+            assert r["peak_extra_bytes"] <= bound, (case, r)
+            if r["synced_bytes"] > bound:  # a stage that sends less (tied, PP=2: 72 KiB) may hold it all
+                assert r["peak_extra_bytes"] < r["synced_bytes"], (case, r)
             assert r["gathers"] == r["sharded"], "each sharded tensor is gathered exactly once"
