@@ -37,8 +37,14 @@ class Support:
 
 SUPPORT: tuple[Support, ...] = (
     Support(Family.LLAMA, "LlamaForCausalLM", "", ("TP", "PP", "EP")),
-    Support(Family.QWEN3, "Qwen3ForCausalLM", "q/k norm", ("TP", "PP", "EP")),
+    Support(Family.QWEN3, "Qwen3ForCausalLM", "q/k norm; tied embeddings too", ("TP", "PP", "EP")),
     Support(Family.QWEN3_MOE, "Qwen3MoeForCausalLM", "softmax-routed experts", ("TP", "PP", "EP", "expert TP")),
+    Support(
+        Family.MIXTRAL,
+        "MixtralForCausalLM",
+        "softmax-routed experts in every layer (SequentialMLP or GroupedMLP)",
+        ("TP", "PP", "EP", "expert TP"),
+    ),
 )
 
 

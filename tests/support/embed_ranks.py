@@ -118,7 +118,7 @@ def _writes_first_param(named: Iterable[Named], *, bucket_bytes: int) -> Iterato
 
 def _not_a_llama() -> tuple[list[Any], Any]:
     """A real Megatron GPT that maps name for name onto a Llama but computes something else:
-    LayerNorm, and the output layer tied to the embedding."""
+    LayerNorm, and RoPE rotating interleaved pairs rather than halves."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -127,13 +127,13 @@ def _not_a_llama() -> tuple[list[Any], Any]:
 
     from orchestrator.adapters.megatron.build import _transformer_config
 
-    config = dataclasses.replace(_transformer_config(DENSE), normalization="LayerNorm")
+    config = dataclasses.replace(_transformer_config(DENSE), normalization="LayerNorm", rotary_interleaved=True)
     gpt = GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(normalization="LayerNorm"),
         vocab_size=DENSE.vocab_size,
         max_sequence_length=DENSE.seq_len,
-        share_embeddings_and_output_weights=True,
+        share_embeddings_and_output_weights=False,
         position_embedding_type="rope",
     )
     ddp = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True)

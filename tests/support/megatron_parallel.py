@@ -7,7 +7,9 @@ table (`orchestrator.models.SUPPORT`), so a family that claims support is built 
 whole-path test (tests/integration/test_families.py) with no list of its own to extend.
 
 Model: 2 layers, hidden 64, 4 heads in 2 query groups, head 16, ffn 128, vocab 128, RoPE base
-500000; Qwen3-MoE with 4 experts (ffn 32), top-2, layer 1 MoE.
+500000; MoE: 4 experts (ffn 32), top-2, softmax router; Qwen3-MoE's layer 1 MoE, Mixtral's both.
+`tied=True` shares the embedding with the output layer; `grouped_gemm=True` builds the experts
+as GroupedMLP (on CPU its one CUDA op stood in for: `tests.support.grouped_gemm`).
 """
 
 from __future__ import annotations
@@ -37,20 +39,21 @@ SEQ, BATCH, VOCAB = 16, 4, 128
 FAMILIES: tuple[Family, ...] = tuple(row.family for row in SUPPORT)
 
 
-def parallel_config(family: Family, tp: int, pp: int, ep: int) -> Any:
+def parallel_config(family: Family, tp: int, pp: int, ep: int, *, grouped_gemm: bool = False) -> Any:
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
     moe: dict[str, Any] = {}
-    if family is Family.QWEN3_MOE:
+    if family in (Family.QWEN3_MOE, Family.MIXTRAL):
         moe = dict(
             num_moe_experts=4,
             moe_ffn_hidden_size=32,
             moe_router_topk=2,
             moe_router_score_function="softmax",
             moe_router_load_balancing_type="none",
-            moe_grouped_gemm=False,
-            moe_layer_freq=[0, 1],  # layer 0 dense, layer 1 MoE: both kinds, on both PP stages
+            moe_grouped_gemm=grouped_gemm,
+            # Qwen3-MoE: layer 0 dense, layer 1 MoE (both kinds, on both PP stages); Mixtral: all MoE.
+            moe_layer_freq=[0, 1] if family is Family.QWEN3_MOE else 1,
             moe_token_dispatcher_type="allgather",
         )
     return TransformerConfig(
@@ -60,7 +63,7 @@ def parallel_config(family: Family, tp: int, pp: int, ep: int) -> Any:
         num_query_groups=2,
         kv_channels=16,
         ffn_hidden_size=128,
-        qk_layernorm=family is not Family.LLAMA,
+        qk_layernorm=family in (Family.QWEN3, Family.QWEN3_MOE),
         normalization="RMSNorm",
         gated_linear_unit=True,
         activation_func=F.silu,
@@ -86,7 +89,9 @@ def parallel_config(family: Family, tp: int, pp: int, ep: int) -> Any:
     )
 
 
-def build(family: Family, tp: int, pp: int, ep: int) -> tuple[list[Any], Any]:
+def build(
+    family: Family, tp: int, pp: int, ep: int, *, tied: bool = False, grouped_gemm: bool = False
+) -> tuple[list[Any], Any]:
     """Megatron's own block spec and GPTModel, in Float16Module, DDP and DistributedOptimizer."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -95,7 +100,11 @@ def build(family: Family, tp: int, pp: int, ep: int) -> tuple[list[Any], Any]:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
 
-    config = parallel_config(family, tp, pp, ep)
+    if grouped_gemm and not torch.cuda.is_available():
+        from tests.support.grouped_gemm import use_cpu_grouped_gemm
+
+        use_cpu_grouped_gemm()
+    config = parallel_config(family, tp, pp, ep, grouped_gemm=grouped_gemm)
     gpt = GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_decoder_block_spec(
@@ -105,7 +114,7 @@ def build(family: Family, tp: int, pp: int, ep: int) -> tuple[list[Any], Any]:
         max_sequence_length=SEQ,
         pre_process=ps.is_pipeline_first_stage(),
         post_process=ps.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=False,
+        share_embeddings_and_output_weights=tied,
         position_embedding_type="rope",
         rotary_base=500000,  # not HF's default, so a theta that is not passed through shows
     )

@@ -1,6 +1,6 @@
 """The CPU path: megatron-core 0.16.1 DDP + DistributedOptimizer on a CUDA-less host, over gloo.
 
-megatron-core assumes CUDA in four ways on the GPT / DDP / distributed-optimizer path:
+megatron-core assumes CUDA in five ways on the GPT / DDP / distributed-optimizer path:
 
 1. ``torch.cuda.current_device()`` as the device of param/grad buffers, router buffers, masks;
 2. ``device="cuda"`` factories (found-inf flag, grad-norm scalars, causal mask);
@@ -17,6 +17,10 @@ megatron-core assumes CUDA in four ways on the GPT / DDP / distributed-optimizer
 4. The RNG tracker (``tensor_parallel.random``) forks the CUDA generator; on a CPU build
    ``torch.cuda.manual_seed`` is queued forever and reading its state raises. Its state get/set
    and seeding go to the CPU default generator instead.
+5. ``Tensor.cuda()``: with tied embeddings at PP > 1, ``LanguageModule.setup_embeddings_and_output_layer``
+   moves the embedding's copy to the GPU before the all-reduce that makes it equal to the first
+   stage's. Scoped in time like (3): only while that method runs is a CPU tensor's ``.cuda()``
+   the tensor itself.
 
 Also an upstream import bug: ``moe_utils`` defines ``te_general_gemm`` only when Transformer Engine
 imports, yet the router reads it unconditionally; without TE it is set to ``None``.
@@ -109,17 +113,33 @@ def _cuda_type_names() -> Iterator[None]:
         torch.Tensor.type = real  # type: ignore[method-assign]
 
 
-def _with_cuda_type_names(fn: Callable[..., Any]) -> Callable[..., Any]:
+@contextlib.contextmanager
+def _cuda_is_host() -> Iterator[None]:
+    real = torch.Tensor.cuda
+
+    def cuda(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self if self.device.type == "cpu" else real(self, *args, **kwargs)
+
+    torch.Tensor.cuda = cuda  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = real  # type: ignore[method-assign]
+
+
+def _scoped(
+    context: Callable[[], contextlib.AbstractContextManager[None]], fn: Callable[..., Any]
+) -> Callable[..., Any]:
     @functools.wraps(fn)  # keeps __wrapped__, so the original stays reachable
     def call(*args: Any, **kwargs: Any) -> Any:
-        with _cuda_type_names():
+        with context():
             return fn(*args, **kwargs)
 
     return call
 
 
 def enable_cpu_path() -> None:
-    """Apply the four CPU redirections and the ``te_general_gemm`` fix; idempotent."""
+    """Apply the five CPU redirections and the ``te_general_gemm`` fix; idempotent."""
     global _applied
     if torch.cuda.is_available():
         raise RuntimeError("enable_cpu_path() is for CUDA-less hosts; megatron runs as it is on a GPU")
@@ -129,18 +149,21 @@ def enable_cpu_path() -> None:
     for name in _DEVICE_MODULES:  # (1) and (2)
         importlib.import_module(name).torch = view  # type: ignore[attr-defined]
 
+    from megatron.core.models.common.language_module.language_module import LanguageModule
     from megatron.core.optimizer import clip_grads, distrib_optimizer, optimizer
     from megatron.core.tensor_parallel import random
     from megatron.core.transformer.moe import moe_utils
 
     dist_opt = distrib_optimizer.DistributedOptimizer  # (3)
-    dist_opt.__init__ = _with_cuda_type_names(dist_opt.__init__)
-    clip = _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
+    dist_opt.__init__ = _scoped(_cuda_type_names, dist_opt.__init__)
+    clip = _scoped(_cuda_type_names, clip_grads.clip_grad_by_total_norm_fp32)
     clip_grads.clip_grad_by_total_norm_fp32 = clip
     optimizer.clip_grad_by_total_norm_fp32 = clip  # the name optimizer.py calls
     # (4) fork() swaps generator states through these; add() and seeding use the view's cuda.
     random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
     random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
+    setup = LanguageModule.setup_embeddings_and_output_layer  # (5)
+    LanguageModule.setup_embeddings_and_output_layer = _scoped(_cuda_is_host, setup)
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
     _applied = True

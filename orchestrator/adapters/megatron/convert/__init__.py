@@ -7,7 +7,8 @@
 - `ModelSpec`: what the conversion reads from Megatron's `TransformerConfig` and `GPTModel`, or
   from the demo's `TinyGPTConfig` (`spec`); `hf_config(spec)` is the transformers config.
 
-Families: Llama, Qwen3 (q/k norm), Qwen3-MoE (router, experts).
+Families: Llama, Qwen3 (q/k norm), Qwen3-MoE (router, experts), Mixtral (every layer MoE, no q/k
+norm); tied embeddings; GroupedMLP experts.
 """
 
 from orchestrator.adapters.megatron.convert.gather import conversion_problems, hf_buckets, is_sync_source, model_spec

@@ -18,6 +18,11 @@ together send the whole model once.
   `layer_number - 1` (Megatron adds `get_transformer_layer_offset` when it builds the layer).
 - **EP.** A rank numbers its experts from 0. Expert params are gathered once over the expert
   tensor-and-model-parallel group, and each part takes the global index of the rank it came from.
+  A GroupedMLP's `weight1`/`weight2` hold all of a rank's experts: each expert's block is taken
+  apart as the SequentialMLP tensor it equals (`grouped`) and gathered on its own, as those are.
+- **Tied embeddings.** A PP > 1 last stage's `output_layer.weight` is a copy of the first stage's
+  embedding (Megatron keeps the two equal); HF holds it once, as `embed_tokens`, so the copy is
+  neither gathered nor sent.
 
 Memory: a bucket is at most `bucket_bytes` (a single tensor larger than that is a bucket alone).
 Before a tensor is gathered, the bucket it would overflow is handed out; when the consumer asks
@@ -35,6 +40,7 @@ from typing import Any
 
 import torch
 
+from orchestrator.adapters.megatron.convert.grouped import GROUPED, per_expert
 from orchestrator.adapters.megatron.convert.hf import hf_targets, to_hf
 from orchestrator.adapters.megatron.convert.spec import Family, ModelSpec
 
@@ -146,9 +152,15 @@ def _units(model_chunks: Sequence[Any]) -> Iterator[_Unit]:
         gpt = unwrap_gpt(chunk)
         named = [*gpt.named_parameters(), *((n, b) for n, b in gpt.named_buffers() if n.endswith("expert_bias"))]
         for local, tensor in named:
+            name = _global_layer(local, gpt)
+            if GROUPED.match(name):  # all local experts in one param: one unit per expert
+                experts = gpt.get_submodule(local.rsplit(".", 1)[0]).num_local_experts
+                for expert, view, dim in per_expert(name, tensor.detach(), experts, gpt.config.hidden_size):
+                    yield _Unit(name=expert, tensor=view, expert=True, partition_dim=dim)
+                continue
             sharded = bool(getattr(tensor, "tensor_model_parallel", False))
             yield _Unit(
-                name=_global_layer(local, gpt),
+                name=name,
                 tensor=tensor.detach(),
                 expert=".local_experts." in local,
                 partition_dim=int(tensor.partition_dim) if sharded else None,
@@ -171,8 +183,9 @@ def _concat(shards: list[torch.Tensor], name: str, dim: int) -> torch.Tensor:
 
 
 def _all_gather(tensor: torch.Tensor, group: Any, size: int) -> list[torch.Tensor]:
+    tensor = tensor.contiguous()  # a GroupedMLP expert's block is a transposed view
     parts = [torch.empty_like(tensor) for _ in range(size)]
-    torch.distributed.all_gather(parts, tensor.contiguous(), group=group)
+    torch.distributed.all_gather(parts, tensor, group=group)
     return parts
 
 
@@ -180,7 +193,7 @@ def _whole(unit: _Unit, groups: _Groups) -> list[tuple[str, torch.Tensor]]:
     """The whole Megatron tensor(s) `unit` is a part of, each under its global name: fresh memory."""
     if unit.expert:
         if groups.experts_size == 1:
-            parts = [unit.tensor.clone()]
+            parts = [unit.tensor.clone(memory_format=torch.contiguous_format)]
         else:
             parts = _all_gather(unit.tensor, groups.experts, groups.experts_size)
         by_expert: dict[int, list[tuple[int, torch.Tensor]]] = {}
@@ -213,9 +226,9 @@ def hf_buckets(
 
     `model_chunks` are the DDP chunks (or bare GPTModels) of this rank; `config` is the
     `TransformerConfig` (the chunks' own by default); `family` is the one the config reads as
-    (`family_of`: experts → qwen3_moe, q/k norm → qwen3, else llama) unless given. Call it on
-    every rank of the model, in the same order as its other collectives; only `is_sync_source()`
-    ranks need send the buckets.
+    (`family_of`: experts → qwen3_moe with a q/k norm, else mixtral; dense: qwen3 with a q/k
+    norm, else llama) unless given. Call it on every rank of the model, in the same order as its
+    other collectives; only `is_sync_source()` ranks need send the buckets.
     A bucket is emptied when the next is asked for: keep what it holds, not the list.
 
     Raises ValueError before any collective when `family` cannot compute what the model computes
@@ -224,9 +237,9 @@ def hf_buckets(
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, not {bucket_bytes}")
     spec = model_spec(model_chunks, family, config)
-    units = list(_units(model_chunks))
-    for unit in units:  # every name is checked before the first collective, so no rank waits alone
-        hf_targets(unit.name, spec)
+    # Every name is checked before the first collective, so no rank waits alone; a tensor with
+    # no HF counterpart to send (tied embeddings' output layer) is not gathered.
+    units = [unit for unit in _units(model_chunks) if hf_targets(unit.name, spec)]
     groups = _Groups.current(spec, units[0].tensor.device)
     bucket: Bucket = []
     held = 0

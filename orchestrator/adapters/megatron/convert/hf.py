@@ -9,7 +9,12 @@ one checked in design §7 (bit-identical logits in fp32); the families add:
 - Qwen3: `self_attention.{q,k}_layernorm` → `self_attn.{q,k}_norm` (per-head RMSNorm);
 - Qwen3-MoE: `mlp.router` → `mlp.gate`, `mlp.experts.local_experts.<e>.linear_fc1/2` →
   `mlp.experts.<e>.{gate,up,down}_proj` (the checkpoint layout; transformers fuses the experts
-  itself when it loads them).
+  itself when it loads them);
+- Mixtral: the same tensors → `block_sparse_moe.{gate,experts.<e>.w1,w3,w2}` (`mixtral`).
+
+A GroupedMLP's `mlp.experts.weight1/2` are read as SequentialMLP's per-expert tensors (`grouped`).
+Tied embeddings (`spec.tie_embeddings`): HF's checkpoint holds `embed_tokens` alone, so Megatron's
+`output_layer.weight` (a PP > 1 last stage's copy of the embedding) becomes no HF tensor.
 
 What a family has no counterpart for is refused by name rather than dropped, since an engine
 missing it would serve a different policy.
@@ -22,11 +27,13 @@ missing it would serve a different policy.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from orchestrator.adapters.megatron.convert import layout, mixtral
+from orchestrator.adapters.megatron.convert.grouped import TE_GROUPED, per_expert, per_expert_names, read_as
 from orchestrator.adapters.megatron.convert.spec import MEGATRON_LAYERNORM_EPS, Family, ModelSpec
 from orchestrator.adapters.megatron.gpt import TinyGPTConfig
 
@@ -76,7 +83,7 @@ def hf_config(cfg: Shape) -> PretrainedConfig:
         # transformers 5.x moved the theta into `rope_parameters`; Megatron's default RoPE is
         # the non-interleaved (rotate-half) one, which is HF's "default".
         rope_parameters={"rope_type": "default", "rope_theta": spec.rotary_base},
-        tie_word_embeddings=False,
+        tie_word_embeddings=spec.tie_embeddings,
         attention_bias=False,
         attention_dropout=0.0,
         dtype=torch.bfloat16,
@@ -87,6 +94,8 @@ def hf_config(cfg: Shape) -> PretrainedConfig:
         return transformers.LlamaConfig(**common, mlp_bias=False)
     if spec.family is Family.QWEN3:
         return transformers.Qwen3Config(**common, use_sliding_window=False)
+    if spec.family is Family.MIXTRAL:
+        return mixtral.hf_mixtral_config(spec, common)
     return transformers.Qwen3MoeConfig(
         **common,
         use_sliding_window=False,
@@ -112,40 +121,20 @@ def hf_llama_config(cfg: Shape) -> LlamaConfig:
 
 # ---- per-tensor mapping ---------------------------------------------------------------------
 
-Split = Callable[[torch.Tensor, ModelSpec], list[torch.Tensor]]
+# The rule table's shorthands (`layout`): a rule is (Megatron name pattern, HF names with {i} for
+# the layer and {e} for the expert, how to split, the layer kind, the families that have it).
+Split = layout.Split
+_LAYER, _EXPERT, _DENSE, _MOE, _ANY = layout.LAYER, layout.EXPERT, layout.DENSE, layout.MOE, layout.ANY
+_split_qkv, _split_fc1, _same = layout.split_qkv, layout.split_fc1, layout.same
 
-
-def _split_qkv(tensor: torch.Tensor, spec: ModelSpec) -> list[torch.Tensor]:
-    """Megatron interleaves per query group: [q of nh/ng heads, k, v] for each group in turn."""
-    groups, head_dim = spec.num_query_groups, spec.head_dim
-    heads_per_group = spec.num_attention_heads // groups
-    grouped = tensor.view(groups, (heads_per_group + 2) * head_dim, spec.hidden_size)
-    q, k, v = grouped.split([heads_per_group * head_dim, head_dim, head_dim], dim=1)
-    return [part.reshape(-1, spec.hidden_size) for part in (q, k, v)]
-
-
-def _split_fc1(tensor: torch.Tensor, spec: ModelSpec) -> list[torch.Tensor]:
-    """SwiGLU's fc1 is cat([gate, up]) along the output rows."""
-    gate, up = tensor.chunk(2, dim=0)
-    return [gate, up]
-
-
-def _same(tensor: torch.Tensor, spec: ModelSpec) -> list[torch.Tensor]:
-    return [tensor]
-
-
-_LAYER = r"decoder\.layers\.(?P<i>\d+)\."
-_EXPERT = _LAYER + r"mlp\.experts\.local_experts\.(?P<e>\d+)\."
-_DENSE, _MOE, _ANY = "dense", "moe", "any"  # which layers a rule's tensor belongs to
-
-# (Megatron name pattern, HF names with {i} for the layer and {e} for the expert, how to split,
-# the layer kind, the families that have it). The TE-spec names (norm fused into the next linear
-# as `layer_norm_weight`) map to the same HF norms.
+# Mixtral's MoE layer is in `mixtral`. The TE-spec names (norm fused into the next linear as
+# `layer_norm_weight`) map to the same HF norms.
 _ALL = frozenset(Family)
 _QK = frozenset({Family.QWEN3, Family.QWEN3_MOE})
 _RULES: tuple[tuple[re.Pattern[str], tuple[str, ...], Split, str, frozenset[Family]], ...] = tuple(
     (re.compile(pattern + r"$"), targets, split, kind, frozenset(families))
     for pattern, targets, split, kind, families in (
+        *mixtral.RULES,
         (r"embedding\.word_embeddings\.weight", ("model.embed_tokens.weight",), _same, _ANY, _ALL),
         (_LAYER + r"input_layernorm\.weight", ("model.layers.{i}.input_layernorm.weight",), _same, _ANY, _ALL),
         (
@@ -234,6 +223,17 @@ _REFUSED: tuple[tuple[re.Pattern[str], frozenset[Family], str], ...] = (
     ),
     (
         re.compile(r"expert_bias$"),
+        frozenset({Family.MIXTRAL}),
+        "Mixtral's router has no expert bias (it routes by softmax alone)",
+    ),
+    (
+        TE_GROUPED,
+        _ALL,
+        "Transformer Engine's TEGroupedMLP layout is not converted (build the experts with the local "
+        "spec's GroupedMLP or SequentialMLP)",
+    ),
+    (
+        re.compile(r"expert_bias$"),
         frozenset({Family.QWEN3_MOE}),
         "Qwen3-MoE's router has no expert bias (it routes by softmax alone)",
     ),
@@ -261,6 +261,7 @@ def _expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         "expert.gate_proj": (spec.moe_ffn_hidden_size, hidden),
         "expert.up_proj": (spec.moe_ffn_hidden_size, hidden),
         "expert.down_proj": (hidden, spec.moe_ffn_hidden_size),
+        **mixtral.expert_shapes(spec),
     }
 
 
@@ -297,11 +298,15 @@ def _kind_problem(match: re.Match[str], kind: str, spec: ModelSpec) -> str | Non
     return None
 
 
-def _rule(name: str, spec: ModelSpec) -> tuple[list[str], Split]:
-    """The HF names `name` becomes, and how its tensor splits into them."""
+def _refuse(name: str, spec: ModelSpec) -> None:
     for pattern, families, why in _REFUSED:
         if spec.family in families and pattern.search(name):
             raise ValueError(f"cannot convert {name!r} to HF {spec.family.value}: {why}")
+
+
+def _rule(name: str, spec: ModelSpec) -> tuple[list[str], Split]:
+    """The HF names `name` becomes, and how its tensor splits into them."""
+    _refuse(name, spec)
     for pattern, targets, split, kind, families in _RULES:
         match = pattern.match(name)
         if match is None or spec.family not in families:
@@ -313,25 +318,44 @@ def _rule(name: str, spec: ModelSpec) -> tuple[list[str], Split]:
     raise ValueError(f"cannot convert {name!r} to HF {spec.family.value}: no mapping for this Megatron name")
 
 
+def _tied_copy(name: str, spec: ModelSpec) -> bool:
+    """The output layer of tied embeddings: HF's checkpoint holds the embedding alone."""
+    return spec.tie_embeddings and name == "output_layer.weight"
+
+
 def hf_targets(name: str, cfg: Shape) -> list[str]:
     """The HF names the whole Megatron tensor `name` becomes; raises as `to_hf` does, with no tensor."""
-    return _rule(name, _spec(cfg))[0]
+    spec = _spec(cfg)
+    experts = per_expert_names(name, spec.num_experts)
+    if experts is not None:
+        _refuse(name, spec)
+        with read_as(name):
+            return [target for expert in experts for target in _rule(expert, spec)[0]]
+    targets = _rule(name, spec)[0]
+    return [] if _tied_copy(name, spec) else targets
 
 
 def to_hf(name: str, tensor: torch.Tensor, cfg: Shape) -> list[tuple[str, torch.Tensor]]:
-    """The HF tensors one whole Megatron tensor becomes: views of `tensor` where the split allows.
+    """The HF tensors one whole Megatron tensor becomes: views of `tensor` where the split allows;
+    none for the output layer of tied embeddings (a copy of the embedding, which HF holds once).
 
     Raises ValueError, naming the tensor, for a tensor the family has no counterpart for (MoE
-    tensors in a dense family, `expert_bias` in Qwen3-MoE, the test-only `fp32_output_scale`),
-    any name the mapping does not know, a layer or expert index beyond the model's, a dense MLP
-    in an MoE layer or experts in a dense one, and a shape that does not match.
+    tensors in a dense family, `expert_bias` in Qwen3-MoE or Mixtral, TEGroupedMLP's layout, the
+    test-only `fp32_output_scale`), any name the mapping does not know, a layer or expert index
+    beyond the model's, a dense MLP in an MoE layer or experts in a dense one, and a shape that
+    does not match.
     """
     spec = _spec(cfg)
+    if per_expert_names(name, spec.num_experts) is not None:  # a GroupedMLP's weight1/2
+        _refuse(name, spec)
+        experts = per_expert(name, tensor, spec.num_experts, spec.hidden_size)
+        with read_as(name):
+            return [pair for expert, view, _ in experts for pair in to_hf(expert, view, spec)]
     hf, split = _rule(name, spec)
     expected = _expected_source_shape(hf, spec)
     if tuple(tensor.shape) != expected:
         raise ValueError(f"cannot convert {name!r}: shape {tuple(tensor.shape)}, expected {expected} for this config")
-    return list(zip(hf, split(tensor, spec), strict=True))
+    return [] if _tied_copy(name, spec) else list(zip(hf, split(tensor, spec), strict=True))
 
 
 def convert(named: Iterable[tuple[str, torch.Tensor]], cfg: Shape) -> Iterator[tuple[str, torch.Tensor]]:
@@ -342,21 +366,22 @@ def convert(named: Iterable[tuple[str, torch.Tensor]], cfg: Shape) -> Iterator[t
 
 
 def hf_names(cfg: Shape) -> list[str]:
-    """Every HF checkpoint name a complete sync produces; for a dense family in the model's
-    `named_parameters` order."""
+    """Every HF checkpoint name a complete sync produces, which is what `save_pretrained` writes;
+    for a dense family in the model's `named_parameters` order."""
     spec = _spec(cfg)
     attention = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"]
     if spec.qk_layernorm:
         attention += ["self_attn.q_norm", "self_attn.k_norm"]
+    if spec.family is Family.MIXTRAL:
+        moe = mixtral.moe_names(spec)
+    else:
+        moe = ["mlp.gate"] + [f"mlp.experts.{e}.{p}" for e in range(spec.num_experts) for p in _GATED]
     names = ["model.embed_tokens.weight"]
     for i in range(spec.num_layers):
-        if i in spec.moe_layers:
-            mlp = ["mlp.gate"] + [f"mlp.experts.{e}.{p}" for e in range(spec.num_experts) for p in _GATED]
-        else:
-            mlp = [f"mlp.{p}" for p in _GATED]
+        mlp = moe if i in spec.moe_layers else [f"mlp.{p}" for p in _GATED]
         modules = [*attention, *mlp, "input_layernorm", "post_attention_layernorm"]
         names += [f"model.layers.{i}.{module}.weight" for module in modules]
-    return [*names, "model.norm.weight", "lm_head.weight"]
+    return [*names, "model.norm.weight", *([] if spec.tie_embeddings else ["lm_head.weight"])]
 
 
 _GATED = ("gate_proj", "up_proj", "down_proj")

@@ -24,17 +24,19 @@ MEGATRON_LAYERNORM_EPS = 1e-5
 
 
 def family_of(config: Any) -> Family:
-    """The family a `TransformerConfig` reads as: experts make it Qwen3-MoE, a q/k norm Qwen3,
-    else Llama. A model the family cannot compute is refused by `ModelSpec.from_megatron`."""
+    """The family a `TransformerConfig` reads as: experts make it Qwen3-MoE with a q/k norm and
+    Mixtral without; a dense model is Qwen3 with a q/k norm and Llama without. A model the
+    family cannot compute is refused by `ModelSpec.from_megatron`."""
     if config.num_moe_experts:
-        return Family.QWEN3_MOE
+        return Family.QWEN3_MOE if config.qk_layernorm else Family.MIXTRAL
     return Family.QWEN3 if config.qk_layernorm else Family.LLAMA
 
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
     """The shape of a Llama-like GPT, as HF needs it. `moe_layers` lists the global indices of
-    the layers whose MLP is a mixture of experts."""
+    the layers whose MLP is a mixture of experts; `tie_embeddings`: the output layer is the
+    input embedding (Megatron's `share_embeddings_and_output_weights`)."""
 
     family: Family
     vocab_size: int
@@ -47,6 +49,7 @@ class ModelSpec:
     max_position_embeddings: int
     rotary_base: float
     layernorm_epsilon: float = MEGATRON_LAYERNORM_EPS
+    tie_embeddings: bool = False
     qk_layernorm: bool = False
     num_experts: int = 0
     moe_ffn_hidden_size: int = 0
@@ -66,8 +69,9 @@ class ModelSpec:
             out.append(f"{self.num_attention_heads} heads do not split into {self.num_query_groups} query groups")
         if self.family is Family.LLAMA and self.qk_layernorm:
             out.append("qk_layernorm (Llama has no q/k norm: use the qwen3 family)")
-        if self.family is not Family.QWEN3_MOE and self.num_experts:
-            out.append(f"num_experts={self.num_experts} (the {self.family.value} family is dense: use qwen3_moe)")
+        if self.family in (Family.LLAMA, Family.QWEN3) and self.num_experts:
+            moe = "qwen3_moe" if self.qk_layernorm else "mixtral"
+            out.append(f"num_experts={self.num_experts} (the {self.family.value} family is dense: use {moe})")
         if self.family is Family.QWEN3 and not self.qk_layernorm:
             out.append("no qk_layernorm (Qwen3 normalises q and k: use the llama family)")
         if self.family is Family.QWEN3_MOE:
@@ -79,6 +83,23 @@ class ModelSpec:
                 # Megatron's expert_bias needs sigmoid scores; Qwen3-MoE routes by softmax with
                 # no bias, so an engine would pick other experts than the trainer did.
                 out.append("moe_router_enable_expert_bias (Qwen3-MoE's router has no expert bias)")
+        if self.family is Family.MIXTRAL:
+            out += self._mixtral_problems()
+        return out
+
+    def _mixtral_problems(self) -> list[str]:
+        out = []
+        dense = [i for i in range(self.num_layers) if i not in self.moe_layers]
+        if not self.num_experts:
+            out.append("no MoE layer (use the llama family)")
+        elif dense:
+            out.append(f"dense layers {dense} (every Mixtral layer is MoE)")
+        if self.qk_layernorm:
+            out.append("qk_layernorm (Mixtral has no q/k norm: use qwen3_moe)")
+        if self.expert_bias:
+            out.append("moe_router_enable_expert_bias (Mixtral's router has no expert bias)")
+        if not self.moe_norm_topk_prob:
+            out.append("moe_router_pre_softmax=True (Mixtral renormalises its top-k probabilities)")
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -132,6 +153,7 @@ class ModelSpec:
             max_position_embeddings=gpt.max_sequence_length,
             rotary_base=_rotary_base(gpt),
             layernorm_epsilon=config.layernorm_epsilon,
+            tie_embeddings=bool(gpt.share_embeddings_and_output_weights),
             qk_layernorm=bool(config.qk_layernorm),
             num_experts=experts,
             moe_ffn_hidden_size=(config.moe_ffn_hidden_size or 0) if experts else 0,
@@ -177,7 +199,6 @@ def _megatron_problems(config: Any, gpt: Any) -> list[str]:
         "multi_latent_attention": getattr(config, "multi_latent_attention", False),
         f"position_embedding_type={gpt.position_embedding_type!r} (HF uses RoPE)": gpt.position_embedding_type
         != "rope",
-        "share_embeddings_and_output_weights=True (converted untied only)": gpt.share_embeddings_and_output_weights,
         "rotary_percent < 1": getattr(gpt, "rotary_percent", 1.0) != 1.0,
         "rotary_interleaved=True (HF rotates halves)": getattr(config, "rotary_interleaved", False),
         "rope_scaling=True": bool(getattr(gpt, "rotary_scaling", False)),
@@ -187,11 +208,10 @@ def _megatron_problems(config: Any, gpt: Any) -> list[str]:
             f"moe_router_score_function={config.moe_router_score_function!r} (HF routes by softmax)": (
                 config.moe_router_score_function != "softmax" and not config.moe_router_enable_expert_bias
             ),
-            "moe_shared_expert_intermediate_size (no shared expert in Qwen3-MoE)": bool(
+            "moe_shared_expert_intermediate_size (neither Qwen3-MoE nor Mixtral has a shared expert)": bool(
                 config.moe_shared_expert_intermediate_size
             ),
             "moe_router_topk_scaling_factor": bool(config.moe_router_topk_scaling_factor),
             "moe_router_num_groups (group-limited routing)": bool(config.moe_router_num_groups),
-            "moe_grouped_gemm (weights in GroupedMLP layout)": config.moe_grouped_gemm,
         }
     return [problem for problem, bad in checks.items() if bad]
