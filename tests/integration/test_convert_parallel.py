@@ -365,10 +365,13 @@ FAMILY_MISTAKES = {  # layout: (family, what goes wrong, the sync with it, confi
         (Family.DEEPSEEK_V3, "MLA's rope rotated as halves", _as_is, {"rope_interleave": False}),
         (Family.GLM4_MOE, "every dim rotated", _as_is, _FULL_ROTARY),
     ),
-    "ep2": ((Family.DEEPSEEK_V3, "YaRN dropped", _as_is, _YARN_DROPPED),),
+    "ep2": (
+        (Family.DEEPSEEK_V3, "YaRN dropped", _as_is, _YARN_DROPPED),
+        (Family.GLM4_MOE, "expert_bias dropped", _bias_dropped, {}),
+    ),
     "tp2pp2ep2": (
         (Family.DEEPSEEK_V3, "expert_bias dropped", _bias_dropped, {}),
-        (Family.GLM4_MOE, "expert_bias dropped", _bias_dropped, {}),
+        (Family.GLM4_MOE, "routed scale dropped", _as_is, {"routed_scaling_factor": 1.0}),
     ),
 }
 
