@@ -45,6 +45,18 @@ SUPPORT: tuple[Support, ...] = (
         "softmax-routed experts in every layer (SequentialMLP or GroupedMLP)",
         ("TP", "PP", "EP", "expert TP"),
     ),
+    Support(
+        Family.DEEPSEEK_V3,
+        "DeepseekV3ForCausalLM",
+        "MLA with YaRN; sigmoid-routed experts with a selection bias, groups, a scale, shared experts; first layers dense",
+        ("TP", "PP", "EP", "expert TP"),
+    ),
+    Support(
+        Family.GLM4_MOE,
+        "Glm4MoeForCausalLM",
+        "q/k/v biases, partial rotary, optional q/k norm; DeepSeek-V3's experts",
+        ("TP", "PP", "EP", "expert TP"),
+    ),
 )
 
 

@@ -8,7 +8,9 @@
   from the demo's `TinyGPTConfig` (`spec`); `hf_config(spec)` is the transformers config.
 
 Families: Llama, Qwen3 (q/k norm), Qwen3-MoE (router, experts), Mixtral (every layer MoE, no q/k
-norm); tied embeddings; GroupedMLP experts.
+norm), DeepSeek-V3 (MLA and YaRN in `mla`; sigmoid-routed experts with a selection bias, groups,
+a scale and shared experts in `routed`), GLM-4.5 (q/k/v biases, partial rotary in `glm`;
+`routed`'s experts); tied embeddings; GroupedMLP experts.
 """
 
 from orchestrator.adapters.megatron.convert.gather import conversion_problems, hf_buckets, is_sync_source, model_spec

@@ -226,9 +226,10 @@ def hf_buckets(
 
     `model_chunks` are the DDP chunks (or bare GPTModels) of this rank; `config` is the
     `TransformerConfig` (the chunks' own by default); `family` is the one the config reads as
-    (`family_of`: experts → qwen3_moe with a q/k norm, else mixtral; dense: qwen3 with a q/k
-    norm, else llama) unless given. Call it on every rank of the model, in the same order as its
-    other collectives; only `is_sync_source()` ranks need send the buckets.
+    (`family_of`: MLA → deepseek_v3, sigmoid-routed experts → glm4_moe, other experts →
+    qwen3_moe with a q/k norm, else mixtral; dense: qwen3 with a q/k norm, else llama) unless
+    given. Call it on every rank of the model, in the same order as its other collectives; only
+    `is_sync_source()` ranks need send the buckets.
     A bucket is emptied when the next is asked for: keep what it holds, not the list.
 
     Raises ValueError before any collective when `family` cannot compute what the model computes

@@ -15,6 +15,8 @@ one checked in design §7 (bit-identical logits in fp32); the families add:
 A GroupedMLP's `mlp.experts.weight1/2` are read as SequentialMLP's per-expert tensors (`grouped`).
 Tied embeddings (`spec.tie_embeddings`): HF's checkpoint holds `embed_tokens` alone, so Megatron's
 `output_layer.weight` (a PP > 1 last stage's copy of the embedding) becomes no HF tensor.
+- DeepSeek-V3: multi-latent attention and YaRN (`mla`), DeepSeek-style MoE layers (`routed`);
+- GLM-4.5: q/k/v biases, a partial rotary, an optional q/k norm (`glm`), `routed`'s MoE layers.
 
 What a family has no counterpart for is refused by name rather than dropped, since an engine
 missing it would serve a different policy.
@@ -32,8 +34,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from orchestrator.adapters.megatron.convert import layout, mixtral
+from orchestrator.adapters.megatron.convert import glm, mixtral, mla, routed
 from orchestrator.adapters.megatron.convert.grouped import TE_GROUPED, per_expert, per_expert_names, read_as
+from orchestrator.adapters.megatron.convert.rules import ANY as _ANY
+from orchestrator.adapters.megatron.convert.rules import DENSE as _DENSE
+from orchestrator.adapters.megatron.convert.rules import EXPERT as _EXPERT
+from orchestrator.adapters.megatron.convert.rules import LAYER as _LAYER
+from orchestrator.adapters.megatron.convert.rules import MOE as _MOE
+from orchestrator.adapters.megatron.convert.rules import Rule, Split, compile_rules
+from orchestrator.adapters.megatron.convert.rules import gate_up as _split_fc1
+from orchestrator.adapters.megatron.convert.rules import same as _same
+from orchestrator.adapters.megatron.convert.rules import split_qkv as _split_qkv
 from orchestrator.adapters.megatron.convert.spec import MEGATRON_LAYERNORM_EPS, Family, ModelSpec
 from orchestrator.adapters.megatron.gpt import TinyGPTConfig
 
@@ -96,6 +107,10 @@ def hf_config(cfg: Shape) -> PretrainedConfig:
         return transformers.Qwen3Config(**common, use_sliding_window=False)
     if spec.family is Family.MIXTRAL:
         return mixtral.hf_mixtral_config(spec, common)
+    if spec.family is Family.DEEPSEEK_V3:
+        return transformers.DeepseekV3Config(**{**common, **mla.hf_config_keys(spec), **routed.hf_config_keys(spec)})
+    if spec.family is Family.GLM4_MOE:
+        return transformers.Glm4MoeConfig(**{**common, **glm.hf_config_keys(spec), **routed.hf_config_keys(spec)})
     return transformers.Qwen3MoeConfig(
         **common,
         use_sliding_window=False,
@@ -121,19 +136,14 @@ def hf_llama_config(cfg: Shape) -> LlamaConfig:
 
 # ---- per-tensor mapping ---------------------------------------------------------------------
 
-# The rule table's shorthands (`layout`): a rule is (Megatron name pattern, HF names with {i} for
-# the layer and {e} for the expert, how to split, the layer kind, the families that have it).
-Split = layout.Split
-_LAYER, _EXPERT, _DENSE, _MOE, _ANY = layout.LAYER, layout.EXPERT, layout.DENSE, layout.MOE, layout.ANY
-_split_qkv, _split_fc1, _same = layout.split_qkv, layout.split_fc1, layout.same
 
-# Mixtral's MoE layer is in `mixtral`. The TE-spec names (norm fused into the next linear as
-# `layer_norm_weight`) map to the same HF norms.
+# (Megatron name pattern, HF names with {i} for the layer and {e} for the expert, how to split,
+# the layer kind, the families that have it); Mixtral's MoE layer is in `mixtral`. The TE-spec
+# names (norm fused into the next linear as `layer_norm_weight`) map to the same HF norms.
 _ALL = frozenset(Family)
 _QK = frozenset({Family.QWEN3, Family.QWEN3_MOE})
-_RULES: tuple[tuple[re.Pattern[str], tuple[str, ...], Split, str, frozenset[Family]], ...] = tuple(
-    (re.compile(pattern + r"$"), targets, split, kind, frozenset(families))
-    for pattern, targets, split, kind, families in (
+_RULES: tuple[Rule, ...] = compile_rules(
+    (
         *mixtral.RULES,
         (r"embedding\.word_embeddings\.weight", ("model.embed_tokens.weight",), _same, _ANY, _ALL),
         (_LAYER + r"input_layernorm\.weight", ("model.layers.{i}.input_layernorm.weight",), _same, _ANY, _ALL),
@@ -212,7 +222,7 @@ _RULES: tuple[tuple[re.Pattern[str], tuple[str, ...], Split, str, frozenset[Fami
         (r"decoder\.final_layernorm\.weight", ("model.norm.weight",), _same, _ANY, _ALL),
         (r"output_layer\.weight", ("lm_head.weight",), _same, _ANY, _ALL),
     )
-)
+) + (mla.RULES + routed.RULES + glm.RULES)
 
 # Known Megatron tensors a family has no counterpart for, and why.
 _REFUSED: tuple[tuple[re.Pattern[str], frozenset[Family], str], ...] = (
@@ -262,17 +272,24 @@ def _expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         "expert.up_proj": (spec.moe_ffn_hidden_size, hidden),
         "expert.down_proj": (hidden, spec.moe_ffn_hidden_size),
         **mixtral.expert_shapes(spec),
+        **routed.shapes(spec),
+        **mla.shapes(spec),  # MLA's q_proj and o_proj replace GQA's
     }
 
 
 def hf_shape(hf_name: str, cfg: Shape) -> tuple[int, ...]:
     """The shape the HF model built from `hf_config(cfg)` gives the checkpoint name `hf_name`."""
+    if hf_name.endswith(".bias"):  # a linear's: one per output row
+        return hf_shape(hf_name.removesuffix(".bias") + ".weight", cfg)[:1]
+    shapes = _expected_shapes(_spec(cfg))
     module = hf_name.removesuffix(".weight").rsplit(".", 1)[-1]
-    if module.endswith("layernorm"):
-        module = "layernorm"
-    elif ".experts." in hf_name:
+    if ".experts." in hf_name:
         module = f"expert.{module}"
-    return _expected_shapes(_spec(cfg))[module]
+    elif ".shared_experts." in hf_name:
+        module = f"shared.{module}"
+    elif module.endswith("layernorm") and module not in shapes:
+        module = "layernorm"
+    return shapes[module]
 
 
 def _expected_source_shape(targets: list[str], spec: ModelSpec) -> tuple[int, ...]:
@@ -369,18 +386,25 @@ def hf_names(cfg: Shape) -> list[str]:
     """Every HF checkpoint name a complete sync produces, which is what `save_pretrained` writes;
     for a dense family in the model's `named_parameters` order."""
     spec = _spec(cfg)
-    attention = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"]
-    if spec.qk_layernorm:
-        attention += ["self_attn.q_norm", "self_attn.k_norm"]
-    if spec.family is Family.MIXTRAL:
-        moe = mixtral.moe_names(spec)
-    else:
-        moe = ["mlp.gate"] + [f"mlp.experts.{e}.{p}" for e in range(spec.num_experts) for p in _GATED]
+    attention = [f"self_attn.{p}_proj.weight" for p in "qkvo"]
+    if spec.multi_latent_attention:
+        attention = mla.attention_names(spec)
+    if spec.qkv_bias:
+        attention += [f"self_attn.{p}_proj.bias" for p in "qkv"]
+    if spec.qk_layernorm and not spec.multi_latent_attention:
+        attention += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
     names = ["model.embed_tokens.weight"]
     for i in range(spec.num_layers):
-        mlp = moe if i in spec.moe_layers else [f"mlp.{p}" for p in _GATED]
-        modules = [*attention, *mlp, "input_layernorm", "post_attention_layernorm"]
-        names += [f"model.layers.{i}.{module}.weight" for module in modules]
+        if i not in spec.moe_layers:
+            mlp = [f"mlp.{p}.weight" for p in _GATED]
+        elif spec.family in routed.ROUTED_FAMILIES:
+            mlp = routed.moe_names(spec)
+        elif spec.family is Family.MIXTRAL:
+            mlp = [f"{name}.weight" for name in mixtral.moe_names(spec)]
+        else:
+            mlp = ["mlp.gate.weight"] + [f"mlp.experts.{e}.{p}.weight" for e in range(spec.num_experts) for p in _GATED]
+        layer = [*attention, *mlp, "input_layernorm.weight", "post_attention_layernorm.weight"]
+        names += [f"model.layers.{i}.{name}" for name in layer]
     return [*names, "model.norm.weight", *([] if spec.tie_embeddings else ["lm_head.weight"])]
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from orchestrator.adapters.megatron.convert.layout import EXPERT, LAYER, MOE, same, split_fc1
+from orchestrator.adapters.megatron.convert.rules import EXPERT, LAYER, MOE, gate_up, same
 from orchestrator.adapters.megatron.convert.spec import Family, ModelSpec
 
 if TYPE_CHECKING:
@@ -32,7 +32,7 @@ RULES = (
     (
         EXPERT + r"linear_fc1\.weight",
         (_MOE_BLOCK + "experts.{e}.w1.weight", _MOE_BLOCK + "experts.{e}.w3.weight"),
-        split_fc1,
+        gate_up,
         MOE,
         _FAMILIES,
     ),
