@@ -119,7 +119,7 @@ def parallel_config(family: Family, tp: int, pp: int, ep: int, *, grouped_gemm: 
         hidden_size=64,
         num_attention_heads=4,
         ffn_hidden_size=128,
-        qk_layernorm=family in (Family.QWEN3, Family.QWEN3_MOE),
+        qk_layernorm=family not in (Family.LLAMA, Family.MIXTRAL),
         normalization="RMSNorm",
         gated_linear_unit=True,
         activation_func=F.silu,
