@@ -56,14 +56,16 @@ def test_setup_is_read_from_megatrons_configs_not_taken_on_trust(embed: dict[str
 def test_what_the_one_call_refuses_is_named_and_leaves_the_engine_untouched(embed: dict[str, Any]) -> None:
     assert "mode must be one of" in embed["bad_mode"] and "'rematerialise'" in embed["bad_mode"]
     assert "'no-update-weights' has no update_weights" in embed["no_update_weights"]
-    # Experts without a q/k norm make the default conversion read the model as Mixtral, which it is
-    # not: refused by its config, once (not per expert tensor), naming each difference.
+    # Sigmoid-routed experts make the default conversion read the model as GLM-4.5, which it is
+    # not: refused by its config, once (not per expert tensor), naming the difference.
     assert "1 configuration problem(s)" in embed["moe"], embed["moe"]
-    assert "no HF mixtral equivalent: dense layers [0]" in embed["moe"], embed["moe"]
-    assert "moe_router_enable_expert_bias" in embed["moe"], embed["moe"]
+    assert "no HF glm4_moe equivalent: shared experts of ffn 0" in embed["moe"], embed["moe"]
     assert "decoder.layers.1.mlp.router.expert_bias: not rebuilt from the fp32 mains" in embed["uncovered"]
     for problem in ("normalization='LayerNorm'", "rotary_interleaved=True"):
         assert problem in embed["not_llama"], embed["not_llama"]
+    # The served config, read as the planner reads it, builds another RoPE: it would load cleanly.
+    assert "rope_theta is 500000.0 there, 10000.0 in the trainer's model" in embed["served_other"], embed
+    assert "served_config '/nowhere': not a readable JSON config" in embed["served_missing"]
     assert embed["engine_untouched"]
 
 

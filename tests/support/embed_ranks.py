@@ -24,7 +24,7 @@ from orchestrator import ActionFailed, ConfigError, Trainer, colocate_megatron
 from orchestrator.adapters.engines.transformers import TransformersEngine
 from orchestrator.adapters.megatron.build import TinyGPTConfig, build_gpt, destroy_process_group, init_process_group
 from orchestrator.adapters.megatron.build import train_step as lm_step
-from orchestrator.adapters.megatron.convert import to_hf
+from orchestrator.adapters.megatron.convert import hf_config, to_hf
 from orchestrator.adapters.megatron.embed import gpt_shape
 from orchestrator.adapters.megatron.trainer import MegatronTrainer
 from orchestrator.adapters.megatron.transport import SyncTensorWritten, per_tensor
@@ -162,10 +162,15 @@ def embed_scenario() -> dict[str, Any]:
     result["moe"] = _refusal(lambda: colocate_megatron(moe_chunks, moe_optimizer, engine))
     result["uncovered"] = _refusal(lambda: colocate_megatron(moe_chunks, moe_optimizer, engine, extras=()))
     result["not_llama"] = _refusal(lambda: colocate_megatron(*_not_a_llama(), engine))
+    served = hf_config(gpt_shape(chunks)).to_dict()  # what the engine was built from
+    other_theta = served | {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}
+    result["served_other"] = _refusal(lambda: colocate_megatron(chunks, optimizer, engine, served_config=other_theta))
+    result["served_missing"] = _refusal(lambda: colocate_megatron(chunks, optimizer, engine, served_config="/nowhere"))
     result["engine_untouched"] = engine.resident_bytes() == resident and engine.weight_version() is None
 
     # The cycle, as the example drives it.
-    lifecycle = colocate_megatron(chunks[0], optimizer, engine)  # one chunk, not in a list: taken as [chunk]
+    # one chunk, not in a list: taken as [chunk]; the config the engine serves agrees with the model
+    lifecycle = colocate_megatron(chunks[0], optimizer, engine, served_config=served)
     (tracing, *_) = lifecycle.listeners.listeners
     result["tracing_provider"] = type(tracing._provider).__name__ if isinstance(tracing, TracingListener) else None
     result["regions"] = type(lifecycle._regions._regions).__name__

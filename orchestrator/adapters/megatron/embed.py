@@ -46,7 +46,9 @@ takes the engine over (releases its memory) as it always does.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+import json
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -59,12 +61,14 @@ from orchestrator.adapters.megatron.convert import (
     is_sync_source,
     model_spec,
 )
+from orchestrator.adapters.megatron.convert.served import served_problems
 from orchestrator.adapters.megatron.trainer import ALL_EXTRAS, Extra, MegatronTrainer, megatron_setup
 from orchestrator.adapters.megatron.transport import Converter, MegatronTransport
 from orchestrator.adapters.registry import REGIONS
 from orchestrator.core.config import LifecycleConfig
 from orchestrator.core.lifecycle import Lifecycle, require_restore_coverage
 from orchestrator.errors import ConfigError
+from orchestrator.models import Architecture, read_config
 from orchestrator.protocols import LoadsWeights, MemoryRegions, Named, RolloutEngine, WeightTransport
 from orchestrator.telemetry.listeners import Listener
 from states import MemoryBudget, Mode, Offload
@@ -86,15 +90,19 @@ def gpt_shape(model: Sequence[Any] | Any) -> ModelSpec:
         raise ConfigError([str(error)]) from None
 
 
-def hf_converter(model: Sequence[Any]) -> Converter:
+def hf_converter(model: Sequence[Any], served: str | Path | Mapping[str, Any] | None = None) -> Converter:
     """The conversion `colocate_megatron` wires: `hf_buckets` over the model's live params at any
     TP, PP and EP, the family read from its config. It reads the model itself, not the sync
-    tensors it is handed.
+    tensors it is handed. `served`: the HF config the engine loaded its model from (a
+    `config.json`, its folder, or its dict), read as the planner reads it.
 
     Raises ConfigError before anything is sent, naming each problem once: what the model computes
-    that the family does not, or every tensor of this rank's stage the family has no counterpart
-    for. The check is this rank's alone (no collective)."""
+    that the family does not, every tensor of this rank's stage the family has no counterpart
+    for, and everything the served config builds or computes otherwise (`served_problems`). The
+    check is this rank's alone (no collective)."""
     problems = conversion_problems(model)
+    if served is not None and not problems:
+        problems = served_problems(model_spec(model), _read_served(served))
     if problems:
         raise ConfigError(problems)
 
@@ -102,6 +110,17 @@ def hf_converter(model: Sequence[Any]) -> Converter:
         return hf_buckets(model, bucket_bytes=bucket_bytes)
 
     return converter
+
+
+def _read_served(served: str | Path | Mapping[str, Any]) -> Architecture:
+    if isinstance(served, Mapping):
+        return read_config(served, source="served_config")
+    path = Path(served)
+    path = path / "config.json" if path.is_dir() else path
+    try:
+        return read_config(json.loads(path.read_text()), source=str(path))
+    except (OSError, ValueError) as error:
+        raise ConfigError([f"served_config {str(path)!r}: not a readable JSON config ({error})"]) from None
 
 
 def otel_listeners(rank: int) -> list[Listener]:
@@ -164,6 +183,7 @@ def colocate_megatron(
     rank: int | None = None,
     offload: Offload | str = Offload.AUTO,
     memory: Callable[[], MemoryBudget] | None = None,
+    served_config: str | Path | Mapping[str, Any] | None = None,
     **flags: bool,
 ) -> Lifecycle:
     """The `Lifecycle` for one rank of a Megatron-core trainer (see the module docstring).
@@ -182,6 +202,11 @@ def colocate_megatron(
     (`orchestrator.plan.MemoryProbe.for_plan(...)`), and moves both without one. `never` keeps
     both and, given `memory`, raises ConfigError naming the bytes where the rollout does not fit
     beside them (checked once the engine is taken over).
+
+    `served_config` is the HF config the engine serves (a path or a dict): with the default
+    converter, a model it builds or computes otherwise (another vocabulary, RoPE base, routed
+    scale, tied embeddings, ...) is a ConfigError too, since an engine would load such weights
+    cleanly and serve another policy.
     """
     model = _chunks(model)
     if not torch.cuda.is_available():
@@ -209,7 +234,7 @@ def colocate_megatron(
         transport = MegatronTransport(
             trainer,
             engine,
-            convert=hf_converter(model) if convert is None else convert,
+            convert=hf_converter(model, served_config) if convert is None else convert,
             bucket_bytes=bucket_bytes,
             source=is_sync_source() if distributed else True,
             any_rank=_any_rank if distributed else None,
