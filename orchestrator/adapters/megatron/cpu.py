@@ -1,6 +1,6 @@
 """The CPU path: megatron-core 0.16.1 DDP + DistributedOptimizer on a CUDA-less host, over gloo.
 
-megatron-core assumes CUDA in four ways on the GPT / DDP / distributed-optimizer path:
+megatron-core assumes CUDA in five ways on the GPT / DDP / distributed-optimizer path:
 
 1. ``torch.cuda.current_device()`` as the device of param/grad buffers, router buffers, masks;
 2. ``device="cuda"`` factories (found-inf flag, grad-norm scalars, causal mask);
@@ -17,6 +17,10 @@ megatron-core assumes CUDA in four ways on the GPT / DDP / distributed-optimizer
 4. The RNG tracker (``tensor_parallel.random``) forks the CUDA generator; on a CPU build
    ``torch.cuda.manual_seed`` is queued forever and reading its state raises. Its state get/set
    and seeding go to the CPU default generator instead.
+5. ``Tensor.cuda()`` where a model with MTP at PP > 1 gives its last stage a copy of the word
+   embeddings (``LanguageModule.setup_embeddings_and_output_layer`` moves it to the GPU before
+   all-reducing it with the first stage's). Scoped in time like (3): only while that method runs
+   does ``.cuda()`` of a CPU tensor return the tensor.
 
 Also an upstream import bug: ``moe_utils`` defines ``te_general_gemm`` only when Transformer Engine
 imports, yet the router reads it unconditionally; without TE it is set to ``None``.
@@ -52,6 +56,8 @@ _DEVICE_MODULES = (  # each one was seen to fail without the view (ablation, 0.1
     "megatron.core.pipeline_parallel.p2p_communication",
     "megatron.core.transformer.utils",
     "megatron.core.utils",
+    "megatron.core.transformer.multi_token_prediction",  # MTP: its loss tracker's device
+    "megatron.core.transformer.experimental_attention_variant.dsa",  # DSA: its indexer-loss tracker's
 )
 _applied = False
 
@@ -109,6 +115,29 @@ def _cuda_type_names() -> Iterator[None]:
         torch.Tensor.type = real  # type: ignore[method-assign]
 
 
+@contextlib.contextmanager
+def _cpu_stays_on_cuda_calls() -> Iterator[None]:
+    real = torch.Tensor.cuda
+
+    def cuda(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self if self.device.type == "cpu" else real(self, *args, **kwargs)
+
+    torch.Tensor.cuda = cuda  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = real  # type: ignore[method-assign]
+
+
+def _within(scope: Callable[[], contextlib.AbstractContextManager[None]], fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with scope():
+            return fn(*args, **kwargs)
+
+    return call
+
+
 def _with_cuda_type_names(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)  # keeps __wrapped__, so the original stays reachable
     def call(*args: Any, **kwargs: Any) -> Any:
@@ -138,6 +167,10 @@ def enable_cpu_path() -> None:
     clip = _with_cuda_type_names(clip_grads.clip_grad_by_total_norm_fp32)
     clip_grads.clip_grad_by_total_norm_fp32 = clip
     optimizer.clip_grad_by_total_norm_fp32 = clip  # the name optimizer.py calls
+    from megatron.core.models.common.language_module.language_module import LanguageModule  # (5)
+
+    setup = LanguageModule.setup_embeddings_and_output_layer
+    LanguageModule.setup_embeddings_and_output_layer = _within(_cpu_stays_on_cuda_calls, setup)
     # (4) fork() swaps generator states through these; add() and seeding use the view's cuda.
     random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
     random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
