@@ -39,6 +39,18 @@ SUPPORT: tuple[Support, ...] = (
     Support(Family.LLAMA, "LlamaForCausalLM", "", ("TP", "PP", "EP")),
     Support(Family.QWEN3, "Qwen3ForCausalLM", "q/k norm", ("TP", "PP", "EP")),
     Support(Family.QWEN3_MOE, "Qwen3MoeForCausalLM", "softmax-routed experts", ("TP", "PP", "EP", "expert TP")),
+    Support(
+        Family.DEEPSEEK_V3,
+        "DeepseekV3ForCausalLM",
+        "MLA with YaRN; sigmoid-routed experts with a selection bias, groups, a scale, shared experts; first layers dense",
+        ("TP", "PP", "EP", "expert TP"),
+    ),
+    Support(
+        Family.GLM4_MOE,
+        "Glm4MoeForCausalLM",
+        "q/k/v biases, partial rotary, optional q/k norm; DeepSeek-V3's experts",
+        ("TP", "PP", "EP", "expert TP"),
+    ),
 )
 
 

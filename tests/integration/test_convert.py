@@ -250,7 +250,8 @@ def test_a_model_the_family_cannot_compute_is_refused(family: Family, change: di
 def test_the_family_is_read_from_megatrons_config(experts: int | None, qk_layernorm: bool, family: Family) -> None:
     from types import SimpleNamespace
 
-    assert family_of(SimpleNamespace(num_moe_experts=experts, qk_layernorm=qk_layernorm)) is family
+    config = SimpleNamespace(num_moe_experts=experts, qk_layernorm=qk_layernorm, moe_router_score_function="softmax")
+    assert family_of(config) is family
 
 
 def test_a_bucket_budget_must_be_positive() -> None:

@@ -26,9 +26,12 @@ pytest.importorskip("transformers")
 pytest.importorskip("megatron.core")
 
 from orchestrator.adapters.megatron.convert import Family, ModelSpec, hf_config, hf_names
+from orchestrator.models import SUPPORT
 from tests.support.megatron_parallel import batches, build, schedule
 from tests.support.spawn import spawn_ranks
 
+CHECKED = tuple(s.family for s in SUPPORT)  # every family the converter claims, checked here
+HF_CLASS = {s.family: s.hf_class for s in SUPPORT}
 STEPS = 3
 BUCKET_BYTES = 40 << 10  # above the largest tensor, well below a stage's params
 LARGEST = 2 * 128 * 64 * 2  # bytes of the largest whole tensor: the dense linear_fc1, [2·ffn, hidden] bf16
@@ -170,7 +173,7 @@ def _rank(rank: int, world: int, port: int, out: str, layout: tuple[int, int, in
         )
         batch = batches(STEPS + 1)[-1]  # one the model was not trained on
         tensors: dict[str, Any] = {"tokens": batch[:, :-1]}
-        for family in Family:
+        for family in CHECKED:
             tensor_parallel.model_parallel_cuda_manual_seed(1234)
             torch.manual_seed(1234)
             chunks, optimizer = build(family, tp, pp, ep)
@@ -200,19 +203,23 @@ def layout(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     return {"name": request.param, "reports": reports, "ranks": ranks}
 
 
-def _hf_logits(family: Family, spec: ModelSpec, state: dict[str, torch.Tensor], tokens: torch.Tensor, tmp: Path):
-    """Through `from_pretrained`, as an engine loads a checkpoint: transformers fuses the experts."""
+def _hf_logits(
+    family: Family, spec: ModelSpec, state: dict[str, torch.Tensor], tokens: torch.Tensor, tmp: Path, **wrong: Any
+) -> torch.Tensor:
+    """Through `from_pretrained`, as an engine loads a checkpoint: transformers fuses the experts.
+    `wrong`: config keys set otherwise than `hf_config` says."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
     config = hf_config(spec)
+    for key, value in wrong.items():
+        setattr(config, key, value)
     config.save_pretrained(tmp)
     save_file({n: t.contiguous() for n, t in state.items()}, tmp / "model.safetensors")
     model, info = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.bfloat16, output_loading_info=True)
     problems = {k: v for k, v in info.items() if v}
     assert not problems, f"{family}: transformers did not load the sync cleanly: {problems}"
-    expected = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
-    assert type(model).__name__ == expected[family.value]
+    assert type(model).__name__ == HF_CLASS[family]
     with torch.no_grad():
         return model(tokens).logits.float()
 
@@ -229,14 +236,16 @@ def _synced(layout: dict[str, Any], family: Family) -> tuple[ModelSpec, dict[str
     return spec, state, logits
 
 
-def _errors(layout: dict[str, Any], family: Family, state: dict[str, torch.Tensor], tmp: Path) -> torch.Tensor:
+def _errors(
+    layout: dict[str, Any], family: Family, state: dict[str, torch.Tensor], tmp: Path, **wrong: Any
+) -> torch.Tensor:
     """|HF logits - Megatron logits|, [batch, seq, vocab]."""
     spec, _, megatron = _synced(layout, family)
-    return (_hf_logits(family, spec, state, layout["ranks"][0]["tokens"], tmp) - megatron).abs()
+    return (_hf_logits(family, spec, state, layout["ranks"][0]["tokens"], tmp, **wrong) - megatron).abs()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", list(Family))
+@pytest.mark.parametrize("family", CHECKED)
 def test_hf_logits_match_megatron(layout: dict[str, Any], family: Family, tmp_path: Path) -> None:
     spec, state, megatron = _synced(layout, family)
     assert sorted(state) == sorted(hf_names(spec)), "the source ranks together send every tensor once"
@@ -298,11 +307,85 @@ def test_a_wrong_gather_breaks_the_tolerance(layout: dict[str, Any], tmp_path: P
     assert broken > 4 * ROUTING_FLIPS, f"{what}: only {broken} tokens over {TOLERANCE}, max {errors.max():.4f}"
 
 
+def _per_head_rows(state: dict[str, torch.Tensor], suffix: str, parts: list[int]) -> dict[str, torch.Tensor]:
+    """The classic layout mistake: rows that are per head `[part 0; part 1; ...]` read as every
+    head's part 0, then every head's part 1, ... (a split that ignores the heads)."""
+    out = dict(state)
+    for name, tensor in state.items():
+        if name.endswith(suffix):
+            heads = tensor.view(-1, sum(parts), *tensor.shape[1:]).split(parts, dim=1)
+            unheaded = torch.cat([part.reshape(-1, *tensor.shape[1:]) for part in heads])
+            out[name] = unheaded.view(-1, sum(parts), *tensor.shape[1:]).reshape(tensor.shape)
+    return out
+
+
+def _kv_b_unheaded(state: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """kv_b_proj read as [every head's k_nope; every head's v]: Megatron packs both per head."""
+    return _per_head_rows(state, "kv_b_proj.weight", [spec.qk_nope_head_dim, spec.v_head_dim])
+
+
+def _qkv_bias_ungrouped(state: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """linear_qkv.bias split as three blocks, ignoring its per-group interleave."""
+    out = dict(state)
+    groups, projections = spec.num_query_groups, ("q_proj", "k_proj", "v_proj")
+    for name in [n for n in state if n.endswith("q_proj.bias")]:
+        q, k, v = (state[name.replace("q_proj", p)] for p in projections)
+        fused = torch.cat([q.view(groups, -1), k.view(groups, -1), v.view(groups, -1)], dim=1).flatten()
+        for p, part in zip(projections, fused.split([q.numel(), k.numel(), v.numel()]), strict=True):
+            out[name.replace("q_proj", p)] = part
+    return out
+
+
+def _bias_dropped(state: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
+    return {n: torch.zeros_like(t) if n.endswith("e_score_correction_bias") else t for n, t in state.items()}
+
+
+def _as_is(state: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
+    return state
+
+
+_YARN_DROPPED = {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+FAMILY_MISTAKES = {  # layout: (family, what goes wrong, the sync with it, config keys set wrong)
+    "tp2": (
+        (Family.DEEPSEEK_V3, "kv_b_proj rows not per head", _kv_b_unheaded, {}),
+        (Family.GLM4_MOE, "q/k/v biases split ignoring groups", _qkv_bias_ungrouped, {}),
+    ),
+    "pp2": (
+        (Family.DEEPSEEK_V3, "MLA's rope rotated as halves", _as_is, {"rope_interleave": False}),
+        (
+            Family.GLM4_MOE,
+            "every dim rotated",
+            _as_is,
+            {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}},
+        ),
+    ),
+    "ep2": ((Family.DEEPSEEK_V3, "YaRN dropped", _as_is, _YARN_DROPPED),),
+    "tp2pp2ep2": (
+        (Family.DEEPSEEK_V3, "expert_bias dropped", _bias_dropped, {}),
+        (Family.GLM4_MOE, "expert_bias dropped", _bias_dropped, {}),
+    ),
+}
+
+
+@pytest.mark.slow
+def test_a_wrong_family_mapping_breaks_the_tolerance(layout: dict[str, Any], tmp_path: Path) -> None:
+    """Otherwise the match above would prove nothing about MLA's layouts and RoPE, YaRN, GLM-4.5's
+    biases and partial rotary, or the router's bias."""
+    for family, what, mistake, wrong in FAMILY_MISTAKES[layout["name"]]:
+        spec, state, _ = _synced(layout, family)
+        errors = _errors(layout, family, mistake(state, spec), tmp_path / what.replace(" ", "_"), **wrong).amax(dim=-1)
+        broken = int((errors > TOLERANCE).sum())
+        print(
+            f"\n{layout['name']} {family} {what}: {broken}/{errors.numel()} tokens over {TOLERANCE}, max {errors.max():.3f}"
+        )
+        assert broken > 4 * ROUTING_FLIPS, f"{what}: only {broken} tokens over {TOLERANCE}, max {errors.max():.4f}"
+
+
 @pytest.mark.slow
 def test_each_tensor_is_gathered_once_and_no_rank_holds_more_than_one_bucket(layout: dict[str, Any]) -> None:
     """The allocator's peak during the sync stays within one bucket plus the tensor in flight."""
     for report in layout["reports"]:
-        for family in Family:
+        for family in CHECKED:
             r = report[family.value]
             assert r["largest_bucket"] <= BUCKET_BYTES
             assert r["buckets"] > 1, "a budget below the model's size must split it"

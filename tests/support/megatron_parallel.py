@@ -3,11 +3,24 @@ block spec and GPTModel in Float16Module, DDP and the DistributedOptimizer, trai
 Megatron's own pipeline schedule. For the rank processes of the conversion and embedding tests.
 
 Model: 2 layers, hidden 64, 4 heads in 2 query groups, head 16, ffn 128, vocab 128, RoPE base
-500000; Qwen3-MoE with 4 experts (ffn 32), top-2, layer 1 MoE.
+500000; Qwen3-MoE with 4 experts (ffn 32), top-2, layer 1 MoE. DeepSeek-V3 and GLM-4.5: layer 1
+MoE with 8 experts (ffn 32) in 2 groups, one group and 2 experts a token, a sigmoid router with
+`expert_bias`, a routed scale of 2.5, shared experts of ffn 64 (two experts' worth); DeepSeek-V3's
+attention MLA (q latent 32, kv latent 32, per head 16 nope + 8 rope dims for q and k, 12 for v)
+with YaRN (factor 4 over 4 original positions, mscale 1, mscale_all_dim 0.8, base 10000);
+GLM-4.5's q/k/v with biases, a q/k norm, half of each head rotated.
+
+Megatron-core 0.16.1's local spec cannot build MLA as it is: `MLASelfAttention` passes
+`k_channels` and `v_channels` to its core attention, which only Transformer Engine's
+`TEDotProductAttention` (CUDA only) takes; the local `DotProductAttention` refuses them. The one
+seam replaced here is that core attention: `MLADotProductAttention` is Megatron's own
+`DotProductAttention`, taking the two and giving its output `v_channels` per head. The math
+(scaled QK^T with MLA's softmax scale, causal softmax, probs·V) is Megatron's unchanged.
 """
 
 from __future__ import annotations
 
+import copy
 from functools import partial
 from typing import Any
 
@@ -15,18 +28,58 @@ import torch
 
 from orchestrator.adapters.megatron.convert import Family
 
-__all__ = ["BATCH", "SEQ", "VOCAB", "batches", "build", "parallel_config", "schedule"]
+__all__ = ["BATCH", "SEQ", "VOCAB", "batches", "build", "layer_spec", "parallel_config", "schedule"]
 
 SEQ, BATCH, VOCAB = 16, 4, 128
+ROTARY_PERCENT = {Family.GLM4_MOE: 0.5}
+
+# DeepSeek-style routing (DeepSeek-V3, GLM-4.5): 8 experts in 2 groups of 4; the best group by its
+# top-2 biased scores, then its 2 best experts. The bias moves 0.05 a step (Megatron's 1e-3
+# would leave it too small after 3 steps for a wrong mapping of it to show).
+ROUTED = dict(
+    num_moe_experts=8,
+    moe_ffn_hidden_size=32,
+    moe_router_topk=2,
+    moe_router_num_groups=2,
+    moe_router_group_topk=1,
+    moe_router_score_function="sigmoid",
+    moe_router_enable_expert_bias=True,
+    moe_router_bias_update_rate=0.05,
+    moe_router_topk_scaling_factor=2.5,
+    moe_router_dtype="fp32",  # HF routes in fp32
+    moe_shared_expert_intermediate_size=64,
+    moe_router_load_balancing_type="none",
+    moe_grouped_gemm=False,
+    moe_layer_freq=[0, 1],
+    moe_token_dispatcher_type="allgather",
+)
+MLA = dict(
+    q_lora_rank=32,
+    kv_lora_rank=32,
+    qk_head_dim=16,
+    qk_pos_emb_head_dim=8,
+    v_head_dim=12,
+    rope_type="yarn",
+    rotary_base=10000,
+    rotary_scaling_factor=4.0,
+    original_max_position_embeddings=SEQ // 4,
+    mscale=1.0,
+    mscale_all_dim=0.8,
+    layernorm_epsilon=1e-6,  # HF's q_a/kv_a norms' eps
+)
 
 
 def parallel_config(family: Family, tp: int, pp: int, ep: int) -> Any:
     import torch.nn.functional as F
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
-    moe: dict[str, Any] = {}
+    extra: dict[str, Any] = {}  # the family's keys
+    if family is Family.DEEPSEEK_V3:
+        extra = {**ROUTED, **MLA, "num_query_groups": 4}  # MLA: every head its own k and v
+    if family is Family.GLM4_MOE:
+        extra = {**ROUTED, "add_qkv_bias": True}
     if family is Family.QWEN3_MOE:
-        moe = dict(
+        extra = dict(
             num_moe_experts=4,
             moe_ffn_hidden_size=32,
             moe_router_topk=2,
@@ -36,11 +89,12 @@ def parallel_config(family: Family, tp: int, pp: int, ep: int) -> Any:
             moe_layer_freq=[0, 1],  # layer 0 dense, layer 1 MoE: both kinds, on both PP stages
             moe_token_dispatcher_type="allgather",
         )
-    return TransformerConfig(
+    kind = MLATransformerConfig if family is Family.DEEPSEEK_V3 else TransformerConfig
+    return kind(
+        **{"num_query_groups": 2, **extra},
         num_layers=2,
         hidden_size=64,
         num_attention_heads=4,
-        num_query_groups=2,
         kv_channels=16,
         ffn_hidden_size=128,
         qk_layernorm=family is not Family.LLAMA,
@@ -63,9 +117,10 @@ def parallel_config(family: Family, tp: int, pp: int, ep: int) -> Any:
         persist_layer_norm=False,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
-        expert_model_parallel_size=ep if moe else 1,  # a dense model keeps its params data-parallel
+        expert_model_parallel_size=ep
+        if "num_moe_experts" in extra
+        else 1,  # a dense model keeps its params data-parallel
         expert_tensor_parallel_size=tp if ep == 1 else 1,
-        **moe,
     )
 
 
@@ -74,22 +129,20 @@ def build(family: Family, tp: int, pp: int, ep: int) -> tuple[list[Any], Any]:
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
 
     config = parallel_config(family, tp, pp, ep)
     gpt = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_decoder_block_spec(
-            config, use_transformer_engine=False, normalization="RMSNorm"
-        ),
+        transformer_layer_spec=layer_spec(config),
         vocab_size=VOCAB,
         max_sequence_length=SEQ,
         pre_process=ps.is_pipeline_first_stage(),
         post_process=ps.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=False,
         position_embedding_type="rope",
+        rotary_percent=ROTARY_PERCENT.get(family, 1.0),
         rotary_base=500000,  # not HF's default, so a theta that is not passed through shows
     )
     ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
@@ -107,6 +160,34 @@ def build(family: Family, tp: int, pp: int, ep: int) -> tuple[list[Any], Any]:
         [chunk],
     )
     return [chunk], optimizer
+
+
+def layer_spec(config: Any) -> Any:
+    """Megatron's own local block spec; with MLA, its core attention takes MLA's head widths."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    if config.multi_latent_attention:
+        for layer in spec.layer_specs:
+            layer.submodules.self_attention.submodules.core_attention = _mla_dot_product_attention()
+    return spec
+
+
+def _mla_dot_product_attention() -> type:
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class MLADotProductAttention(DotProductAttention):
+        """Megatron's `DotProductAttention`, taking MLA's `k_channels` and `v_channels`: the
+        scores need no head width (they are q·k over whatever q and k hold, times the softmax
+        scale MLA passes); the context is `v_channels` wide per head."""
+
+        def __init__(self, config: Any, *, k_channels: int | None = None, v_channels: int | None = None, **kw: Any):
+            if v_channels is not None:
+                config = copy.copy(config)
+                config.kv_channels = v_channels
+            super().__init__(config=config, **kw)
+
+    return MLADotProductAttention
 
 
 def batches(steps: int) -> list[torch.Tensor]:

@@ -22,8 +22,11 @@ megatron-core assumes CUDA in five ways on the GPT / DDP / distributed-optimizer
    all-reducing it with the first stage's). Scoped in time like (3): only while that method runs
    does ``.cuda()`` of a CPU tensor return the tensor.
 
-Also an upstream import bug: ``moe_utils`` defines ``te_general_gemm`` only when Transformer Engine
-imports, yet the router reads it unconditionally; without TE it is set to ``None``.
+Also two upstream import bugs. ``moe_utils`` defines ``te_general_gemm`` only when Transformer Engine
+imports, yet the router reads it unconditionally; without TE it is set to ``None``. And
+``multi_latent_attention`` sets its ``HAVE_TE`` when ``megatron.core.extensions.transformer_engine``
+imports, which it does without TE (its classes are then ``MagicMock``s), so building an MLA layer
+calls ``isinstance(linear_proj, <a MagicMock>)`` and raises; without TE its flag is set to ``False``.
 
 ``enable_cpu_path()`` raises where CUDA is available instead of doing nothing: there it would
 quietly move training to the host, and 0.19.2 runs on the GPU as it is, so a call there is a bug.
@@ -52,6 +55,7 @@ _DEVICE_MODULES = (  # each one was seen to fail without the view (ablation, 0.1
     "megatron.core.tensor_parallel.mappings",
     "megatron.core.transformer.moe.router",
     "megatron.core.models.common.embeddings.rotary_pos_embedding",
+    "megatron.core.models.common.embeddings.yarn_rotary_pos_embedding",  # MLA's YaRN: its frequencies' device
     "megatron.core.pipeline_parallel.schedules",  # PP > 1: the token count, the p2p shapes
     "megatron.core.pipeline_parallel.p2p_communication",
     "megatron.core.transformer.utils",
@@ -148,7 +152,7 @@ def _with_cuda_type_names(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def enable_cpu_path() -> None:
-    """Apply the four CPU redirections and the ``te_general_gemm`` fix; idempotent."""
+    """Apply the four CPU redirections and the two import fixes; idempotent."""
     global _applied
     if torch.cuda.is_available():
         raise RuntimeError("enable_cpu_path() is for CUDA-less hosts; megatron runs as it is on a GPU")
@@ -176,4 +180,9 @@ def enable_cpu_path() -> None:
     random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+    from megatron.core.extensions import transformer_engine as te_extension
+    from megatron.core.transformer import multi_latent_attention
+
+    if not te_extension.HAVE_TE:  # the module's own flag says TE is there when only its mocks are
+        multi_latent_attention.HAVE_TE = False
     _applied = True

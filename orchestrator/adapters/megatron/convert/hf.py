@@ -9,7 +9,9 @@ one checked in design §7 (bit-identical logits in fp32); the families add:
 - Qwen3: `self_attention.{q,k}_layernorm` → `self_attn.{q,k}_norm` (per-head RMSNorm);
 - Qwen3-MoE: `mlp.router` → `mlp.gate`, `mlp.experts.local_experts.<e>.linear_fc1/2` →
   `mlp.experts.<e>.{gate,up,down}_proj` (the checkpoint layout; transformers fuses the experts
-  itself when it loads them).
+  itself when it loads them);
+- DeepSeek-V3: multi-latent attention and YaRN (`mla`), DeepSeek-style MoE layers (`routed`);
+- GLM-4.5: q/k/v biases, a partial rotary, an optional q/k norm (`glm`), `routed`'s MoE layers.
 
 What a family has no counterpart for is refused by name rather than dropped, since an engine
 missing it would serve a different policy.
@@ -22,11 +24,20 @@ missing it would serve a different policy.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from orchestrator.adapters.megatron.convert import glm, mla, routed
+from orchestrator.adapters.megatron.convert.rules import ANY as _ANY
+from orchestrator.adapters.megatron.convert.rules import DENSE as _DENSE
+from orchestrator.adapters.megatron.convert.rules import EXPERT as _EXPERT
+from orchestrator.adapters.megatron.convert.rules import LAYER as _LAYER
+from orchestrator.adapters.megatron.convert.rules import MOE as _MOE
+from orchestrator.adapters.megatron.convert.rules import Rule, Split, compile_rules
+from orchestrator.adapters.megatron.convert.rules import gate_up as _split_fc1
+from orchestrator.adapters.megatron.convert.rules import same as _same
 from orchestrator.adapters.megatron.convert.spec import MEGATRON_LAYERNORM_EPS, Family, ModelSpec
 from orchestrator.adapters.megatron.gpt import TinyGPTConfig
 
@@ -87,6 +98,10 @@ def hf_config(cfg: Shape) -> PretrainedConfig:
         return transformers.LlamaConfig(**common, mlp_bias=False)
     if spec.family is Family.QWEN3:
         return transformers.Qwen3Config(**common, use_sliding_window=False)
+    if spec.family is Family.DEEPSEEK_V3:
+        return transformers.DeepseekV3Config(**{**common, **mla.hf_config_keys(spec), **routed.hf_config_keys(spec)})
+    if spec.family is Family.GLM4_MOE:
+        return transformers.Glm4MoeConfig(**{**common, **glm.hf_config_keys(spec), **routed.hf_config_keys(spec)})
     return transformers.Qwen3MoeConfig(
         **common,
         use_sliding_window=False,
@@ -112,8 +127,6 @@ def hf_llama_config(cfg: Shape) -> LlamaConfig:
 
 # ---- per-tensor mapping ---------------------------------------------------------------------
 
-Split = Callable[[torch.Tensor, ModelSpec], list[torch.Tensor]]
-
 
 def _split_qkv(tensor: torch.Tensor, spec: ModelSpec) -> list[torch.Tensor]:
     """Megatron interleaves per query group: [q of nh/ng heads, k, v] for each group in turn."""
@@ -124,28 +137,13 @@ def _split_qkv(tensor: torch.Tensor, spec: ModelSpec) -> list[torch.Tensor]:
     return [part.reshape(-1, spec.hidden_size) for part in (q, k, v)]
 
 
-def _split_fc1(tensor: torch.Tensor, spec: ModelSpec) -> list[torch.Tensor]:
-    """SwiGLU's fc1 is cat([gate, up]) along the output rows."""
-    gate, up = tensor.chunk(2, dim=0)
-    return [gate, up]
-
-
-def _same(tensor: torch.Tensor, spec: ModelSpec) -> list[torch.Tensor]:
-    return [tensor]
-
-
-_LAYER = r"decoder\.layers\.(?P<i>\d+)\."
-_EXPERT = _LAYER + r"mlp\.experts\.local_experts\.(?P<e>\d+)\."
-_DENSE, _MOE, _ANY = "dense", "moe", "any"  # which layers a rule's tensor belongs to
-
 # (Megatron name pattern, HF names with {i} for the layer and {e} for the expert, how to split,
 # the layer kind, the families that have it). The TE-spec names (norm fused into the next linear
 # as `layer_norm_weight`) map to the same HF norms.
 _ALL = frozenset(Family)
 _QK = frozenset({Family.QWEN3, Family.QWEN3_MOE})
-_RULES: tuple[tuple[re.Pattern[str], tuple[str, ...], Split, str, frozenset[Family]], ...] = tuple(
-    (re.compile(pattern + r"$"), targets, split, kind, frozenset(families))
-    for pattern, targets, split, kind, families in (
+_RULES: tuple[Rule, ...] = compile_rules(
+    (
         (r"embedding\.word_embeddings\.weight", ("model.embed_tokens.weight",), _same, _ANY, _ALL),
         (_LAYER + r"input_layernorm\.weight", ("model.layers.{i}.input_layernorm.weight",), _same, _ANY, _ALL),
         (
@@ -223,7 +221,7 @@ _RULES: tuple[tuple[re.Pattern[str], tuple[str, ...], Split, str, frozenset[Fami
         (r"decoder\.final_layernorm\.weight", ("model.norm.weight",), _same, _ANY, _ALL),
         (r"output_layer\.weight", ("lm_head.weight",), _same, _ANY, _ALL),
     )
-)
+) + (mla.RULES + routed.RULES + glm.RULES)
 
 # Known Megatron tensors a family has no counterpart for, and why.
 _REFUSED: tuple[tuple[re.Pattern[str], frozenset[Family], str], ...] = (
@@ -261,17 +259,24 @@ def _expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         "expert.gate_proj": (spec.moe_ffn_hidden_size, hidden),
         "expert.up_proj": (spec.moe_ffn_hidden_size, hidden),
         "expert.down_proj": (hidden, spec.moe_ffn_hidden_size),
+        **routed.shapes(spec),
+        **mla.shapes(spec),  # MLA's q_proj and o_proj replace GQA's
     }
 
 
 def hf_shape(hf_name: str, cfg: Shape) -> tuple[int, ...]:
     """The shape the HF model built from `hf_config(cfg)` gives the checkpoint name `hf_name`."""
+    if hf_name.endswith(".bias"):  # a linear's: one per output row
+        return hf_shape(hf_name.removesuffix(".bias") + ".weight", cfg)[:1]
+    shapes = _expected_shapes(_spec(cfg))
     module = hf_name.removesuffix(".weight").rsplit(".", 1)[-1]
-    if module.endswith("layernorm"):
-        module = "layernorm"
-    elif ".experts." in hf_name:
+    if ".experts." in hf_name:
         module = f"expert.{module}"
-    return _expected_shapes(_spec(cfg))[module]
+    elif ".shared_experts." in hf_name:
+        module = f"shared.{module}"
+    elif module.endswith("layernorm") and module not in shapes:
+        module = "layernorm"
+    return shapes[module]
 
 
 def _expected_source_shape(targets: list[str], spec: ModelSpec) -> tuple[int, ...]:
@@ -345,17 +350,23 @@ def hf_names(cfg: Shape) -> list[str]:
     """Every HF checkpoint name a complete sync produces; for a dense family in the model's
     `named_parameters` order."""
     spec = _spec(cfg)
-    attention = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"]
-    if spec.qk_layernorm:
-        attention += ["self_attn.q_norm", "self_attn.k_norm"]
+    attention = [f"self_attn.{p}_proj.weight" for p in "qkvo"]
+    if spec.multi_latent_attention:
+        attention = mla.attention_names(spec)
+    if spec.qkv_bias:
+        attention += [f"self_attn.{p}_proj.bias" for p in "qkv"]
+    if spec.qk_layernorm and not spec.multi_latent_attention:
+        attention += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
     names = ["model.embed_tokens.weight"]
     for i in range(spec.num_layers):
-        if i in spec.moe_layers:
-            mlp = ["mlp.gate"] + [f"mlp.experts.{e}.{p}" for e in range(spec.num_experts) for p in _GATED]
+        if i not in spec.moe_layers:
+            mlp = [f"mlp.{p}.weight" for p in _GATED]
+        elif spec.family in routed.ROUTED_FAMILIES:
+            mlp = routed.moe_names(spec)
         else:
-            mlp = [f"mlp.{p}" for p in _GATED]
-        modules = [*attention, *mlp, "input_layernorm", "post_attention_layernorm"]
-        names += [f"model.layers.{i}.{module}.weight" for module in modules]
+            mlp = ["mlp.gate.weight"] + [f"mlp.experts.{e}.{p}.weight" for e in range(spec.num_experts) for p in _GATED]
+        layer = [*attention, *mlp, "input_layernorm.weight", "post_attention_layernorm.weight"]
+        names += [f"model.layers.{i}.{name}" for name in layer]
     return [*names, "model.norm.weight", "lm_head.weight"]
 
 

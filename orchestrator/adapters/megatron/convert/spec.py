@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from orchestrator.adapters.megatron.convert import glm, mla, routed
 from orchestrator.adapters.megatron.gpt import TinyGPTConfig
 from orchestrator.models import Family
 
@@ -24,8 +25,13 @@ MEGATRON_LAYERNORM_EPS = 1e-5
 
 
 def family_of(config: Any) -> Family:
-    """The family a `TransformerConfig` reads as: experts make it Qwen3-MoE, a q/k norm Qwen3,
-    else Llama. A model the family cannot compute is refused by `ModelSpec.from_megatron`."""
+    """The family a `TransformerConfig` reads as: MLA makes it DeepSeek-V3, sigmoid-routed experts
+    GLM-4.5, other experts Qwen3-MoE, a q/k norm Qwen3, else Llama. A model the family cannot
+    compute is refused by `ModelSpec.from_megatron`."""
+    if getattr(config, "multi_latent_attention", False):
+        return Family.DEEPSEEK_V3
+    if config.num_moe_experts and config.moe_router_score_function == "sigmoid":
+        return Family.GLM4_MOE
     if config.num_moe_experts:
         return Family.QWEN3_MOE
     return Family.QWEN3 if config.qk_layernorm else Family.LLAMA
@@ -34,7 +40,8 @@ def family_of(config: Any) -> Family:
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
     """The shape of a Llama-like GPT, as HF needs it. `moe_layers` lists the global indices of
-    the layers whose MLP is a mixture of experts."""
+    the layers whose MLP is a mixture of experts. The fields after `expert_bias` are what
+    DeepSeek-V3 (`mla`, `routed`) and GLM-4.5 (`glm`, `routed`) add; 0 means "none"."""
 
     family: Family
     vocab_size: int
@@ -54,6 +61,29 @@ class ModelSpec:
     moe_norm_topk_prob: bool = True  # softmax over the top-k (Megatron's default, no pre-softmax)
     moe_layers: tuple[int, ...] = ()
     expert_bias: bool = False
+    # GQA attention: biases on q, k and v; the fraction of each head RoPE rotates.
+    qkv_bias: bool = False
+    rotary_percent: float = 1.0
+    # Multi-latent attention: the q latent (0: q projected directly), the kv latent, per-head dims.
+    multi_latent_attention: bool = False
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # YaRN-scaled RoPE (MLA's rope_type="yarn"); factor 0: plain RoPE.
+    yarn_factor: float = 0.0
+    yarn_original_max_position_embeddings: int = 0
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_mscale: float = 1.0
+    yarn_mscale_all_dim: float = 0.0
+    # The router: its score function, shared experts' ffn, group-limited top-k, the weights' scale.
+    moe_score_function: str = "softmax"
+    moe_shared_ffn_hidden_size: int = 0
+    moe_router_num_groups: int = 0
+    moe_router_group_topk: int = 0
+    moe_routed_scaling_factor: float = 1.0
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -66,7 +96,7 @@ class ModelSpec:
             out.append(f"{self.num_attention_heads} heads do not split into {self.num_query_groups} query groups")
         if self.family is Family.LLAMA and self.qk_layernorm:
             out.append("qk_layernorm (Llama has no q/k norm: use the qwen3 family)")
-        if self.family is not Family.QWEN3_MOE and self.num_experts:
+        if self.family in (Family.LLAMA, Family.QWEN3) and self.num_experts:
             out.append(f"num_experts={self.num_experts} (the {self.family.value} family is dense: use qwen3_moe)")
         if self.family is Family.QWEN3 and not self.qk_layernorm:
             out.append("no qk_layernorm (Qwen3 normalises q and k: use the llama family)")
@@ -79,7 +109,11 @@ class ModelSpec:
                 # Megatron's expert_bias needs sigmoid scores; Qwen3-MoE routes by softmax with
                 # no bias, so an engine would pick other experts than the trainer did.
                 out.append("moe_router_enable_expert_bias (Qwen3-MoE's router has no expert bias)")
-        return out
+        for what, used, families in _features(self):
+            if used and self.family not in families:
+                others = ", ".join(sorted(f.value for f in families))
+                out.append(f"{what} (HF {self.family.value} has no counterpart; {others} do)")
+        return out + mla.spec_problems(self) + routed.spec_problems(self) + glm.spec_problems(self)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -120,7 +154,7 @@ class ModelSpec:
         if problems:
             raise ValueError(f"no HF {family.value} equivalent: " + "; ".join(problems))
         experts = config.num_moe_experts or 0
-        return cls(
+        fields: dict[str, Any] = dict(
             family=family,
             vocab_size=gpt.vocab_size,
             hidden_size=config.hidden_size,
@@ -130,16 +164,39 @@ class ModelSpec:
             head_dim=config.kv_channels,
             ffn_hidden_size=config.ffn_hidden_size,
             max_position_embeddings=gpt.max_sequence_length,
-            rotary_base=_rotary_base(gpt),
             layernorm_epsilon=config.layernorm_epsilon,
             qk_layernorm=bool(config.qk_layernorm),
             num_experts=experts,
             moe_ffn_hidden_size=(config.moe_ffn_hidden_size or 0) if experts else 0,
             moe_router_topk=config.moe_router_topk if experts else 0,
-            moe_norm_topk_prob=not config.moe_router_pre_softmax,
             moe_layers=_moe_layers(config) if experts else (),
             expert_bias=bool(experts and config.moe_router_enable_expert_bias),
         )
+        attention = mla.megatron_fields(config) or dict(  # MLA's RoPE is in its attention, not the GPTModel
+            rotary_base=_rotary_base(gpt),
+            rotary_percent=float(getattr(gpt, "rotary_percent", 1.0)),
+            qkv_bias=bool(getattr(config, "add_qkv_bias", False)),
+        )
+        return cls(**fields | attention | routed.megatron_fields(config))
+
+
+def _features(spec: ModelSpec) -> tuple[tuple[str, bool, frozenset[Family]], ...]:
+    """What a model computes beyond Llama and Qwen3(-MoE): (what, whether this one does, the
+    families that compute it the same way)."""
+    return (
+        ("add_qkv_bias", spec.qkv_bias, glm.QKV_BIAS_FAMILIES),
+        (f"rotary_percent={spec.rotary_percent:g}", spec.rotary_percent != 1.0, glm.PARTIAL_ROTARY_FAMILIES),
+        ("multi_latent_attention", spec.multi_latent_attention, mla.MLA_FAMILIES),
+        ("YaRN RoPE", bool(spec.yarn_factor), mla.MLA_FAMILIES),
+        (
+            f"moe_router_score_function={spec.moe_score_function!r}",
+            spec.moe_score_function != "softmax",
+            routed.ROUTED_FAMILIES,
+        ),
+        ("shared experts", bool(spec.moe_shared_ffn_hidden_size), routed.ROUTED_FAMILIES),
+        ("moe_router_num_groups (group-limited routing)", bool(spec.moe_router_num_groups), routed.ROUTED_FAMILIES),
+        ("moe_router_topk_scaling_factor", spec.moe_routed_scaling_factor != 1.0, routed.ROUTED_FAMILIES),
+    )
 
 
 def _rotary_base(gpt: Any) -> float:
@@ -173,25 +230,19 @@ def _megatron_problems(config: Any, gpt: Any) -> list[str]:
         "gated_linear_unit=False (HF's MLP is SwiGLU)": not config.gated_linear_unit,
         "activation_func is not silu": config.activation_func is not F.silu,
         "add_bias_linear=True (HF's linears have no bias)": config.add_bias_linear,
-        "add_qkv_bias=True": getattr(config, "add_qkv_bias", False),
-        "multi_latent_attention": getattr(config, "multi_latent_attention", False),
         f"position_embedding_type={gpt.position_embedding_type!r} (HF uses RoPE)": gpt.position_embedding_type
         != "rope",
         "share_embeddings_and_output_weights=True (converted untied only)": gpt.share_embeddings_and_output_weights,
-        "rotary_percent < 1": getattr(gpt, "rotary_percent", 1.0) != 1.0,
         "rotary_interleaved=True (HF rotates halves)": getattr(config, "rotary_interleaved", False),
         "rope_scaling=True": bool(getattr(gpt, "rotary_scaling", False)),
+        "mtp_num_layers (MTP layers are not converted)": bool(getattr(config, "mtp_num_layers", None)),
     }
     if config.num_moe_experts:
         checks |= {
-            f"moe_router_score_function={config.moe_router_score_function!r} (HF routes by softmax)": (
-                config.moe_router_score_function != "softmax" and not config.moe_router_enable_expert_bias
-            ),
-            "moe_shared_expert_intermediate_size (no shared expert in Qwen3-MoE)": bool(
-                config.moe_shared_expert_intermediate_size
-            ),
-            "moe_router_topk_scaling_factor": bool(config.moe_router_topk_scaling_factor),
-            "moe_router_num_groups (group-limited routing)": bool(config.moe_router_num_groups),
             "moe_grouped_gemm (weights in GroupedMLP layout)": config.moe_grouped_gemm,
         }
-    return [problem for problem, bad in checks.items() if bad]
+    return (
+        [problem for problem, bad in checks.items() if bad]
+        + mla.megatron_problems(config)
+        + routed.megatron_problems(config)
+    )
