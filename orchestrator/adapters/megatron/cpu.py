@@ -152,7 +152,7 @@ def _with_cuda_type_names(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def enable_cpu_path() -> None:
-    """Apply the four CPU redirections and the two import fixes; idempotent."""
+    """Apply the five CPU redirections and the two import fixes; idempotent."""
     global _applied
     if torch.cuda.is_available():
         raise RuntimeError("enable_cpu_path() is for CUDA-less hosts; megatron runs as it is on a GPU")

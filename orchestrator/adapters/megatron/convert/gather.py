@@ -28,6 +28,7 @@ param or the trainer's extras backup: a consumer may keep, move or write it free
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -35,12 +36,15 @@ from typing import Any
 
 import torch
 
+from orchestrator.adapters.megatron.convert import mtp as mtp_layers
 from orchestrator.adapters.megatron.convert.hf import hf_targets, to_hf
 from orchestrator.adapters.megatron.convert.spec import Family, ModelSpec
 
-__all__ = ["conversion_problems", "hf_buckets", "is_sync_source", "model_spec", "unwrap_gpt"]
+__all__ = ["conversion_problems", "hf_buckets", "is_sync_source", "left_out", "model_spec", "unwrap_gpt"]
 
 Bucket = list[tuple[str, torch.Tensor]]
+_log = logging.getLogger(__name__)
+_said: set[str] = set()
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _LOCAL_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
@@ -68,7 +72,7 @@ def model_spec(model_chunks: Sequence[Any], family: Family | str | None = None, 
 
 
 def conversion_problems(
-    model_chunks: Sequence[Any], family: Family | str | None = None, config: Any = None
+    model_chunks: Sequence[Any], family: Family | str | None = None, config: Any = None, *, mtp: bool = False
 ) -> list[str]:
     """Why `hf_buckets` would refuse these chunks, each problem once; empty when it would not.
     Local to this rank (no collective): what the model computes that `family` does not, else
@@ -78,12 +82,20 @@ def conversion_problems(
     except ValueError as error:
         return [str(error)]
     problems = []
-    for unit in _units(model_chunks):
+    for unit in _units(model_chunks, mtp=mtp):
         try:
             hf_targets(unit.name, spec)
         except ValueError as error:
             problems.append(str(error))
     return list(dict.fromkeys(problems))
+
+
+def left_out(model_chunks: Sequence[Any], *, mtp: bool = False) -> list[str]:
+    """What `hf_buckets` leaves out of this rank's stage on purpose, one sentence each (no
+    collective): the MTP layers unless `mtp`. `hf_buckets` logs it (once a process)."""
+    return mtp_layers.left_out(
+        [name for chunk in model_chunks for name, _ in unwrap_gpt(chunk).named_parameters()], mtp
+    )
 
 
 def is_sync_source() -> bool:
@@ -141,11 +153,16 @@ class _Unit:
         return size * (groups.tp_size if self.partition_dim is not None else 1)
 
 
-def _units(model_chunks: Sequence[Any]) -> Iterator[_Unit]:
+def _units(model_chunks: Sequence[Any], *, mtp: bool = True) -> Iterator[_Unit]:
+    """The tensors a sync converts, in order; `mtp` False leaves the MTP layers out."""
     for chunk in model_chunks:
         gpt = unwrap_gpt(chunk)
         named = [*gpt.named_parameters(), *((n, b) for n, b in gpt.named_buffers() if n.endswith("expert_bias"))]
         for local, tensor in named:
+            if local.startswith("embedding.") and not gpt.pre_process:
+                continue  # the MTP stage's copy of the first stage's embedding (see `mtp_layers`)
+            if mtp_layers.is_mtp(local) and not mtp:
+                continue
             sharded = bool(getattr(tensor, "tensor_model_parallel", False))
             yield _Unit(
                 name=_global_layer(local, gpt),
@@ -156,6 +173,8 @@ def _units(model_chunks: Sequence[Any]) -> Iterator[_Unit]:
 
 
 def _global_layer(name: str, gpt: Any) -> str:
+    if mtp_layers.is_mtp(name):
+        return mtp_layers.global_name(name, gpt)
     match = _LAYER.match(name)
     if match is None:
         return name
@@ -208,6 +227,7 @@ def hf_buckets(
     *,
     family: Family | str | None = None,
     bucket_bytes: int,
+    mtp: bool = False,
 ) -> Iterator[Bucket]:
     """This rank's pipeline stage as HF `(name, tensor)` buckets of at most `bucket_bytes`.
 
@@ -215,7 +235,8 @@ def hf_buckets(
     `TransformerConfig` (the chunks' own by default); `family` is the one the config reads as
     (`family_of`: experts → qwen3_moe, q/k norm → qwen3, else llama) unless given. Call it on
     every rank of the model, in the same order as its other collectives; only `is_sync_source()`
-    ranks need send the buckets.
+    ranks need send the buckets. `mtp`: also the MTP layers, as the checkpoint's layers after the
+    last decoder layer (for an engine's NextN draft); without it they are left out and logged.
     A bucket is emptied when the next is asked for: keep what it holds, not the list.
 
     Raises ValueError before any collective when `family` cannot compute what the model computes
@@ -224,7 +245,10 @@ def hf_buckets(
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, not {bucket_bytes}")
     spec = model_spec(model_chunks, family, config)
-    units = list(_units(model_chunks))
+    units = list(_units(model_chunks, mtp=mtp))
+    for note in set(left_out(model_chunks, mtp=mtp)) - _said:  # once a process: it holds every sync
+        _log.warning(note)
+        _said.add(note)
     for unit in units:  # every name is checked before the first collective, so no rank waits alone
         hf_targets(unit.name, spec)
     groups = _Groups.current(spec, units[0].tensor.device)

@@ -29,12 +29,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from orchestrator.adapters.megatron.convert import glm, mla, routed
+from orchestrator.adapters.megatron.convert import dsa, glm, mla, routed
+from orchestrator.adapters.megatron.convert import mtp as mtp_layers
 from orchestrator.adapters.megatron.convert.rules import ANY as _ANY
 from orchestrator.adapters.megatron.convert.rules import DENSE as _DENSE
 from orchestrator.adapters.megatron.convert.rules import EXPERT as _EXPERT
 from orchestrator.adapters.megatron.convert.rules import LAYER as _LAYER
 from orchestrator.adapters.megatron.convert.rules import MOE as _MOE
+from orchestrator.adapters.megatron.convert.rules import MTP as _MTP
 from orchestrator.adapters.megatron.convert.rules import Rule, Split, compile_rules
 from orchestrator.adapters.megatron.convert.rules import gate_up as _split_fc1
 from orchestrator.adapters.megatron.convert.rules import same as _same
@@ -100,6 +102,14 @@ def hf_config(cfg: Shape) -> PretrainedConfig:
         return transformers.Qwen3Config(**common, use_sliding_window=False)
     if spec.family is Family.DEEPSEEK_V3:
         return transformers.DeepseekV3Config(**{**common, **mla.hf_config_keys(spec), **routed.hf_config_keys(spec)})
+    if spec.family is Family.GLM_MOE_DSA:
+        keys = (
+            mla.hf_config_keys(spec)
+            | routed.hf_config_keys(spec)
+            | dsa.hf_config_keys(spec)
+            | mtp_layers.hf_config_keys(spec)
+        )
+        return transformers.GlmMoeDsaConfig(**{**common, **keys})
     if spec.family is Family.GLM4_MOE:
         return transformers.Glm4MoeConfig(**{**common, **glm.hf_config_keys(spec), **routed.hf_config_keys(spec)})
     return transformers.Qwen3MoeConfig(
@@ -221,7 +231,7 @@ _RULES: tuple[Rule, ...] = compile_rules(
         (r"decoder\.final_layernorm\.weight", ("model.norm.weight",), _same, _ANY, _ALL),
         (r"output_layer\.weight", ("lm_head.weight",), _same, _ANY, _ALL),
     )
-) + (mla.RULES + routed.RULES + glm.RULES)
+) + (mla.RULES + routed.RULES + glm.RULES + dsa.RULES + mtp_layers.RULES)
 
 # Known Megatron tensors a family has no counterpart for, and why.
 _REFUSED: tuple[tuple[re.Pattern[str], frozenset[Family], str], ...] = (
@@ -261,6 +271,8 @@ def _expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         "expert.down_proj": (hidden, spec.moe_ffn_hidden_size),
         **routed.shapes(spec),
         **mla.shapes(spec),  # MLA's q_proj and o_proj replace GQA's
+        **dsa.shapes(spec),
+        **mtp_layers.shapes(spec),
     }
 
 
@@ -274,6 +286,8 @@ def hf_shape(hf_name: str, cfg: Shape) -> tuple[int, ...]:
         module = f"expert.{module}"
     elif ".shared_experts." in hf_name:
         module = f"shared.{module}"
+    elif ".indexer." in hf_name:
+        module = f"indexer.{module}"
     elif module.endswith("layernorm") and module not in shapes:
         module = "layernorm"
     return shapes[module]
@@ -289,9 +303,13 @@ def _kind_problem(match: re.Match[str], kind: str, spec: ModelSpec) -> str | Non
     layer = match.groupdict().get("i")
     if layer is None:
         return None
-    if int(layer) >= spec.num_layers:
-        return f"layer {layer} is beyond num_layers={spec.num_layers}"
-    moe = int(layer) in spec.moe_layers
+    if int(layer) >= spec.num_layers + spec.mtp_num_layers:
+        return f"layer {layer} is beyond num_layers={spec.num_layers} and {spec.mtp_num_layers} MTP layer(s)"
+    is_mtp = int(layer) >= spec.num_layers
+    if kind == _MTP and not is_mtp:
+        return f"layer {layer} is a decoder layer, not an MTP layer"
+    # An MTP layer's transformer layer is built from the last decoder layer's spec.
+    moe = (spec.num_layers - 1 if is_mtp else int(layer)) in spec.moe_layers
     if kind == _DENSE and moe:
         return f"layer {layer} is an MoE layer, with no dense MLP"
     if kind == _MOE and not moe:
@@ -346,28 +364,33 @@ def convert(named: Iterable[tuple[str, torch.Tensor]], cfg: Shape) -> Iterator[t
         yield from to_hf(name, tensor, spec)
 
 
-def hf_names(cfg: Shape) -> list[str]:
-    """Every HF checkpoint name a complete sync produces; for a dense family in the model's
-    `named_parameters` order."""
+def hf_names(cfg: Shape, *, mtp: bool = False) -> list[str]:
+    """Every HF checkpoint name a complete sync produces (with `mtp`, the MTP layers' too, as
+    `hf_buckets(..., mtp=True)` sends them); for a dense family in the model's `named_parameters`
+    order."""
     spec = _spec(cfg)
     attention = [f"self_attn.{p}_proj.weight" for p in "qkvo"]
     if spec.multi_latent_attention:
-        attention = mla.attention_names(spec)
+        attention = mla.attention_names(spec) + dsa.indexer_names(spec)
     if spec.qkv_bias:
         attention += [f"self_attn.{p}_proj.bias" for p in "qkv"]
     if spec.qk_layernorm and not spec.multi_latent_attention:
         attention += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
-    names = ["model.embed_tokens.weight"]
-    for i in range(spec.num_layers):
+
+    def layer(i: int) -> list[str]:
         if i not in spec.moe_layers:
             mlp = [f"mlp.{p}.weight" for p in _GATED]
         elif spec.family in routed.ROUTED_FAMILIES:
             mlp = routed.moe_names(spec)
         else:
             mlp = ["mlp.gate.weight"] + [f"mlp.experts.{e}.{p}.weight" for e in range(spec.num_experts) for p in _GATED]
-        layer = [*attention, *mlp, "input_layernorm.weight", "post_attention_layernorm.weight"]
-        names += [f"model.layers.{i}.{name}" for name in layer]
-    return [*names, "model.norm.weight", "lm_head.weight"]
+        return [*attention, *mlp, "input_layernorm.weight", "post_attention_layernorm.weight"]
+
+    names = ["model.embed_tokens.weight"]
+    for i in range(spec.num_layers):
+        names += [f"model.layers.{i}.{name}" for name in layer(i)]
+    extra = mtp_layers.mtp_names(spec, layer(spec.num_layers - 1)) if mtp else []
+    return [*names, *extra, "model.norm.weight", "lm_head.weight"]
 
 
 _GATED = ("gate_proj", "up_proj", "down_proj")

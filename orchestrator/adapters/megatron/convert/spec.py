@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from orchestrator.adapters.megatron.convert import glm, mla, routed
+from orchestrator.adapters.megatron.convert import dsa, glm, mla, mtp, routed
 from orchestrator.adapters.megatron.gpt import TinyGPTConfig
 from orchestrator.models import Family
 
@@ -25,9 +25,11 @@ MEGATRON_LAYERNORM_EPS = 1e-5
 
 
 def family_of(config: Any) -> Family:
-    """The family a `TransformerConfig` reads as: MLA makes it DeepSeek-V3, sigmoid-routed experts
-    GLM-4.5, other experts Qwen3-MoE, a q/k norm Qwen3, else Llama. A model the family cannot
-    compute is refused by `ModelSpec.from_megatron`."""
+    """The family a `TransformerConfig` reads as: DSA makes it GLM-5, MLA DeepSeek-V3, sigmoid-routed
+    experts GLM-4.5, other experts Qwen3-MoE, a q/k norm Qwen3, else Llama. A model the family
+    cannot compute is refused by `ModelSpec.from_megatron`."""
+    if getattr(config, "experimental_attention_variant", None) == "dsa":
+        return Family.GLM_MOE_DSA
     if getattr(config, "multi_latent_attention", False):
         return Family.DEEPSEEK_V3
     if config.num_moe_experts and config.moe_router_score_function == "sigmoid":
@@ -84,6 +86,12 @@ class ModelSpec:
     moe_router_num_groups: int = 0
     moe_router_group_topk: int = 0
     moe_routed_scaling_factor: float = 1.0
+    # GLM-5: the DSA indexer's heads, head dim and top-k (0: every key is attended); MTP layers.
+    dsa_index_n_heads: int = 0
+    dsa_index_head_dim: int = 0
+    dsa_index_topk: int = 0
+    dsa_index_rope_first: bool = False  # megatron-core ≥ 0.19's indexer layout (see `dsa`)
+    mtp_num_layers: int = 0
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -113,7 +121,8 @@ class ModelSpec:
             if used and self.family not in families:
                 others = ", ".join(sorted(f.value for f in families))
                 out.append(f"{what} (HF {self.family.value} has no counterpart; {others} do)")
-        return out + mla.spec_problems(self) + routed.spec_problems(self) + glm.spec_problems(self)
+        specific = mla.spec_problems(self) + routed.spec_problems(self) + glm.spec_problems(self)
+        return out + specific + dsa.spec_problems(self)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -177,7 +186,8 @@ class ModelSpec:
             rotary_percent=float(getattr(gpt, "rotary_percent", 1.0)),
             qkv_bias=bool(getattr(config, "add_qkv_bias", False)),
         )
-        return cls(**fields | attention | routed.megatron_fields(config))
+        extra = routed.megatron_fields(config) | dsa.megatron_fields(config) | mtp.megatron_fields(config)
+        return cls(**fields | attention | extra)
 
 
 def _features(spec: ModelSpec) -> tuple[tuple[str, bool, frozenset[Family]], ...]:
@@ -196,6 +206,8 @@ def _features(spec: ModelSpec) -> tuple[tuple[str, bool, frozenset[Family]], ...
         ("shared experts", bool(spec.moe_shared_ffn_hidden_size), routed.ROUTED_FAMILIES),
         ("moe_router_num_groups (group-limited routing)", bool(spec.moe_router_num_groups), routed.ROUTED_FAMILIES),
         ("moe_router_topk_scaling_factor", spec.moe_routed_scaling_factor != 1.0, routed.ROUTED_FAMILIES),
+        ("a DSA indexer (sparse attention)", bool(spec.dsa_index_n_heads), dsa.DSA_FAMILIES),
+        (f"mtp_num_layers={spec.mtp_num_layers}", bool(spec.mtp_num_layers), mtp.MTP_FAMILIES),
     )
 
 
@@ -235,7 +247,6 @@ def _megatron_problems(config: Any, gpt: Any) -> list[str]:
         "share_embeddings_and_output_weights=True (converted untied only)": gpt.share_embeddings_and_output_weights,
         "rotary_interleaved=True (HF rotates halves)": getattr(config, "rotary_interleaved", False),
         "rope_scaling=True": bool(getattr(gpt, "rotary_scaling", False)),
-        "mtp_num_layers (MTP layers are not converted)": bool(getattr(config, "mtp_num_layers", None)),
     }
     if config.num_moe_experts:
         checks |= {
@@ -245,4 +256,5 @@ def _megatron_problems(config: Any, gpt: Any) -> list[str]:
         [problem for problem, bad in checks.items() if bad]
         + mla.megatron_problems(config)
         + routed.megatron_problems(config)
+        + dsa.megatron_problems(config)
     )
