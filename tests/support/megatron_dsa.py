@@ -21,16 +21,20 @@ indexer its `DSAIndexer`, the sparse attention its `unfused_dsa_fn`, with their 
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 __all__ = [
+    "dsa_attention_spec",
     "dsa_block_spec",
     "duplicated_linear",
     "enable_dsa_without_extensions",
     "presize_indexer_loss_tracker",
+    "recorded_selections",
     "walsh_hadamard",
 ]
 
@@ -75,11 +79,10 @@ def enable_dsa_without_extensions() -> None:
         dsa.hadamard_transform = walsh_hadamard
 
 
-def dsa_block_spec(config: Any, block: Any) -> Any:
-    """`block` (Megatron's local `get_gpt_decoder_block_spec` for an MLA config) with each layer's
-    core attention replaced by the one `get_dsa_module_spec_for_backend` makes: `DSAttention`
-    around a `DSAIndexer`, its linears `duplicated_linear()` (seam 2) and its k norm Megatron's local
-    LayerNorm. The rest of the MLA layer stays the local spec's."""
+def dsa_attention_spec(config: Any) -> Any:
+    """Megatron's DSA core attention spec, as `get_dsa_module_spec_for_backend` makes it:
+    `DSAttention` around a `DSAIndexer`, its linears `duplicated_linear()` (seam 2), its k norm
+    Megatron's local LayerNorm."""
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
         get_dsa_module_spec_for_backend,
@@ -91,7 +94,13 @@ def dsa_block_spec(config: Any, block: Any) -> Any:
         def linear(self) -> type:
             return linear
 
-    core = get_dsa_module_spec_for_backend(config, backend=Backend()).submodules.core_attention
+    return get_dsa_module_spec_for_backend(config, backend=Backend()).submodules.core_attention
+
+
+def dsa_block_spec(config: Any, block: Any) -> Any:
+    """`block` (Megatron's local `get_gpt_decoder_block_spec` for an MLA config) with each layer's
+    core attention `dsa_attention_spec`'s. The rest of the MLA layer stays the local spec's."""
+    core = dsa_attention_spec(config)
     for layer in block.layer_specs:
         layer.submodules.self_attention.submodules.core_attention = core
     return block
@@ -103,3 +112,32 @@ def presize_indexer_loss_tracker(config: Any, device: torch.device | str = "cpu"
 
     slots = config.num_layers + (config.mtp_num_layers or 0)
     DSAIndexerLossLoggingHelper.tracker["values"] = torch.zeros(slots, device=device)
+
+
+@contextlib.contextmanager
+def recorded_selections(gpt: Any) -> Iterator[dict[int, dict[str, torch.Tensor]]]:
+    """While on, what each DSA layer of `gpt` (a `GPTModel`, this stage's) computed in a forward,
+    by global layer (the decoder's, then each MTP layer as `N + j`): its index scores
+    [batch, seq, seq] (`scores`) and the keys it selected [batch, seq, topk] (`keys`)."""
+    layers = list(gpt.decoder.layers)
+    if getattr(gpt, "mtp_process", False):
+        layers += [mtp.transformer_layer for mtp in gpt.mtp.layers]
+    selections: dict[int, dict[str, torch.Tensor]] = {}
+    indexers = []
+    for layer in layers:
+        indexer = getattr(layer.self_attention.core_attention, "indexer", None)
+        if indexer is None:
+            continue
+
+        def record(*args: Any, _real: Any = indexer.forward_with_scores, _at: int = layer.layer_number - 1, **kw: Any):
+            scores, keys = _real(*args, **kw)
+            selections[_at] = {"scores": scores.detach().float().clone(), "keys": keys.detach().clone()}
+            return scores, keys
+
+        indexer.forward_with_scores = record  # DSAttention calls it directly, past any module hook
+        indexers.append(indexer)
+    try:
+        yield selections
+    finally:
+        for indexer in indexers:
+            del indexer.forward_with_scores  # the class's again
