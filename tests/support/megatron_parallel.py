@@ -182,6 +182,7 @@ def build(family: Family, tp: int, pp: int, ep: int) -> tuple[list[Any], Any]:
         rotary_percent=ROTARY_PERCENT.get(family, 1.0),
         rotary_base=500000,  # not HF's default, so a theta that is not passed through shows
     )
+    _random_qkv_biases(gpt)
     ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
     chunk = DistributedDataParallel(config, ddp, Float16Module(config, gpt))
     chunk.broadcast_params()
@@ -197,6 +198,21 @@ def build(family: Family, tp: int, pp: int, ep: int) -> tuple[list[Any], Any]:
         [chunk],
     )
     return [chunk], optimizer
+
+
+def _random_qkv_biases(gpt: Any) -> None:
+    """Megatron zero-initialises biases, and three steps leave them too small for a wrong split
+    of them to show: give them N(0, 0.5) values instead, the same whole bias at any TP (each
+    rank takes its shard of it)."""
+    from megatron.core import parallel_state as ps
+
+    tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, bias in gpt.named_parameters():
+            if name.endswith("linear_qkv.bias"):
+                whole = torch.randn(bias.numel() * tp, generator=generator) * 0.5
+                bias.copy_(whole.chunk(tp)[rank])
 
 
 def layer_spec(config: Any) -> Any:

@@ -1,4 +1,5 @@
-"""What a sync allocates, seen from inside torch's dispatcher (for the conversion tests' ranks)."""
+"""What a sync allocates, seen from inside torch's dispatcher, and how many gathers it owes (for the
+conversion tests' ranks)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["SyncWatch"]
+__all__ = ["SyncWatch", "sharded_tensors"]
 
 
 class SyncWatch(TorchDispatchMode):
@@ -44,3 +45,22 @@ class SyncWatch(TorchDispatchMode):
             self.peak = max(self.peak, self.held)
             weakref.finalize(storage, self._free, key)
         return out
+
+
+def sharded_tensors(chunks: list[Any]) -> int:
+    """How many of this rank's tensors other ranks hold parts of (plus the one exchange of expert
+    ranks an MoE model's sync starts with)."""
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    experts = ps.get_expert_tensor_parallel_world_size() * ps.get_expert_model_parallel_world_size()
+    count = int(bool(chunks[0].config.num_moe_experts))
+    first_stage = ps.is_pipeline_first_stage()
+    for name, param in chunks[0].named_parameters():
+        if ".mtp." in name or (".embedding." in name and not first_stage):
+            continue  # left out: the MTP layers, and their stage's copy of the embedding
+        if ".local_experts." in name:
+            count += experts > 1
+        else:
+            count += tp > 1 and bool(getattr(param, "tensor_model_parallel", False))
+    return count

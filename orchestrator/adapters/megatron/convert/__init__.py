@@ -8,7 +8,9 @@
 - `ModelSpec`: what the conversion reads from Megatron's `TransformerConfig` and `GPTModel`, or
   from the demo's `TinyGPTConfig` (`spec`); `hf_config(spec)` is the transformers config.
 
-Families: Llama, Qwen3 (q/k norm), Qwen3-MoE (router, experts).
+Families: Llama, Qwen3 (q/k norm), Qwen3-MoE (router, experts), DeepSeek-V3 (MLA and YaRN in
+`mla`; sigmoid-routed experts with a selection bias, groups, a scale and shared experts in
+`routed`), GLM-4.5 (q/k/v biases, partial rotary in `glm`; `routed`'s experts).
 """
 
 from orchestrator.adapters.megatron.convert.gather import (
