@@ -10,7 +10,8 @@
 
 Families: Llama, Qwen3 (q/k norm), Qwen3-MoE (router, experts), DeepSeek-V3 (MLA and YaRN in
 `mla`; sigmoid-routed experts with a selection bias, groups, a scale and shared experts in
-`routed`), GLM-4.5 (q/k/v biases, partial rotary in `glm`; `routed`'s experts).
+`routed`), GLM-4.5 (q/k/v biases, partial rotary in `glm`; `routed`'s experts), GLM-5 (DeepSeek-V3's
+layers with the DSA indexer of `dsa`; its MTP layers in `mtp`, sent with `mtp=True`).
 """
 
 from orchestrator.adapters.megatron.convert.gather import (

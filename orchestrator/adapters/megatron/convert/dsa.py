@@ -18,11 +18,12 @@ interleaved pairs, as MLA does. Two things differ:
 
 - **Where the rope dims sit.** megatron-core up to 0.18 rotates the *last* `qk_pos_emb_head_dim`
   dims of each head (`DSAIndexer._apply_rope` splits `[nope, pe]`); HF's indexer (and
-  DeepSeek-V3.2's reference) the *first*, as Megatron does from 0.19 (whose configs have
-  `dsa_indexer_rope_interleaved`). For the older layout the rows are reordered so the same dims
-  rotate (`spec.dsa_index_rope_first` says which). A dot product sums over dims, so the order is
-  free after the rotation but not before it: mapping the rows as they are moves most tokens past
-  the logits tolerance, and most queries to other keys (the tests show both).
+  DeepSeek-V3.2's reference) the *first*, as Megatron does from 0.19, whose configs have
+  `dsa_indexer_rope_interleaved` (read in 0.16.1, 0.17.0, 0.18.0, 0.19.0 and 0.19.2). For the
+  older layout the rows are reordered so the same dims rotate (`spec.dsa_index_rope_first` says
+  which). A dot product sums over dims, so the order is free after the rotation but not before
+  it: mapping the rows as they are moves most tokens past the logits tolerance, and most queries
+  to other keys (the tests show both).
 - **Megatron rotates q and k by a Hadamard matrix** (`rotate_activation`, for FP8 kernels); HF
   does not. Scaled by 1/√d the matrix is orthonormal, so q·k is unchanged: only bf16 rounding
   differs, which can flip a near-tie at the k-th place.

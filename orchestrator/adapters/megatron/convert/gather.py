@@ -233,8 +233,8 @@ def hf_buckets(
 
     `model_chunks` are the DDP chunks (or bare GPTModels) of this rank; `config` is the
     `TransformerConfig` (the chunks' own by default); `family` is the one the config reads as
-    (`family_of`: MLA → deepseek_v3, sigmoid-routed experts → glm4_moe, other experts →
-    qwen3_moe, q/k norm → qwen3, else llama) unless given. Call it on
+    (`family_of`: DSA → glm_moe_dsa, MLA → deepseek_v3, sigmoid-routed experts → glm4_moe, other
+    experts → qwen3_moe, q/k norm → qwen3, else llama) unless given. Call it on
     every rank of the model, in the same order as its other collectives; only `is_sync_source()`
     ranks need send the buckets. `mtp`: also the MTP layers, as the checkpoint's layers after the
     last decoder layer (for an engine's NextN draft); without it they are left out and logged.

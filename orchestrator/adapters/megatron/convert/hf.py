@@ -11,7 +11,8 @@ one checked in design §7 (bit-identical logits in fp32); the families add:
   `mlp.experts.<e>.{gate,up,down}_proj` (the checkpoint layout; transformers fuses the experts
   itself when it loads them);
 - DeepSeek-V3: multi-latent attention and YaRN (`mla`), DeepSeek-style MoE layers (`routed`);
-- GLM-4.5: q/k/v biases, a partial rotary, an optional q/k norm (`glm`), `routed`'s MoE layers.
+- GLM-4.5: q/k/v biases, a partial rotary, an optional q/k norm (`glm`), `routed`'s MoE layers;
+- GLM-5: DeepSeek-V3's with a DSA indexer (`dsa`) and MTP layers (`mtp`).
 
 What a family has no counterpart for is refused by name rather than dropped, since an engine
 missing it would serve a different policy.

@@ -43,6 +43,7 @@ __all__ = [
     "megatron_fields",
     "mtp_names",
     "shapes",
+    "spec_problems",
 ]
 
 # The families whose MTP layers convert (the layout is DeepSeek-V3's; checked for GLM-5).
@@ -77,6 +78,16 @@ def global_name(name: str, gpt: Any) -> str:
 
 def megatron_fields(config: Any) -> dict[str, Any]:
     return {"mtp_num_layers": config.mtp_num_layers or 0}
+
+
+def spec_problems(spec: ModelSpec) -> list[str]:
+    """MTP layers of a family whose conversion of them was not checked."""
+    if not spec.mtp_num_layers or spec.family in MTP_FAMILIES:
+        return []
+    checked = ", ".join(sorted(f.value for f in MTP_FAMILIES))
+    return [
+        f"mtp_num_layers={spec.mtp_num_layers} (MTP layers are not converted for {spec.family.value}; for {checked})"
+    ]
 
 
 def shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:

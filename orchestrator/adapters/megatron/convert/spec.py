@@ -122,7 +122,7 @@ class ModelSpec:
                 others = ", ".join(sorted(f.value for f in families))
                 out.append(f"{what} (HF {self.family.value} has no counterpart; {others} do)")
         specific = mla.spec_problems(self) + routed.spec_problems(self) + glm.spec_problems(self)
-        return out + specific + dsa.spec_problems(self)
+        return out + specific + dsa.spec_problems(self) + mtp.spec_problems(self)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -207,7 +207,6 @@ def _features(spec: ModelSpec) -> tuple[tuple[str, bool, frozenset[Family]], ...
         ("moe_router_num_groups (group-limited routing)", bool(spec.moe_router_num_groups), routed.ROUTED_FAMILIES),
         ("moe_router_topk_scaling_factor", spec.moe_routed_scaling_factor != 1.0, routed.ROUTED_FAMILIES),
         ("a DSA indexer (sparse attention)", bool(spec.dsa_index_n_heads), dsa.DSA_FAMILIES),
-        (f"mtp_num_layers={spec.mtp_num_layers}", bool(spec.mtp_num_layers), mtp.MTP_FAMILIES),
     )
 
 
