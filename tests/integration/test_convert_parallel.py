@@ -136,6 +136,7 @@ def _rank(rank: int, world: int, port: int, out: str, layout: tuple[int, int, in
         from orchestrator.adapters.megatron.convert import model_spec
         from orchestrator.adapters.megatron.convert.gather import unwrap_gpt
         from orchestrator.adapters.megatron.cpu import enable_cpu_path
+        from tests.support.hf_glm5 import first_indexer_against_hf
         from tests.support.megatron_dsa import recorded_selections
 
         enable_cpu_path()
@@ -169,7 +170,9 @@ def _rank(rank: int, world: int, port: int, out: str, layout: tuple[int, int, in
                 "selections": selections if source else {},  # each DSA layer's top-k keys
             }
             seconds = time.perf_counter() - start  # build, train, sync, logits: this family's share of the spawn
+            indexer = first_indexer_against_hf(unwrap_gpt(chunks[0])) if source else None  # GLM-5's
             result[family.value] = {**synced, "spec": model_spec(chunks, family).to_dict(), "seconds": seconds}
+            result[family.value]["indexer"] = indexer
         torch.save(tensors, Path(out) / f"rank{rank}.pt")
         ps.destroy_model_parallel()
         torch.distributed.destroy_process_group()
@@ -353,6 +356,11 @@ def test_glm5_attends_where_megatron_does(layout: dict[str, Any], tmp_path: Path
     found = agreement(own, selections, spec.dsa_index_topk)
     print(f"its own indexers against Megatron's: {found}")
     assert max(found.gaps, default=0.0) < NEAR_TIE, "only a near-tie may choose other keys"
+    for one in [r[family.value]["indexer"] for r in layout["reports"] if r[family.value]["indexer"]]:
+        alike, wrong = one["found"], one["rope_last"]  # a stage's first indexer on 240 random queries
+        print(f"one indexer, random inputs: {alike}; rope dims left last: {wrong['differ']} differ")
+        assert alike["differ"] <= alike["queries"] // 20 and max(alike["gaps"], default=0) < NEAR_TIE
+        assert wrong["differ"] > wrong["queries"] // 4
 
 
 @pytest.mark.slow

@@ -42,6 +42,7 @@ __all__ = [
     "Compared",
     "agreement",
     "compare_selections",
+    "first_indexer_against_hf",
     "forced_selections",
     "indexer_selections",
     "load",
@@ -224,3 +225,16 @@ def compare_selections(selections: dict[str, torch.Tensor], topk: int) -> tuple[
     left last."""
     megatron = {0: {"scores": selections["scores"], "keys": selections["megatron"]}}
     return agreement({0: selections["hf"]}, megatron, topk), agreement({0: selections["hf_rope_last"]}, megatron, topk)
+
+
+def first_indexer_against_hf(gpt: Any, seq: int = 64, batch: int = 4) -> dict[str, Any] | None:
+    """`compare_selections` of this stage's first DSA layer (trained, in its bf16 model) on `seq`
+    random queries; None where the stage has none."""
+    layers = list(gpt.decoder.layers)
+    indexer = getattr(layers[0].self_attention.core_attention, "indexer", None) if layers else None
+    if indexer is None:
+        return None
+    found, rope_last = compare_selections(
+        indexer_selections(indexer, gpt.config, seq, batch), gpt.config.dsa_indexer_topk
+    )
+    return {"found": dataclasses.asdict(found), "rope_last": dataclasses.asdict(rope_last)}
