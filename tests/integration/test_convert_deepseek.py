@@ -196,7 +196,7 @@ def test_megatrons_glm_config_reads_as_glm4_moe() -> None:
     config = parallel_config(Family.GLM4_MOE, 1, 1, 1)
     assert family_of(config) is Family.GLM4_MOE
     hf = hf_config(ModelSpec.from_megatron(config, _gpt(config, rotary_percent=0.5)))
-    assert (hf.attention_bias, hf.use_qk_norm, hf.head_dim, hf.num_key_value_heads) == (True, True, 16, 2)
+    assert (hf.attention_bias, hf.use_qk_norm, hf.head_dim, hf.num_key_value_heads) == (True, True, 24, 2)
     assert hf.rope_parameters == {"rope_type": "default", "rope_theta": 500000.0, "partial_rotary_factor": 0.5}
     _assert_routed(hf)
 

@@ -291,7 +291,6 @@ def test_a_wrong_gather_breaks_the_tolerance(layout: dict[str, Any], tmp_path: P
 # Glm4MoeConfig reads a missing partial_rotary_factor as 0.5: the mistake must say 1.0.
 _FULL_ROTARY = {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0, "partial_rotary_factor": 1.0}}
 _YARN_DROPPED = {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
-# GLM-5's indexer rows as Megatron holds them, rope dims last (mapped by name alone).
 _INDEXER_AS_MEGATRON = (Family.GLM_MOE_DSA, "indexer rope dims left last", indexer_rope_last, {})
 FAMILY_MISTAKES = {  # layout: (family, what goes wrong, the sync with it, config keys set wrong)
     "tp2": (
@@ -304,10 +303,14 @@ FAMILY_MISTAKES = {  # layout: (family, what goes wrong, the sync with it, confi
         (Family.GLM4_MOE, "every dim rotated", as_is, _FULL_ROTARY),
         _INDEXER_AS_MEGATRON,
     ),
-    "ep2": ((Family.DEEPSEEK_V3, "YaRN dropped", as_is, _YARN_DROPPED), _INDEXER_AS_MEGATRON),
+    "ep2": (
+        (Family.DEEPSEEK_V3, "YaRN dropped", as_is, _YARN_DROPPED),
+        (Family.GLM4_MOE, "expert_bias dropped", bias_dropped, {}),
+        _INDEXER_AS_MEGATRON,
+    ),
     "tp2pp2ep2": (
         (Family.DEEPSEEK_V3, "expert_bias dropped", bias_dropped, {}),
-        (Family.GLM4_MOE, "expert_bias dropped", bias_dropped, {}),
+        (Family.GLM4_MOE, "routed scale dropped", as_is, {"routed_scaling_factor": 1.0}),
         _INDEXER_AS_MEGATRON,
     ),
 }

@@ -8,9 +8,10 @@ MoE with 8 experts (ffn 32) in 2 groups, one group and 2 experts a token, a sigm
 `expert_bias`, a routed scale of 2.5, shared experts of ffn 64 (two experts' worth); DeepSeek-V3's
 attention MLA (q latent 32, kv latent 32, per head 16 nope + 8 rope dims for q and k, 12 for v)
 with YaRN (factor 4 over 4 original positions, mscale 1, mscale_all_dim 0.8, base 10000);
-GLM-4.5's q/k/v with biases, a q/k norm, half of each head rotated. GLM-5: DeepSeek-V3's
-attention and MoE layers with a DSA indexer in every layer (4 heads of 32 dims, the top 4 of up to
-16 keys, trained by its KL loss), and one MTP layer; the DSA layer is built as `megatron_dsa` says.
+GLM-4.5's heads 24 wide (not hidden / heads), q/k/v with biases, a q/k norm, half of each head
+rotated. GLM-5: DeepSeek-V3's attention and MoE layers with a DSA indexer in every layer (4 heads
+of 32 dims, the top 4 of up to 16 keys, trained by its KL loss), and one MTP layer; the DSA layer
+is built as `megatron_dsa` says.
 
 Megatron-core 0.16.1's local spec cannot build MLA as it is: `MLASelfAttention` passes
 `k_channels` and `v_channels` to its core attention, which only Transformer Engine's
@@ -103,7 +104,7 @@ def parallel_config(family: Family, tp: int, pp: int, ep: int) -> Any:
     if family is Family.GLM_MOE_DSA:
         extra |= DSA | _rope_interleaved_where_asked(TransformerConfig)
     if family is Family.GLM4_MOE:
-        extra = {**ROUTED, "add_qkv_bias": True}
+        extra = {**ROUTED, "add_qkv_bias": True, "kv_channels": 24}  # as GLM-4.5's, not hidden / heads
     if family is Family.QWEN3_MOE:
         extra = dict(
             num_moe_experts=4,
@@ -117,11 +118,10 @@ def parallel_config(family: Family, tp: int, pp: int, ep: int) -> Any:
         )
     kind = MLATransformerConfig if "q_lora_rank" in extra else TransformerConfig
     return kind(
-        **{"num_query_groups": 2, **extra},
+        **{"num_query_groups": 2, "kv_channels": 16, **extra},
         num_layers=2,
         hidden_size=64,
         num_attention_heads=4,
-        kv_channels=16,
         ffn_hidden_size=128,
         qk_layernorm=family is not Family.LLAMA,
         normalization="RMSNorm",
@@ -202,17 +202,25 @@ def build(family: Family, tp: int, pp: int, ep: int) -> tuple[list[Any], Any]:
 
 def _random_qkv_biases(gpt: Any) -> None:
     """Megatron zero-initialises biases, and three steps leave them too small for a wrong split
-    of them to show: give them N(0, 0.5) values instead, the same whole bias at any TP (each
-    rank takes its shard of it)."""
+    of them to show: give q's and k's N(0, 0.5) values instead, v's N(0, 0.05) (v's bias adds
+    one vector to every token, as the softmax weights sum to 1; at 0.5 it drowned out the
+    token-dependent part of the router's input and every token went to the same experts). The
+    whole bias is the same at any TP; each rank takes its shard of it (whole query groups)."""
     from megatron.core import parallel_state as ps
 
+    config = gpt.config
     tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    heads_per_group = config.num_attention_heads // config.num_query_groups
     generator = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for name, bias in gpt.named_parameters():
             if name.endswith("linear_qkv.bias"):
-                whole = torch.randn(bias.numel() * tp, generator=generator) * 0.5
-                bias.copy_(whole.chunk(tp)[rank])
+                whole = torch.randn(
+                    config.num_query_groups, heads_per_group + 2, config.kv_channels, generator=generator
+                )
+                whole[:, :-1] *= 0.5
+                whole[:, -1] *= 0.05
+                bias.copy_(whole.flatten().chunk(tp)[rank])
 
 
 def layer_spec(config: Any) -> Any:

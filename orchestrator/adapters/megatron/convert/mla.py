@@ -27,8 +27,11 @@ the same formula, scale cos and sin by mscale(factor, mscale) / mscale(factor, m
 (HF's `attention_factor`, inferred from the two when both are set), and scale the softmax by
 mscale(factor, mscale_all_dim)² over sqrt(qk head dim) (HF's `yarn_apply_mscale`).
 
+A family whose attention is MLA joins `MLA_FAMILIES` (its Megatron names then map by `RULES`,
+its spec is checked by `spec_problems`) and builds its HF config with `hf_config_keys`:
+
     names = mla.attention_names(spec)            # per layer, under model.layers.<i>.
-    config = DeepseekV3Config(**common, **mla.hf_config_keys(spec))
+    config = DeepseekV3Config(**{**common, **mla.hf_config_keys(spec)})
 """
 
 from __future__ import annotations
