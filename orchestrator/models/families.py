@@ -57,6 +57,12 @@ SUPPORT: tuple[Support, ...] = (
         "q/k/v biases, partial rotary, optional q/k norm; DeepSeek-V3's experts",
         ("TP", "PP", "EP", "expert TP"),
     ),
+    Support(
+        Family.GLM_MOE_DSA,
+        "GlmMoeDsaForCausalLM",
+        "DeepSeek-V3's MLA and experts with a DSA indexer (sparse attention); MTP layers on request",
+        ("TP", "PP", "EP", "expert TP"),
+    ),
 )
 
 

@@ -16,7 +16,9 @@ MoE with 8 experts (ffn 32) in 2 groups, one group and 2 experts a token, a sigm
 attention MLA (q latent 32, kv latent 32, per head 16 nope + 8 rope dims for q and k, 12 for v)
 with YaRN (factor 4 over 4 original positions, mscale 1, mscale_all_dim 0.8, base 10000);
 GLM-4.5's heads 24 wide (not hidden / heads), q/k/v with biases, a q/k norm, half of each head
-rotated.
+rotated. GLM-5: DeepSeek-V3's attention and MoE layers with a DSA indexer in every layer (4 heads
+of 32 dims, the top 4 of up to 16 keys, trained by its KL loss), and one MTP layer; the DSA layer
+is built as `megatron_dsa` says.
 
 Megatron-core 0.16.1's local spec cannot build MLA as it is: `MLASelfAttention` passes
 `k_channels` and `v_channels` to its core attention, which only Transformer Engine's
@@ -36,6 +38,7 @@ import torch
 
 from orchestrator.adapters.megatron.convert import Family
 from orchestrator.models import SUPPORT
+from tests.support.megatron_dsa import dsa_block_spec, enable_dsa_without_extensions, presize_indexer_loss_tracker
 
 __all__ = [
     "BATCH",
@@ -46,6 +49,7 @@ __all__ = [
     "build",
     "layer_spec",
     "logits",
+    "mtp_block_spec",
     "parallel_config",
     "schedule",
     "train_step",
@@ -91,13 +95,26 @@ MLA = dict(
 )
 
 
+# GLM-5 (glm_moe_dsa): the indexer keeps 4 of up to 16 keys, so it decides what most queries see.
+DSA = dict(
+    experimental_attention_variant="dsa",
+    dsa_indexer_n_heads=4,
+    dsa_indexer_head_dim=32,
+    dsa_indexer_topk=4,
+    dsa_indexer_loss_coeff=0.1,
+    mtp_num_layers=1,
+)
+
+
 def parallel_config(family: Family, tp: int, pp: int, ep: int, *, grouped_gemm: bool = False) -> Any:
     import torch.nn.functional as F
     from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
     extra: dict[str, Any] = {}  # the family's keys
-    if family is Family.DEEPSEEK_V3:
+    if family in (Family.DEEPSEEK_V3, Family.GLM_MOE_DSA):
         extra = {**ROUTED, **MLA, "num_query_groups": 4}  # MLA: every head its own k and v
+    if family is Family.GLM_MOE_DSA:
+        extra |= DSA | _rope_interleaved_where_asked(TransformerConfig)
     if family is Family.GLM4_MOE:
         extra = {**ROUTED, "add_qkv_bias": True, "kv_channels": 24}  # as GLM-4.5's, not hidden / heads
     if family in (Family.QWEN3_MOE, Family.MIXTRAL):
@@ -112,7 +129,7 @@ def parallel_config(family: Family, tp: int, pp: int, ep: int, *, grouped_gemm: 
             moe_layer_freq=[0, 1] if family is Family.QWEN3_MOE else 1,
             moe_token_dispatcher_type="allgather",
         )
-    kind = MLATransformerConfig if family is Family.DEEPSEEK_V3 else TransformerConfig
+    kind = MLATransformerConfig if "q_lora_rank" in extra else TransformerConfig
     return kind(
         **{"num_query_groups": 2, "kv_channels": 16, **extra},
         num_layers=2,
@@ -146,6 +163,15 @@ def parallel_config(family: Family, tp: int, pp: int, ep: int, *, grouped_gemm: 
     )
 
 
+def _rope_interleaved_where_asked(config_class: type) -> dict[str, Any]:
+    """megatron-core 0.19 asks whether the indexer's rope interleaves (0.16 to 0.18 always do, as
+    MLA): GLM-5's does."""
+    import dataclasses
+
+    names = {field.name for field in dataclasses.fields(config_class)}
+    return {"dsa_indexer_rope_interleaved": True} if "dsa_indexer_rope_interleaved" in names else {}
+
+
 def build(
     family: Family, tp: int, pp: int, ep: int, *, tied: bool = False, grouped_gemm: bool = False
 ) -> tuple[list[Any], Any]:
@@ -161,9 +187,11 @@ def build(
 
         use_cpu_grouped_gemm()
     config = parallel_config(family, tp, pp, ep, grouped_gemm=grouped_gemm)
+    block = layer_spec(config)
     gpt = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(config),
+        transformer_layer_spec=block,
+        mtp_block_spec=mtp_block_spec(config, block),
         vocab_size=VOCAB,
         max_sequence_length=SEQ,
         pre_process=ps.is_pipeline_first_stage(),
@@ -215,14 +243,27 @@ def _random_qkv_biases(gpt: Any) -> None:
 
 
 def layer_spec(config: Any) -> Any:
-    """Megatron's own local block spec; with MLA, its core attention takes MLA's head widths."""
+    """Megatron's own local block spec; with MLA, its core attention takes MLA's head widths; with
+    DSA, it is Megatron's DSA (see `megatron_dsa`)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    if config.experimental_attention_variant == "dsa":
+        enable_dsa_without_extensions()
+        presize_indexer_loss_tracker(config)
+        return dsa_block_spec(config, spec)
     if config.multi_latent_attention:
         for layer in spec.layer_specs:
             layer.submodules.self_attention.submodules.core_attention = _mla_dot_product_attention()
     return spec
+
+
+def mtp_block_spec(config: Any, block: Any) -> Any:
+    """Megatron's own local MTP block spec (its layer: the last decoder layer's); None without MTP
+    or off the last pipeline stage."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    return get_gpt_mtp_block_spec(config, block, use_transformer_engine=False) if config.mtp_num_layers else None
 
 
 def _mla_dot_product_attention() -> type:
@@ -248,18 +289,33 @@ def batches(steps: int) -> list[torch.Tensor]:
 
 
 def _forward_step(batch: Any, model: Any) -> tuple[torch.Tensor, Any]:
+    from orchestrator.adapters.megatron.convert.gather import unwrap_gpt
+
     tokens = next(batch)
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     positions = torch.arange(SEQ).expand_as(inputs)
-    out = model(inputs, positions, None, labels=labels if model.training else None)
-    return out, partial(_loss, labels.numel())
+    gpt = unwrap_gpt(model)
+    if not gpt.mtp_process:
+        out = model(inputs, positions, None, labels=labels if model.training else None)
+        return out, partial(_loss, labels.numel(), [])
+    # Megatron's MTP needs the labels in every pass, which then returns the loss: the logits are
+    # the output layer's, each MTP layer's first and the main model's last.
+    heads: list[torch.Tensor] = []
+    hook = gpt.output_layer.register_forward_hook(lambda _m, _i, out: heads.append(out[0].transpose(0, 1)))
+    try:
+        out = model(inputs, positions, None, labels=labels)
+    finally:
+        hook.remove()
+    return out, partial(_loss, labels.numel(), heads)
 
 
-def _loss(tokens: int, out: torch.Tensor, non_loss_data: bool = False) -> Any:
+def _loss(tokens: int, heads: list[torch.Tensor], out: torch.Tensor, non_loss_data: bool = False) -> Any:
     if non_loss_data:  # forward only: the logits, whole over the vocab (TP shards it)
-        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region as gather
 
-        return gather_from_tensor_model_parallel_region(out).float()
+        if not heads:
+            return gather(out).float()
+        return {"logits": gather(heads[-1]).float(), "mtp": [gather(head).float() for head in heads[:-1]]}
     loss = out.float().sum()
     return loss, torch.tensor(tokens), {"loss": loss.detach()}
 

@@ -17,10 +17,10 @@ megatron-core assumes CUDA in five ways on the GPT / DDP / distributed-optimizer
 4. The RNG tracker (``tensor_parallel.random``) forks the CUDA generator; on a CPU build
    ``torch.cuda.manual_seed`` is queued forever and reading its state raises. Its state get/set
    and seeding go to the CPU default generator instead.
-5. ``Tensor.cuda()``: with tied embeddings at PP > 1, ``LanguageModule.setup_embeddings_and_output_layer``
-   moves the embedding's copy to the GPU before the all-reduce that makes it equal to the first
-   stage's. Scoped in time like (3): only while that method runs is a CPU tensor's ``.cuda()``
-   the tensor itself.
+5. ``Tensor.cuda()``: with tied embeddings, or MTP layers, at PP > 1 the last stage holds a copy of
+   the word embeddings, which ``LanguageModule.setup_embeddings_and_output_layer`` moves to the
+   GPU before the all-reduce that makes it equal to the first stage's. Scoped in time like (3):
+   only while that method runs is a CPU tensor's ``.cuda()`` the tensor itself.
 
 Also two upstream import bugs. ``moe_utils`` defines ``te_general_gemm`` only when Transformer Engine
 imports, yet the router reads it unconditionally; without TE it is set to ``None``. And
@@ -60,6 +60,8 @@ _DEVICE_MODULES = (  # each one was seen to fail without the view (ablation, 0.1
     "megatron.core.pipeline_parallel.p2p_communication",
     "megatron.core.transformer.utils",
     "megatron.core.utils",
+    "megatron.core.transformer.multi_token_prediction",  # MTP: its loss tracker's device
+    "megatron.core.transformer.experimental_attention_variant.dsa",  # DSA: its indexer-loss tracker's
 )
 _applied = False
 

@@ -2,7 +2,8 @@
 
 - `hf_buckets(model_chunks, bucket_bytes=...)`: the trainer-side entry point, run on every rank;
   yields this stage's HF tensors in buckets (`gather`). `conversion_problems` says beforehand,
-  with no collective, why it would refuse a model.
+  with no collective, why it would refuse a model, `left_out` what it leaves out on purpose (the
+  MTP layers, unless `mtp=True`).
 - `to_hf` / `convert`: whole Megatron tensors → HF checkpoint tensors (`hf`).
 - `ModelSpec`: what the conversion reads from Megatron's `TransformerConfig` and `GPTModel`, or
   from the demo's `TinyGPTConfig` (`spec`); `hf_config(spec)` is the transformers config.
@@ -10,10 +11,17 @@
 Families: Llama, Qwen3 (q/k norm), Qwen3-MoE (router, experts), Mixtral (every layer MoE, no q/k
 norm), DeepSeek-V3 (MLA and YaRN in `mla`; sigmoid-routed experts with a selection bias, groups,
 a scale and shared experts in `routed`), GLM-4.5 (q/k/v biases, partial rotary in `glm`;
-`routed`'s experts); tied embeddings; GroupedMLP experts.
+`routed`'s experts), GLM-5 (DeepSeek-V3's layers with the DSA indexer of `dsa`; its MTP layers
+in `mtp`, sent with `mtp=True`); tied embeddings; GroupedMLP experts.
 """
 
-from orchestrator.adapters.megatron.convert.gather import conversion_problems, hf_buckets, is_sync_source, model_spec
+from orchestrator.adapters.megatron.convert.gather import (
+    conversion_problems,
+    hf_buckets,
+    is_sync_source,
+    left_out,
+    model_spec,
+)
 from orchestrator.adapters.megatron.convert.hf import (
     ATTN_IMPLEMENTATION,
     MEGATRON_LAYERNORM_EPS,
@@ -42,6 +50,7 @@ __all__ = [
     "hf_shape",
     "hf_targets",
     "is_sync_source",
+    "left_out",
     "model_spec",
     "to_hf",
 ]

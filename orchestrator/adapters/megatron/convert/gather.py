@@ -33,6 +33,7 @@ param or the trainer's extras backup: a consumer may keep, move or write it free
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -40,13 +41,16 @@ from typing import Any
 
 import torch
 
+from orchestrator.adapters.megatron.convert import mtp as mtp_layers
 from orchestrator.adapters.megatron.convert.grouped import GROUPED, per_expert
 from orchestrator.adapters.megatron.convert.hf import hf_targets, to_hf
 from orchestrator.adapters.megatron.convert.spec import Family, ModelSpec
 
-__all__ = ["conversion_problems", "hf_buckets", "is_sync_source", "model_spec", "unwrap_gpt"]
+__all__ = ["conversion_problems", "hf_buckets", "is_sync_source", "left_out", "model_spec", "unwrap_gpt"]
 
 Bucket = list[tuple[str, torch.Tensor]]
+_log = logging.getLogger(__name__)
+_said: set[str] = set()
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _LOCAL_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
@@ -74,7 +78,7 @@ def model_spec(model_chunks: Sequence[Any], family: Family | str | None = None, 
 
 
 def conversion_problems(
-    model_chunks: Sequence[Any], family: Family | str | None = None, config: Any = None
+    model_chunks: Sequence[Any], family: Family | str | None = None, config: Any = None, *, mtp: bool = False
 ) -> list[str]:
     """Why `hf_buckets` would refuse these chunks, each problem once; empty when it would not.
     Local to this rank (no collective): what the model computes that `family` does not, else
@@ -84,12 +88,20 @@ def conversion_problems(
     except ValueError as error:
         return [str(error)]
     problems = []
-    for unit in _units(model_chunks):
+    for unit in _units(model_chunks, mtp=mtp):
         try:
             hf_targets(unit.name, spec)
         except ValueError as error:
             problems.append(str(error))
     return list(dict.fromkeys(problems))
+
+
+def left_out(model_chunks: Sequence[Any], *, mtp: bool = False) -> list[str]:
+    """What `hf_buckets` leaves out of this rank's stage on purpose, one sentence each (no
+    collective): the MTP layers unless `mtp`. `hf_buckets` logs it (once a process)."""
+    return mtp_layers.left_out(
+        [name for chunk in model_chunks for name, _ in unwrap_gpt(chunk).named_parameters()], mtp
+    )
 
 
 def is_sync_source() -> bool:
@@ -147,11 +159,16 @@ class _Unit:
         return size * (groups.tp_size if self.partition_dim is not None else 1)
 
 
-def _units(model_chunks: Sequence[Any]) -> Iterator[_Unit]:
+def _units(model_chunks: Sequence[Any], *, mtp: bool = True) -> Iterator[_Unit]:
+    """The tensors a sync converts, in order; `mtp` False leaves the MTP layers out."""
     for chunk in model_chunks:
         gpt = unwrap_gpt(chunk)
         named = [*gpt.named_parameters(), *((n, b) for n, b in gpt.named_buffers() if n.endswith("expert_bias"))]
         for local, tensor in named:
+            if local.startswith("embedding.") and not gpt.pre_process:
+                continue  # the MTP stage's copy of the first stage's embedding (see `mtp_layers`)
+            if mtp_layers.is_mtp(local) and not mtp:
+                continue
             name = _global_layer(local, gpt)
             if GROUPED.match(name):  # all local experts in one param: one unit per expert
                 experts = gpt.get_submodule(local.rsplit(".", 1)[0]).num_local_experts
@@ -168,6 +185,8 @@ def _units(model_chunks: Sequence[Any]) -> Iterator[_Unit]:
 
 
 def _global_layer(name: str, gpt: Any) -> str:
+    if mtp_layers.is_mtp(name):
+        return mtp_layers.global_name(name, gpt)
     match = _LAYER.match(name)
     if match is None:
         return name
@@ -221,15 +240,18 @@ def hf_buckets(
     *,
     family: Family | str | None = None,
     bucket_bytes: int,
+    mtp: bool = False,
 ) -> Iterator[Bucket]:
     """This rank's pipeline stage as HF `(name, tensor)` buckets of at most `bucket_bytes`.
 
     `model_chunks` are the DDP chunks (or bare GPTModels) of this rank; `config` is the
     `TransformerConfig` (the chunks' own by default); `family` is the one the config reads as
-    (`family_of`: MLA → deepseek_v3, sigmoid-routed experts → glm4_moe, other experts →
-    qwen3_moe with a q/k norm, else mixtral; dense: qwen3 with a q/k norm, else llama) unless
-    given. Call it on every rank of the model, in the same order as its other collectives; only
-    `is_sync_source()` ranks need send the buckets.
+    (`family_of`: DSA → glm_moe_dsa, MLA → deepseek_v3, sigmoid-routed experts → glm4_moe, other
+    experts → qwen3_moe with a q/k norm, else mixtral; dense: qwen3 with a q/k norm, else llama)
+    unless given. Call it on every rank of the model, in the same order as its other collectives;
+    only `is_sync_source()` ranks need send the buckets. `mtp`: also the MTP layers, as the
+    checkpoint's layers after the last decoder layer (for an engine's NextN draft); without it
+    they are left out and logged.
     A bucket is emptied when the next is asked for: keep what it holds, not the list.
 
     Raises ValueError before any collective when `family` cannot compute what the model computes
@@ -238,9 +260,13 @@ def hf_buckets(
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, not {bucket_bytes}")
     spec = model_spec(model_chunks, family, config)
+    units = list(_units(model_chunks, mtp=mtp))
+    for note in set(left_out(model_chunks, mtp=mtp)) - _said:  # once a process: it holds every sync
+        _log.warning(note)
+        _said.add(note)
     # Every name is checked before the first collective, so no rank waits alone; a tensor with
     # no HF counterpart to send (tied embeddings' output layer) is not gathered.
-    units = [unit for unit in _units(model_chunks) if hf_targets(unit.name, spec)]
+    units = [unit for unit in units if hf_targets(unit.name, spec)]
     groups = _Groups.current(spec, units[0].tensor.device)
     bucket: Bucket = []
     held = 0

@@ -10,13 +10,15 @@ one checked in design §7 (bit-identical logits in fp32); the families add:
 - Qwen3-MoE: `mlp.router` → `mlp.gate`, `mlp.experts.local_experts.<e>.linear_fc1/2` →
   `mlp.experts.<e>.{gate,up,down}_proj` (the checkpoint layout; transformers fuses the experts
   itself when it loads them);
-- Mixtral: the same tensors → `block_sparse_moe.{gate,experts.<e>.w1,w3,w2}` (`mixtral`).
+- Mixtral: the same tensors → `block_sparse_moe.{gate,experts.<e>.w1,w3,w2}` (`mixtral`);
+- DeepSeek-V3: multi-latent attention and YaRN (`mla`), DeepSeek-style MoE layers (`routed`);
+- GLM-4.5: q/k/v biases, a partial rotary, an optional q/k norm (`glm`), `routed`'s MoE layers;
+- GLM-5: DeepSeek-V3's with a DSA indexer (`dsa`) and MTP layers (`mtp`).
 
 A GroupedMLP's `mlp.experts.weight1/2` are read as SequentialMLP's per-expert tensors (`grouped`).
 Tied embeddings (`spec.tie_embeddings`): HF's checkpoint holds `embed_tokens` alone, so Megatron's
-`output_layer.weight` (a PP > 1 last stage's copy of the embedding) becomes no HF tensor.
-- DeepSeek-V3: multi-latent attention and YaRN (`mla`), DeepSeek-style MoE layers (`routed`);
-- GLM-4.5: q/k/v biases, a partial rotary, an optional q/k norm (`glm`), `routed`'s MoE layers.
+`output_layer.weight` (a PP > 1 last stage's copy of the embedding) becomes no HF tensor. The
+transformers config of each family is `configs.hf_config`.
 
 What a family has no counterpart for is refused by name rather than dropped, since an engine
 missing it would serve a different policy.
@@ -30,26 +32,30 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
 
 import torch
 
-from orchestrator.adapters.megatron.convert import glm, mixtral, mla, routed
+from orchestrator.adapters.megatron.convert import dsa, glm, mixtral, mla, routed
+from orchestrator.adapters.megatron.convert import mtp as mtp_layers
+from orchestrator.adapters.megatron.convert.configs import (
+    ATTN_IMPLEMENTATION,
+    Shape,
+    as_spec,
+    hf_config,
+    hf_llama_config,
+)
 from orchestrator.adapters.megatron.convert.grouped import TE_GROUPED, per_expert, per_expert_names, read_as
 from orchestrator.adapters.megatron.convert.rules import ANY as _ANY
 from orchestrator.adapters.megatron.convert.rules import DENSE as _DENSE
 from orchestrator.adapters.megatron.convert.rules import EXPERT as _EXPERT
 from orchestrator.adapters.megatron.convert.rules import LAYER as _LAYER
 from orchestrator.adapters.megatron.convert.rules import MOE as _MOE
+from orchestrator.adapters.megatron.convert.rules import MTP as _MTP
 from orchestrator.adapters.megatron.convert.rules import Rule, Split, compile_rules
 from orchestrator.adapters.megatron.convert.rules import gate_up as _split_fc1
 from orchestrator.adapters.megatron.convert.rules import same as _same
 from orchestrator.adapters.megatron.convert.rules import split_qkv as _split_qkv
 from orchestrator.adapters.megatron.convert.spec import MEGATRON_LAYERNORM_EPS, Family, ModelSpec
-from orchestrator.adapters.megatron.gpt import TinyGPTConfig
-
-if TYPE_CHECKING:
-    from transformers import LlamaConfig, PretrainedConfig
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -62,77 +68,6 @@ __all__ = [
     "hf_targets",
     "to_hf",
 ]
-
-# Neither attention is bit-exact against Megatron's bf16 forward (design §7's bit-identity was in
-# fp32). On CPU, sdpa came out slightly closer (mean abs logit difference 0.0069 vs 0.0070, max
-# 0.04-0.05 vs 0.04-0.06, logits of mean magnitude 0.8) and is faster, so the engine uses it.
-ATTN_IMPLEMENTATION = "sdpa"
-
-Shape = TinyGPTConfig | ModelSpec
-
-
-def _spec(cfg: Shape) -> ModelSpec:
-    return cfg if isinstance(cfg, ModelSpec) else ModelSpec.from_tiny(cfg)
-
-
-def hf_config(cfg: Shape) -> PretrainedConfig:
-    """The transformers config whose model computes what the Megatron GPT computes, in bf16."""
-    import transformers
-
-    spec = _spec(cfg)
-    common: dict[str, Any] = dict(
-        vocab_size=spec.vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.ffn_hidden_size,
-        num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_query_groups,
-        head_dim=spec.head_dim,
-        hidden_act="silu",
-        max_position_embeddings=spec.max_position_embeddings,
-        rms_norm_eps=spec.layernorm_epsilon,
-        # transformers 5.x moved the theta into `rope_parameters`; Megatron's default RoPE is
-        # the non-interleaved (rotate-half) one, which is HF's "default".
-        rope_parameters={"rope_type": "default", "rope_theta": spec.rotary_base},
-        tie_word_embeddings=spec.tie_embeddings,
-        attention_bias=False,
-        attention_dropout=0.0,
-        dtype=torch.bfloat16,
-        # Taken through the config's **kwargs, which transformers 5's dataclass signature hides.
-        attn_implementation=ATTN_IMPLEMENTATION,
-    )
-    if spec.family is Family.LLAMA:
-        return transformers.LlamaConfig(**common, mlp_bias=False)
-    if spec.family is Family.QWEN3:
-        return transformers.Qwen3Config(**common, use_sliding_window=False)
-    if spec.family is Family.MIXTRAL:
-        return mixtral.hf_mixtral_config(spec, common)
-    if spec.family is Family.DEEPSEEK_V3:
-        return transformers.DeepseekV3Config(**{**common, **mla.hf_config_keys(spec), **routed.hf_config_keys(spec)})
-    if spec.family is Family.GLM4_MOE:
-        return transformers.Glm4MoeConfig(**{**common, **glm.hf_config_keys(spec), **routed.hf_config_keys(spec)})
-    return transformers.Qwen3MoeConfig(
-        **common,
-        use_sliding_window=False,
-        num_experts=spec.num_experts,
-        num_experts_per_tok=spec.moe_router_topk,
-        moe_intermediate_size=spec.moe_ffn_hidden_size,
-        norm_topk_prob=spec.moe_norm_topk_prob,
-        decoder_sparse_step=1,
-        mlp_only_layers=[i for i in range(spec.num_layers) if i not in spec.moe_layers],
-        output_router_logits=False,
-    )
-
-
-def hf_llama_config(cfg: Shape) -> LlamaConfig:
-    """The `LlamaConfig` that computes what Megatron's dense GPT computes, in bf16."""
-    config = hf_config(_spec(cfg))
-    from transformers import LlamaConfig
-
-    if not isinstance(config, LlamaConfig):
-        raise ValueError(f"a {type(config).__name__} model is not a Llama")
-    return config
-
 
 # ---- per-tensor mapping ---------------------------------------------------------------------
 
@@ -222,7 +157,7 @@ _RULES: tuple[Rule, ...] = compile_rules(
         (r"decoder\.final_layernorm\.weight", ("model.norm.weight",), _same, _ANY, _ALL),
         (r"output_layer\.weight", ("lm_head.weight",), _same, _ANY, _ALL),
     )
-) + (mla.RULES + routed.RULES + glm.RULES)
+) + (mla.RULES + routed.RULES + glm.RULES + dsa.RULES + mtp_layers.RULES)
 
 # Known Megatron tensors a family has no counterpart for, and why.
 _REFUSED: tuple[tuple[re.Pattern[str], frozenset[Family], str], ...] = (
@@ -274,6 +209,8 @@ def _expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         **mixtral.expert_shapes(spec),
         **routed.shapes(spec),
         **mla.shapes(spec),  # MLA's q_proj and o_proj replace GQA's
+        **dsa.shapes(spec),
+        **mtp_layers.shapes(spec),
     }
 
 
@@ -281,12 +218,14 @@ def hf_shape(hf_name: str, cfg: Shape) -> tuple[int, ...]:
     """The shape the HF model built from `hf_config(cfg)` gives the checkpoint name `hf_name`."""
     if hf_name.endswith(".bias"):  # a linear's: one per output row
         return hf_shape(hf_name.removesuffix(".bias") + ".weight", cfg)[:1]
-    shapes = _expected_shapes(_spec(cfg))
+    shapes = _expected_shapes(as_spec(cfg))
     module = hf_name.removesuffix(".weight").rsplit(".", 1)[-1]
     if ".experts." in hf_name:
         module = f"expert.{module}"
     elif ".shared_experts." in hf_name:
         module = f"shared.{module}"
+    elif ".indexer." in hf_name:
+        module = f"indexer.{module}"
     elif module.endswith("layernorm") and module not in shapes:
         module = "layernorm"
     return shapes[module]
@@ -302,9 +241,13 @@ def _kind_problem(match: re.Match[str], kind: str, spec: ModelSpec) -> str | Non
     layer = match.groupdict().get("i")
     if layer is None:
         return None
-    if int(layer) >= spec.num_layers:
-        return f"layer {layer} is beyond num_layers={spec.num_layers}"
-    moe = int(layer) in spec.moe_layers
+    if int(layer) >= spec.num_layers + spec.mtp_num_layers:
+        return f"layer {layer} is beyond num_layers={spec.num_layers} and {spec.mtp_num_layers} MTP layer(s)"
+    is_mtp = int(layer) >= spec.num_layers
+    if kind == _MTP and not is_mtp:
+        return f"layer {layer} is a decoder layer, not an MTP layer"
+    # An MTP layer's transformer layer is built from the last decoder layer's spec.
+    moe = (spec.num_layers - 1 if is_mtp else int(layer)) in spec.moe_layers
     if kind == _DENSE and moe:
         return f"layer {layer} is an MoE layer, with no dense MLP"
     if kind == _MOE and not moe:
@@ -342,7 +285,7 @@ def _tied_copy(name: str, spec: ModelSpec) -> bool:
 
 def hf_targets(name: str, cfg: Shape) -> list[str]:
     """The HF names the whole Megatron tensor `name` becomes; raises as `to_hf` does, with no tensor."""
-    spec = _spec(cfg)
+    spec = as_spec(cfg)
     experts = per_expert_names(name, spec.num_experts)
     if experts is not None:
         _refuse(name, spec)
@@ -362,7 +305,7 @@ def to_hf(name: str, tensor: torch.Tensor, cfg: Shape) -> list[tuple[str, torch.
     beyond the model's, a dense MLP in an MoE layer or experts in a dense one, and a shape that
     does not match.
     """
-    spec = _spec(cfg)
+    spec = as_spec(cfg)
     if per_expert_names(name, spec.num_experts) is not None:  # a GroupedMLP's weight1/2
         _refuse(name, spec)
         experts = per_expert(name, tensor, spec.num_experts, spec.hidden_size)
@@ -377,24 +320,25 @@ def to_hf(name: str, tensor: torch.Tensor, cfg: Shape) -> list[tuple[str, torch.
 
 def convert(named: Iterable[tuple[str, torch.Tensor]], cfg: Shape) -> Iterator[tuple[str, torch.Tensor]]:
     """`to_hf` over whole tensors, lazily: the first unmappable tensor raises."""
-    spec = _spec(cfg)
+    spec = as_spec(cfg)
     for name, tensor in named:
         yield from to_hf(name, tensor, spec)
 
 
-def hf_names(cfg: Shape) -> list[str]:
-    """Every HF checkpoint name a complete sync produces, which is what `save_pretrained` writes;
-    for a dense family in the model's `named_parameters` order."""
-    spec = _spec(cfg)
+def hf_names(cfg: Shape, *, mtp: bool = False) -> list[str]:
+    """Every HF checkpoint name a complete sync produces (with `mtp`, the MTP layers' too, as
+    `hf_buckets(..., mtp=True)` sends them); for a dense family in the model's `named_parameters`
+    order."""
+    spec = as_spec(cfg)
     attention = [f"self_attn.{p}_proj.weight" for p in "qkvo"]
     if spec.multi_latent_attention:
-        attention = mla.attention_names(spec)
+        attention = mla.attention_names(spec) + dsa.indexer_names(spec)
     if spec.qkv_bias:
         attention += [f"self_attn.{p}_proj.bias" for p in "qkv"]
     if spec.qk_layernorm and not spec.multi_latent_attention:
         attention += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
-    names = ["model.embed_tokens.weight"]
-    for i in range(spec.num_layers):
+
+    def layer(i: int) -> list[str]:
         if i not in spec.moe_layers:
             mlp = [f"mlp.{p}.weight" for p in _GATED]
         elif spec.family in routed.ROUTED_FAMILIES:
@@ -403,9 +347,13 @@ def hf_names(cfg: Shape) -> list[str]:
             mlp = [f"{name}.weight" for name in mixtral.moe_names(spec)]
         else:
             mlp = ["mlp.gate.weight"] + [f"mlp.experts.{e}.{p}.weight" for e in range(spec.num_experts) for p in _GATED]
-        layer = [*attention, *mlp, "input_layernorm.weight", "post_attention_layernorm.weight"]
-        names += [f"model.layers.{i}.{name}" for name in layer]
-    return [*names, "model.norm.weight", *([] if spec.tie_embeddings else ["lm_head.weight"])]
+        return [*attention, *mlp, "input_layernorm.weight", "post_attention_layernorm.weight"]
+
+    names = ["model.embed_tokens.weight"]
+    for i in range(spec.num_layers):
+        names += [f"model.layers.{i}.{name}" for name in layer(i)]
+    extra = mtp_layers.mtp_names(spec, layer(spec.num_layers - 1)) if mtp else []
+    return [*names, *extra, "model.norm.weight", *([] if spec.tie_embeddings else ["lm_head.weight"])]
 
 
 _GATED = ("gate_proj", "up_proj", "down_proj")

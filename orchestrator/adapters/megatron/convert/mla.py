@@ -58,7 +58,7 @@ __all__ = [
 ]
 
 # The families whose attention is MLA.
-MLA_FAMILIES = frozenset({Family.DEEPSEEK_V3})
+MLA_FAMILIES = frozenset({Family.DEEPSEEK_V3, Family.GLM_MOE_DSA})
 # HF builds `q_a_layernorm` and `kv_a_layernorm` with their default eps, not the config's.
 MLA_NORM_EPS = 1e-6
 

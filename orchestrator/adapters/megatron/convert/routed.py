@@ -1,4 +1,4 @@
-"""DeepSeek-style MoE layers (DeepSeek-V3, GLM-4.5): Megatron-core's `MoELayer` with a sigmoid
+"""DeepSeek-style MoE layers (DeepSeek-V3, GLM-4.5, GLM-5): Megatron-core's `MoELayer` with a sigmoid
 router, `expert_bias`, group-limited top-k, a routed scale and shared experts → HF's
 `DeepseekV3MoE` / `Glm4MoeMoE`.
 
@@ -46,7 +46,7 @@ __all__ = [
 ]
 
 # The families whose MoE layers route this way.
-ROUTED_FAMILIES = frozenset({Family.DEEPSEEK_V3, Family.GLM4_MOE})
+ROUTED_FAMILIES = frozenset({Family.DEEPSEEK_V3, Family.GLM4_MOE, Family.GLM_MOE_DSA})
 HF_GROUP_TOP = 2  # HF ranks a group by the sum of its top 2 biased scores
 
 _MLP = "model.layers.{i}.mlp."
@@ -147,7 +147,7 @@ def hf_config_keys(spec: ModelSpec) -> dict[str, Any]:
         topk_group=spec.moe_router_group_topk or 1,
         routed_scaling_factor=spec.moe_routed_scaling_factor,
         norm_topk_prob=spec.moe_norm_topk_prob,
-        num_mtp_layers=0,  # MTP layers are not converted (Megatron's `mtp_num_layers` is refused)
+        num_mtp_layers=0,  # `mtp.hf_config_keys` says otherwise where MTP layers convert
         output_router_logits=False,
     )
 

@@ -19,14 +19,27 @@ from orchestrator.models import Family
 if TYPE_CHECKING:
     from orchestrator.adapters.megatron.convert.spec import ModelSpec
 
-__all__ = ["ANY", "DENSE", "EXPERT", "LAYER", "MOE", "Rule", "Split", "compile_rules", "gate_up", "same", "split_qkv"]
+__all__ = [
+    "ANY",
+    "DENSE",
+    "EXPERT",
+    "LAYER",
+    "MOE",
+    "MTP",
+    "Rule",
+    "Split",
+    "compile_rules",
+    "gate_up",
+    "same",
+    "split_qkv",
+]
 
 Split = Callable[[torch.Tensor, "ModelSpec"], list[torch.Tensor]]
 Rule = tuple[re.Pattern[str], tuple[str, ...], Split, str, frozenset[Family]]
 
 LAYER = r"decoder\.layers\.(?P<i>\d+)\."
 EXPERT = LAYER + r"mlp\.experts\.local_experts\.(?P<e>\d+)\."
-DENSE, MOE, ANY = "dense", "moe", "any"  # which layers a rule's tensor belongs to
+DENSE, MOE, ANY, MTP = "dense", "moe", "any", "mtp"  # which layers a rule's tensor belongs to
 
 
 def same(tensor: torch.Tensor, spec: ModelSpec) -> list[torch.Tensor]:

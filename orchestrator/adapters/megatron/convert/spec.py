@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from orchestrator.adapters.megatron.convert import glm, mla, routed
+from orchestrator.adapters.megatron.convert import dsa, glm, mla, mtp, routed
 from orchestrator.adapters.megatron.gpt import TinyGPTConfig
 from orchestrator.models import Family
 
@@ -25,10 +25,12 @@ MEGATRON_LAYERNORM_EPS = 1e-5
 
 
 def family_of(config: Any) -> Family:
-    """The family a `TransformerConfig` reads as: MLA makes it DeepSeek-V3, sigmoid-routed experts
-    GLM-4.5, other experts Qwen3-MoE with a q/k norm and Mixtral without; a dense model is Qwen3
-    with a q/k norm and Llama without. A model the family cannot compute is refused by
+    """The family a `TransformerConfig` reads as: DSA makes it GLM-5, MLA DeepSeek-V3, sigmoid-routed
+    experts GLM-4.5, other experts Qwen3-MoE with a q/k norm and Mixtral without; a dense model is
+    Qwen3 with a q/k norm and Llama without. A model the family cannot compute is refused by
     `ModelSpec.from_megatron`."""
+    if getattr(config, "experimental_attention_variant", None) == "dsa":
+        return Family.GLM_MOE_DSA
     if getattr(config, "multi_latent_attention", False):
         return Family.DEEPSEEK_V3
     if config.num_moe_experts and config.moe_router_score_function == "sigmoid":
@@ -88,6 +90,12 @@ class ModelSpec:
     moe_router_num_groups: int = 0
     moe_router_group_topk: int = 0
     moe_routed_scaling_factor: float = 1.0
+    # GLM-5: the DSA indexer's heads, head dim and top-k (0: every key is attended); MTP layers.
+    dsa_index_n_heads: int = 0
+    dsa_index_head_dim: int = 0
+    dsa_index_topk: int = 0
+    dsa_index_rope_first: bool = False  # megatron-core ≥ 0.19's indexer layout (see `dsa`)
+    mtp_num_layers: int = 0
 
     def __post_init__(self) -> None:
         problems = self.problems()
@@ -120,7 +128,8 @@ class ModelSpec:
             if used and self.family not in families:
                 others = ", ".join(sorted(f.value for f in families))
                 out.append(f"{what} (HF {self.family.value} has no counterpart; {others} do)")
-        return out + mla.spec_problems(self) + routed.spec_problems(self) + glm.spec_problems(self)
+        specific = mla.spec_problems(self) + routed.spec_problems(self) + glm.spec_problems(self)
+        return out + specific + dsa.spec_problems(self) + mtp.spec_problems(self)
 
     def _mixtral_problems(self) -> list[str]:
         out = []
@@ -200,7 +209,8 @@ class ModelSpec:
             rotary_percent=float(getattr(gpt, "rotary_percent", 1.0)),
             qkv_bias=bool(getattr(config, "add_qkv_bias", False)),
         )
-        return cls(**fields | attention | routed.megatron_fields(config))
+        extra = routed.megatron_fields(config) | dsa.megatron_fields(config) | mtp.megatron_fields(config)
+        return cls(**fields | attention | extra)
 
 
 def _features(spec: ModelSpec) -> tuple[tuple[str, bool, frozenset[Family]], ...]:
@@ -219,6 +229,7 @@ def _features(spec: ModelSpec) -> tuple[tuple[str, bool, frozenset[Family]], ...
         ("shared experts", bool(spec.moe_shared_ffn_hidden_size), routed.ROUTED_FAMILIES),
         ("moe_router_num_groups (group-limited routing)", bool(spec.moe_router_num_groups), routed.ROUTED_FAMILIES),
         ("moe_router_topk_scaling_factor", spec.moe_routed_scaling_factor != 1.0, routed.ROUTED_FAMILIES),
+        ("a DSA indexer (sparse attention)", bool(spec.dsa_index_n_heads), dsa.DSA_FAMILIES),
     )
 
 
@@ -257,10 +268,10 @@ def _megatron_problems(config: Any, gpt: Any) -> list[str]:
         != "rope",
         "rotary_interleaved=True (HF rotates halves)": getattr(config, "rotary_interleaved", False),
         "rope_scaling=True": bool(getattr(gpt, "rotary_scaling", False)),
-        "mtp_num_layers (MTP layers are not converted)": bool(getattr(config, "mtp_num_layers", None)),
     }
     return (
         [problem for problem, bad in checks.items() if bad]
         + mla.megatron_problems(config)
         + routed.megatron_problems(config)
+        + dsa.megatron_problems(config)
     )
