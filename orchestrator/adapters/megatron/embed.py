@@ -90,11 +90,14 @@ def gpt_shape(model: Sequence[Any] | Any) -> ModelSpec:
         raise ConfigError([str(error)]) from None
 
 
-def hf_converter(model: Sequence[Any], served: str | Path | Mapping[str, Any] | None = None) -> Converter:
+def hf_converter(
+    model: Sequence[Any], served: str | Path | Mapping[str, Any] | None = None, *, mtp: bool = False
+) -> Converter:
     """The conversion `colocate_megatron` wires: `hf_buckets` over the model's live params at any
     TP, PP and EP, the family read from its config. It reads the model itself, not the sync
     tensors it is handed. `served`: the HF config the engine loaded its model from (a
-    `config.json`, its folder, or its dict), read as the planner reads it.
+    `config.json`, its folder, or its dict), read as the planner reads it. `mtp`: the MTP layers
+    too, for an engine that serves them as its speculative draft (left out and logged otherwise).
 
     Raises ConfigError before anything is sent, naming each problem once: what the model computes
     that the family does not, every tensor of this rank's stage the family has no counterpart
@@ -107,7 +110,7 @@ def hf_converter(model: Sequence[Any], served: str | Path | Mapping[str, Any] | 
         raise ConfigError(problems)
 
     def converter(named: Iterable[Named], *, bucket_bytes: int) -> Iterator[Sequence[Named]]:
-        return hf_buckets(model, bucket_bytes=bucket_bytes)
+        return hf_buckets(model, bucket_bytes=bucket_bytes, mtp=mtp)
 
     return converter
 
@@ -184,6 +187,7 @@ def colocate_megatron(
     offload: Offload | str = Offload.AUTO,
     memory: Callable[[], MemoryBudget] | None = None,
     served_config: str | Path | Mapping[str, Any] | None = None,
+    mtp: bool = False,
     **flags: bool,
 ) -> Lifecycle:
     """The `Lifecycle` for one rank of a Megatron-core trainer (see the module docstring).
@@ -206,7 +210,9 @@ def colocate_megatron(
     `served_config` is the HF config the engine serves (a path or a dict): with the default
     converter, a model it builds or computes otherwise (another vocabulary, RoPE base, routed
     scale, tied embeddings, ...) is a ConfigError too, since an engine would load such weights
-    cleanly and serve another policy.
+    cleanly and serve another policy. `mtp=True` syncs the MTP layers as well, as the checkpoint's
+    layers after the last decoder layer, for an engine serving them as its NextN draft; without
+    it they are left out, and the sync logs so once.
     """
     model = _chunks(model)
     if not torch.cuda.is_available():
@@ -234,7 +240,7 @@ def colocate_megatron(
         transport = MegatronTransport(
             trainer,
             engine,
-            convert=hf_converter(model, served_config) if convert is None else convert,
+            convert=hf_converter(model, served_config, mtp=mtp) if convert is None else convert,
             bucket_bytes=bucket_bytes,
             source=is_sync_source() if distributed else True,
             any_rank=_any_rank if distributed else None,
