@@ -12,6 +12,7 @@ import torch
 pytest.importorskip("megatron.core")
 pytest.importorskip("transformers")
 
+from orchestrator.models import support_table
 from states import Phase
 from tests.support.embed_ranks import rank_main
 from tests.support.spawn import spawn_ranks
@@ -60,6 +61,7 @@ def test_what_the_one_call_refuses_is_named_and_leaves_the_engine_untouched(embe
     # not: refused by its config, once (not per expert tensor), naming the difference.
     assert "1 configuration problem(s)" in embed["moe"], embed["moe"]
     assert "no HF glm4_moe equivalent: shared experts of ffn 0" in embed["moe"], embed["moe"]
+    assert f"colocate converts to\n{support_table()}" in embed["moe"], "the refusal names what it does convert"
     assert "decoder.layers.1.mlp.router.expert_bias: not rebuilt from the fp32 mains" in embed["uncovered"]
     for problem in ("normalization='LayerNorm'", "rotary_interleaved=True"):
         assert problem in embed["not_llama"], embed["not_llama"]

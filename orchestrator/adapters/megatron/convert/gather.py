@@ -45,6 +45,7 @@ from orchestrator.adapters.megatron.convert import mtp as mtp_layers
 from orchestrator.adapters.megatron.convert.grouped import GROUPED, per_expert
 from orchestrator.adapters.megatron.convert.hf import hf_targets, to_hf
 from orchestrator.adapters.megatron.convert.spec import Family, ModelSpec
+from orchestrator.models import support_table
 
 __all__ = ["conversion_problems", "hf_buckets", "is_sync_source", "left_out", "model_spec", "unwrap_gpt"]
 
@@ -82,18 +83,23 @@ def conversion_problems(
 ) -> list[str]:
     """Why `hf_buckets` would refuse these chunks, each problem once; empty when it would not.
     Local to this rank (no collective): what the model computes that `family` does not, else
-    every tensor of this rank's stage the family has no counterpart for."""
+    every tensor of this rank's stage the family has no counterpart for; then, once, the
+    families and layouts colocate converts (`orchestrator.models.SUPPORT`)."""
     try:
         spec = model_spec(model_chunks, family, config)
     except ValueError as error:
-        return [str(error)]
-    problems = []
-    for unit in _units(model_chunks, mtp=mtp):
-        try:
-            hf_targets(unit.name, spec)
-        except ValueError as error:
-            problems.append(str(error))
-    return list(dict.fromkeys(problems))
+        problems = [str(error)]
+    else:
+        problems = []
+        for unit in _units(model_chunks, mtp=mtp):
+            try:
+                hf_targets(unit.name, spec)
+            except ValueError as error:
+                problems.append(str(error))
+    problems = list(dict.fromkeys(problems))
+    if problems and support_table() not in problems[-1]:
+        problems[-1] += f"\ncolocate converts to\n{support_table()}"
+    return problems
 
 
 def left_out(model_chunks: Sequence[Any], *, mtp: bool = False) -> list[str]:

@@ -16,7 +16,7 @@ from typing import Any
 
 from orchestrator.adapters.megatron.convert import dsa, glm, mla, mtp, routed
 from orchestrator.adapters.megatron.gpt import TinyGPTConfig
-from orchestrator.models import Family
+from orchestrator.models import Family, support_table
 
 __all__ = ["Family", "ModelSpec", "family_of"]
 
@@ -180,6 +180,8 @@ class ModelSpec:
         `family_of(config)` unless given.
 
         Raises ValueError naming every setting HF's `family` cannot compute the same way."""
+        if family is not None and family not in set(Family):
+            raise ValueError(f"no family {family!r}: colocate converts to\n{support_table()}")
         family = family_of(config) if family is None else Family(family)
         problems = _megatron_problems(config, gpt)
         if problems:
