@@ -3,7 +3,7 @@ own code without a rank: names against what `save_pretrained` writes, the tensor
 they are, GLM-4.5's q/k/v bias split, the specs Megatron's configs read as, the refusals, and the
 math both sides must compute the same (the sigmoid router with bias and groups; YaRN's frequencies,
 cos/sin scale and softmax scale; MLA's interleaved RoPE). The models themselves are built, trained,
-synced and compared at TP, PP and EP in test_convert_parallel.py.
+synced through `colocate_megatron` and compared at TP, PP and EP in test_families.py.
 """
 
 from __future__ import annotations

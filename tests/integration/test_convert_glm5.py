@@ -3,8 +3,8 @@
 Without a rank: names and shapes against what transformers' `save_pretrained` writes, the MTP
 layer against DeepSeek-V3's checkpoint layout, the indexer's row reorder, what Megatron's config
 reads as, the refusals, and the Hadamard seam against the Sylvester matrix. The whole model is
-built, trained, synced and compared at TP, PP and EP in test_convert_parallel.py, and each stage's
-first indexer there against transformers' on the same inputs.
+built, trained, synced through `colocate_megatron` and compared at TP, PP and EP in
+test_families.py, and each stage's first indexer there against transformers' on the same inputs.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Megatron-core GPT → HF, the rules for tied embeddings, Mixtral and GroupedMLP experts (fast; the
-parallel syncs into transformers' own classes are in `test_convert_parallel`).
+parallel syncs into transformers' own classes are in `test_families`).
 """
 
 from __future__ import annotations

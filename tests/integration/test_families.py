@@ -1,25 +1,39 @@
-"""Every family, the whole path, at TP=2 (expert TP 2), PP=2, EP=2 and TP=2 × PP=2 × EP=2, on the CPU.
+"""Every case, the whole path, at TP=2 (expert TP 2), PP=2, EP=2 and TP=2 × PP=2 × EP=2, on the CPU.
 
-For each layout one spawn of gloo ranks (tests/support/family_ranks.py) takes every family of
-`FAMILIES` (the support table's) in turn: builds it tiny in megatron-core with Megatron's own
-modules, wraps it with `colocate_megatron` against a transformers engine of the family's own class,
-and runs 3 colocated steps, each a train step through Megatron's schedule, a sync, a drop, a
-rollout in which the engine computes logits of held-out tokens, and a restore the lifecycle
-verifies bit-identical (`expert_bias` included, where the family has one). The tests here judge
-what the ranks recorded, per family and layout.
+For each layout one spawn of gloo ranks (tests/support/family_ranks.py) takes every case of
+`CASES` that the support table's row claims the layout for: Llama, Qwen3 with tied embeddings,
+Qwen3-MoE, Mixtral with GroupedMLP experts, DeepSeek-V3, GLM-4.5 and GLM-5 (with its MTP layer).
+Each is built tiny in megatron-core with Megatron's own modules, wrapped with `colocate_megatron`
+against a transformers engine of the family's own class, and run through 3 colocated steps, each
+a train step through Megatron's schedule, a sync, a drop, a rollout in which the engine computes
+logits of held-out tokens, and a restore the lifecycle verifies bit-identical (`expert_bias`
+included, where the family has one). The tests here judge what the ranks recorded, per case and
+layout.
 
-The tolerance. Megatron and transformers compute the same function in bf16, but not with the same
-kernels (fused QKV, the order of reductions, where each rounds), so the logits differ by bf16
-rounding that grows through the layers: over logits of mean magnitude about 0.8 the measured
-worst token of a dense model was 0.11 (docs/conversion.md), so `TOLERANCE` is 0.15 on each
-token's largest |Δlogit|, with no dense token allowed over it. An MoE router near a tie can pick
-another expert in one than in the other; that token's logits then move by far more, the others'
-not at all: an MoE model may have `ROUTING_FLIPS` tokens over it. A wrong mapping or gather moves
-nearly every token (`test_a_wrong_gather_breaks_the_tolerance`).
+The tolerance (tests/support/tolerance.py). Megatron and transformers compute the same function in
+bf16 with other kernels, so the logits differ by rounding: each token's worst |Δlogit| must be
+within max(0.15, 8 bf16 ulps of its largest logit); measured at most 0.11 for a dense model
+(logits of mean magnitude about 0.8), and a logit in [4, 8) is held to 1/32, so 0.15 alone would
+be under 5 ulps there. A dense model routes nothing: no token may be over. An MoE router near a
+tie can pick another expert in transformers than in Megatron, and a DSA indexer another key; that
+token's logits move by far more, and through attention the later tokens' of its sequence. Both
+sides record every router's and indexer's choices by forward hooks; a sequence is compared only up
+to its first token routed or indexed differently; at most `ROUTING_FLIPS` (token, layer) router
+decisions may differ in a cycle (twice that for GLM-5, whose index near-ties move later tokens'
+routers too) and 12 (query, layer) index choices, and a sequence's first choice apart, where it
+is an index choice, must be a near-tie (Megatron's k-th score leads the next by under 3% of the
+query's largest |score|). GLM-5 is also compared with every DSA layer on Megatron's keys, where
+only routing can differ (`test_glm5_attends_where_megatron_does`).
+
+The bound is tight enough that every mapping mistake the converter could make, injected into the
+last sync's weights and run through a fresh engine of the class (no new spawn), breaks it by a
+margin (`Compared.broken`, `test_a_wrong_mapping_breaks_the_tolerance`).
 """
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,176 +42,208 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("megatron.core")
 
-from orchestrator.adapters.megatron.convert import Family, ModelSpec, hf_config
+from orchestrator.adapters.megatron.convert import hf_names
 from orchestrator.models import SUPPORT
-from tests.support.family_ranks import BUCKET_BYTES, CYCLES, LAYOUTS, rank_main
-from tests.support.megatron_parallel import FAMILIES
+from tests.support import mapping_mistakes as m
+from tests.support.family_checks import (
+    check_restores,
+    check_sync_memory,
+    engine_against_megatron,
+    megatron_logits,
+    merged,
+    mistaken,
+    spec_of,
+)
+from tests.support.family_ranks import CASES, CYCLES, LAYOUTS, rank_main
+from tests.support.hf_glm5 import NEAR_TIE, agreement, nextn_logits
 from tests.support.spawn import spawn_ranks
+from tests.support.tolerance import ROUTING_FLIPS, engine_logits, token_tolerance
 
 pytestmark = pytest.mark.slow
 
-TOLERANCE = 0.15  # max |Δlogit| of a token (see the module docstring)
-ROUTING_FLIPS = 2  # tokens of BATCH x SEQ = 64 an MoE model may have over it, in each cycle
 CLAIMS = {row.family: set(row.layouts) for row in SUPPORT}
 NEEDS = {"tp2": {"TP"}, "pp2": {"PP"}, "ep2": {"EP"}, "tp2pp2ep2": {"TP", "PP", "EP"}}  # of a family's claims
-SPAWN_S = 60  # a bound per family: measured 1-4 s a family, after 30-70 s of starting the ranks
+CPU_LAYOUTS = list(NEEDS)
+SPAWN_S = 60  # a bound per case: measured 1-4 s a case, after 20-40 s of starting the ranks
 
 
-def _families(layout: str) -> list[Family]:
-    return [f for f in FAMILIES if NEEDS[layout] <= CLAIMS[f]]
+def _cases(layout: str) -> list[str]:
+    return [case for case, (family, _) in CASES.items() if NEEDS[layout] <= CLAIMS[family]]
 
 
-@pytest.fixture(scope="module", params=list(LAYOUTS))
+@pytest.fixture(scope="module", params=CPU_LAYOUTS)
 def layout(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    name = request.param
-    families = [f.value for f in _families(name)]
+    name, cases = request.param, _cases(request.param)
     out = tmp_path_factory.mktemp(f"families-{name}")
     world = LAYOUTS[name][3]
-    reports = spawn_ranks(rank_main, world, out, args=(name, families), timeout=240 + SPAWN_S * len(families))
+    start = time.perf_counter()
+    reports = spawn_ranks(rank_main, world, out, args=(name, cases), timeout=240 + SPAWN_S * len(cases))
+    seconds = time.perf_counter() - start
+    print(f"\n{name}: spawn of {world} ranks, {len(cases)} cases: {seconds:.1f} s")
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(world)]
     return {"name": name, "reports": reports, "ranks": ranks}
 
 
-def _ran(layout: dict[str, Any], family: Family) -> None:
-    if family not in _families(layout["name"]):
-        pytest.skip(f"{family} does not claim {', '.join(sorted(NEEDS[layout['name']]))} in the support table")
+def _ran(run: dict[str, Any], case: str) -> None:
+    if case not in _cases(run["name"]):
+        pytest.skip(f"{case} does not claim {', '.join(sorted(NEEDS[run['name']]))} in the support table")
 
 
-def _logits(layout: dict[str, Any], family: Family) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per cycle: Megatron's logits (from the last stage's source rank) and the engine's."""
-    ranks = [r[family.value] for r in layout["ranks"]]
-    (megatron,) = [r["megatron"] for r in ranks if r["megatron"][0] is not None]
-    return megatron, ranks[0]["engine"]
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_restore_is_verified_bit_identical(layout: dict[str, Any], case: str) -> None:
+    _ran(layout, case)
+    check_restores(layout, case)
 
 
-def _over(errors: torch.Tensor) -> int:
-    return int((errors.amax(dim=-1) > TOLERANCE).sum())
-
-
-@pytest.mark.parametrize("family", FAMILIES, ids=str)
-def test_every_restore_is_verified_bit_identical(layout: dict[str, Any], family: Family) -> None:
-    _ran(layout, family)
-    for report in (r[family.value] for r in layout["reports"]):
-        assert [c["verified"] for c in report["cycles"]] == [True] * CYCLES, report["cycles"]
-        assert [c["version"] for c in report["cycles"]] == list(range(1, CYCLES + 1))
-        biases = report["expert_bias_sources"]
-        # Each expert_bias is an extra: backed up at the pause, copied back at the restore, and
-        # in the digests the restore is verified against (the trainer digests params and extras).
-        assert set(biases.values()) <= {"extras"} and set(biases) <= set(report["extras"]), biases
-        for cycle in report["cycles"]:  # each moved in each step: a bias that never moved proves nothing
-            assert cycle["expert_bias_moved"] == cycle["expert_bias_held"] == len(biases), (family, cycle)
-    if any(r[family.value]["expert_bias"] for r in layout["reports"]):
-        assert any(r[family.value]["expert_bias_sources"] for r in layout["reports"]), "no rank holds an expert_bias"
-
-
-@pytest.mark.parametrize("family", FAMILIES, ids=str)
-def test_the_engine_serves_megatrons_logits(layout: dict[str, Any], family: Family) -> None:
-    _ran(layout, family)
-    first = layout["reports"][0][family.value]
-    spec = ModelSpec.from_dict(first["spec"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_engine_serves_megatrons_logits(layout: dict[str, Any], case: str) -> None:
+    _ran(layout, case)
+    family, options = CASES[case]
+    first, spec = layout["reports"][0][case], spec_of(layout, case)
     row = next(r for r in SUPPORT if r.family is family)
+    assert spec.family is family and spec.tie_embeddings is options.get("tied", False), "read from Megatron's config"
     assert first["engine_class"] == row.hf_class, "transformers' own class for the family"
     if layout["name"] == "tp2" and "expert TP" in row.layouts:
         assert spec.num_experts, f"{family} claims expert TP, which tp2 checks only for an MoE model"
-    names = sorted(layout["ranks"][0][family.value]["weights"])
+    names = sorted(layout["ranks"][0][case]["weights"])
+    assert set(names) <= set(hf_names(spec)), "the engine serves checkpoint names"
     for version, received in first["received"].items():
         assert received == dict.fromkeys(names, 1), f"version {version}: every checkpoint tensor once"
-    megatron, engine = _logits(layout, family)
-    allowed = ROUTING_FLIPS if spec.num_experts else 0
-    for cycle, (ours, theirs) in enumerate(zip(megatron, engine, strict=True), 1):
-        diff = (theirs - ours).abs()
-        over = _over(diff)
-        peak = max(r[family.value]["cycles"][cycle - 1]["peak_extra_bytes"] for r in layout["reports"])
-        print(
-            f"\n{layout['name']} {family} cycle {cycle}: max |Δlogit| {diff.max():.4f}, mean {diff.mean():.5f}, "
-            f"tokens over {TOLERANCE}: {over}/{diff.shape[0] * diff.shape[1]}, mean |logit| {ours.abs().mean():.3f}; "
-            f"largest bucket {max(first['bucket_bytes'][str(cycle)])} B, sync peak extra {peak} B"
-        )
-        assert ours.abs().mean() > 0.3, "logits near 0 would hide a wrong mapping"
-        assert over <= allowed, f"cycle {cycle}: {over} tokens over {TOLERANCE}, max {diff.max():.4f}"
-    seconds = max(r[family.value]["seconds"] for r in layout["reports"])
-    print(f"{layout['name']} {family}: {seconds} s on the slowest rank")
+    largest, peak = check_sync_memory(layout, case)
+    for cycle, found in enumerate(engine_against_megatron(layout, case), 1):
+        print(f"\n{layout['name']} {case} cycle {cycle}: {found}; largest bucket {largest} B, sync peak extra {peak} B")
+        assert found.mean_logit > 0.3, "logits near 0 would hide a wrong mapping"
+        assert spec.num_experts or (found.compared == found.tokens and found.routed_apart == 0)
+        assert found.ok, f"cycle {cycle}: {found}"
+    seconds = max(r[case]["seconds"] for r in layout["reports"])
+    print(f"{layout['name']} {case}: {seconds} s on the slowest rank")
 
 
-@pytest.mark.parametrize("family", FAMILIES, ids=str)
-def test_each_tensor_is_gathered_once_and_no_rank_holds_more_than_one_bucket(
-    layout: dict[str, Any], family: Family
-) -> None:
+@pytest.mark.parametrize("case", list(CASES))
+def test_each_tensor_is_gathered_once_and_no_rank_holds_more_than_one_bucket(layout: dict[str, Any], case: str) -> None:
     """The sync's peak extra memory stays within one bucket plus the tensor in flight."""
-    _ran(layout, family)
-    first = layout["reports"][0][family.value]
-    for version, sizes in first["bucket_bytes"].items():
-        assert max(sizes) <= BUCKET_BYTES and len(sizes) > 1, (version, sizes)
-    for report in (r[family.value] for r in layout["reports"]):
-        # One bucket, plus the tensor in flight: its gathered shards and the whole they become.
-        bound = BUCKET_BYTES + 2 * report["largest_whole"]
-        for cycle in report["cycles"]:
-            assert cycle["peak_extra_bytes"] <= bound, (family, cycle, bound)
-            assert cycle["gathers"] == report["sharded"], "each sharded tensor is gathered exactly once"
+    _ran(layout, case)
+    check_sync_memory(layout, case)
+    first = layout["reports"][0][case]
     synced = sum(first["bucket_bytes"]["1"])
-    assert synced > BUCKET_BYTES + 2 * max(r[family.value]["largest_whole"] for r in layout["reports"]), (
-        "a sync that held the whole model at once would stay within the bound: it would prove nothing"
-    )
+    assert synced > max(r[case]["largest_whole"] for r in layout["reports"]) * 2, "a sync of several tensors"
 
 
-def _swap(state: dict[str, torch.Tensor], a: str, b: str) -> dict[str, torch.Tensor]:
-    """`state` with every name holding `a` and the same name holding `b` exchanged."""
-    out = dict(state)
-    for name in state:
-        if a in name and name.replace(a, b) in state:
-            out[name], out[name.replace(a, b)] = state[name.replace(a, b)], state[name]
-    return out
+def _gather_mistakes(layout: str) -> list[tuple[str, str, Any]]:
+    """(case, what goes wrong, the sync with that mistake) of this layout's gathers."""
+    if layout == "pp2":
+        mistake = ("layers without their stage's offset", lambda s, _: m.swap(s, "layers.0.", "layers.1."))
+    elif layout == "ep2":
+        mistake = ("experts in their rank's local order", lambda s, _: m.swap(s, "experts.0.", "experts.2."))
+    else:
+        mistake = ("fc1 shards concatenated whole", lambda s, _: m.fc1_shards_whole(s))
+    return [(case, *mistake) for case in ("qwen3_moe", "mixtral grouped")]
 
 
-def _fc1_shards_whole(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The TP=2 mistake: fc1's shards concatenated as they are, each a [gate; up] of its own."""
-    out = dict(state)
-    for name in state:
-        if name.endswith("gate_proj.weight"):
-            up = name.replace("gate_proj", "up_proj")
-            (g0, g1), (u0, u1) = state[name].chunk(2), state[up].chunk(2)
-            out[name], out[up] = torch.cat([g0, u0]), torch.cat([g1, u1])
-    return out
-
-
-MISTAKES = {  # layout: (what goes wrong, the sync with that mistake)
-    "tp2": ("fc1 shards concatenated whole", _fc1_shards_whole),
-    "pp2": ("layers without their stage's offset", lambda s: _swap(s, "layers.0.", "layers.1.")),
-    "ep2": ("experts in their rank's local order", lambda s: _swap(s, "experts.0.", "experts.2.")),
-    "tp2pp2ep2": ("fc1 shards concatenated whole", _fc1_shards_whole),
+# Glm4MoeConfig reads a missing partial_rotary_factor as 0.5: the mistake must say 1.0.
+_FULL_ROTARY = {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0, "partial_rotary_factor": 1.0}}
+_YARN_DROPPED = {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+FAMILY_MISTAKES: dict[str, list[tuple[str, str, Any, dict[str, Any]]]] = {  # (case, what, the sync, config keys)
+    "tp2": [
+        ("deepseek_v3", "kv_b_proj rows not per head", m.kv_b_unheaded, {}),
+        ("glm4_moe", "q/k/v biases split ignoring groups", m.qkv_bias_ungrouped, {}),
+        ("glm_moe_dsa", "indexer rows mapped by name (rope dims last)", m.indexer_rope_last, {}),
+    ],
+    "pp2": [
+        ("deepseek_v3", "MLA's rope rotated as halves", m.as_is, {"rope_interleave": False}),
+        ("glm4_moe", "every dim rotated", m.as_is, _FULL_ROTARY),
+        ("mixtral grouped", "GroupedMLP blocks not transposed", lambda s, _: m.grouped_untransposed(s), {}),
+    ],
+    "ep2": [
+        ("deepseek_v3", "YaRN dropped", m.as_is, _YARN_DROPPED),
+        ("glm4_moe", "expert_bias dropped", m.bias_dropped, {}),
+        ("glm4_moe", "routed scale dropped", m.as_is, {"routed_scaling_factor": 1.0}),
+        ("glm_moe_dsa", "indexer rows mapped by name (rope dims last)", m.indexer_rope_last, {}),
+    ],
+    "tp2pp2ep2": [
+        ("deepseek_v3", "expert_bias dropped", m.bias_dropped, {}),
+        ("deepseek_v3", "routed scale dropped", m.as_is, {"routed_scaling_factor": 1.0}),
+        ("mixtral grouped", "GroupedMLP blocks not transposed", lambda s, _: m.grouped_untransposed(s), {}),
+    ],
 }
 
 
-def _broken(layout: dict[str, Any], family: Family, mistake: Any, **wrong: Any) -> tuple[int, torch.Tensor]:
-    """Tokens over the tolerance, and |Δlogit|, when the engine's last sync of `family` goes through
-    `mistake(state)` into a fresh engine of its class whose config has the keys `wrong` set."""
+def test_a_wrong_mapping_breaks_the_tolerance(layout: dict[str, Any]) -> None:
+    """Otherwise the match above would prove nothing about this layout's gathers, GroupedMLP's
+    layout, MLA's rows and RoPE, YaRN, GLM-4.5's biases and partial rotary, the router's bias and
+    scale, or GLM-5's indexer rows. The sync as it was passes the same check."""
+    mistakes = [(c, w, f, {}) for c, w, f in _gather_mistakes(layout["name"])] + FAMILY_MISTAKES[layout["name"]]
+    for case, what, mistake, wrong in mistakes:
+        _ran(layout, case)
+        found = mistaken(layout, case, mistake, wrong)
+        print(f"\n{layout['name']} {case}, {what}: {found}")
+        assert found.broken, f"{case}, {what}: {found}"
+    for case in {case for case, *_ in mistakes}:
+        assert mistaken(layout, case, m.as_is, {}).ok, f"{case}: the sync as it was, through the same path"
+
+
+def test_glm5_attends_where_megatron_does(layout: dict[str, Any]) -> None:
+    """With every DSA layer on the keys Megatron's indexer chose, the last sync's logits match
+    within the routing-aware tolerance; transformers' own indexers, on those same inputs, choose
+    the same keys but for near-ties; and a stage's first trained indexer, on random queries."""
+    case = "glm_moe_dsa"
+    _ran(layout, case)
+    spec = spec_of(layout, case)
+    selections = merged(layout, case, "selections", CYCLES - 1)
+    assert sorted(selections) == list(range(spec.num_layers + spec.mtp_num_layers))
+    found = mistaken(layout, case, m.as_is, {}, forced=True)
+    print(f"\n{layout['name']} {case} on Megatron's keys: {found}")
+    assert found.ok and found.compared > found.tokens // 2, found
     from orchestrator.adapters.engines.transformers import TransformersEngine
 
-    config = hf_config(ModelSpec.from_dict(layout["reports"][0][family.value]["spec"]))
-    for key, value in wrong.items():
-        setattr(config, key, value)
-    rank0 = layout["ranks"][0][family.value]
-    engine = TransformersEngine(config, max_batch=1)
-    engine.update_weights(list(mistake(rank0["weights"]).items()), version=1)
-    megatron, _ = _logits(layout, family)
-    diff = (engine.logits(rank0["tokens"]) - megatron[-1]).abs()
-    return _over(diff), diff
+    engine = TransformersEngine(spec, max_batch=1, max_len=1)
+    engine.update_weights(list(layout["ranks"][0][case]["weights"].items()), version=1)
+    _, _, own = engine_logits(engine.model, layout["ranks"][0][case]["tokens"], selections)
+    chose = agreement(own, selections, spec.dsa_index_topk)
+    print(f"its own indexers against Megatron's: {chose}")
+    assert max(chose.gaps, default=0.0) < NEAR_TIE, "only a near-tie may choose other keys"
+    for one in [r[case]["indexer"] for r in layout["reports"] if r[case].get("indexer")]:
+        alike, wrong = one["found"], one["rope_last"]  # a stage's first indexer on 256 random queries
+        print(f"one indexer, random inputs: {alike}; rope dims left last: {wrong['differ']} differ")
+        assert alike["differ"] <= alike["queries"] // 20 and max(alike["gaps"], default=0) < NEAR_TIE
+        assert wrong["differ"] > wrong["queries"] // 4
 
 
-def test_a_wrong_gather_breaks_the_tolerance(layout: dict[str, Any]) -> None:
-    """Otherwise the match above would prove nothing about this layout's gathers: Qwen3-MoE with
-    the layout's classic mistake."""
-    family = Family.QWEN3_MOE
-    _ran(layout, family)
-    what, mistake = MISTAKES[layout["name"]]
-    broken, diff = _broken(layout, family, mistake)
-    print(f"\n{layout['name']} {what}: {broken}/{diff.shape[0] * diff.shape[1]} tokens over {TOLERANCE}")
-    assert broken > 4 * ROUTING_FLIPS, f"{what}: only {broken} tokens over {TOLERANCE}, max {diff.max():.4f}"
+def _over(megatron: torch.Tensor, hf: torch.Tensor) -> int:
+    return int(((hf - megatron).abs().amax(dim=-1) > token_tolerance(megatron)).sum())
 
 
-def test_the_support_table_claims_only_what_these_layouts_check() -> None:
-    """A claim of "expert TP" is checked by "tp2", where an MoE model's experts are TP-sharded
-    (`test_the_engine_serves_megatrons_logits` checks the family is MoE)."""
+def test_glm5_mtp_layer_syncs_as_the_checkpoints_nextn_layer(layout: dict[str, Any], tmp_path: Path) -> None:
+    """Left out of the lifecycle's syncs and said so; with `hf_buckets(..., mtp=True)` the
+    DeepSeek-V3-style layer N, run as SGLang's NextN draft runs it (`nextn_logits`, on Megatron's
+    keys), gives Megatron's MTP logits (of the last cycle). It reads the main model's output, so
+    the main model's routing near-ties reach it too: up to 2 × `ROUTING_FLIPS` tokens over."""
+    case = "glm_moe_dsa"
+    _ran(layout, case)
+    spec = spec_of(layout, case)
+    state = {n: t for rank in layout["ranks"] for n, t in rank[case].get("mtp_state", {}).items()}
+    assert sorted(state) == sorted(hf_names(spec, mtp=True))
+    assert sorted(layout["ranks"][0][case]["weights"]) == sorted(hf_names(spec)), "the lifecycle's syncs: no MTP"
+    notes = [r[case]["left_out"] for r in layout["reports"] if r[case]["left_out"]]  # the last stage's ranks
+    assert notes and all("mtp.layers.0 left out" in rank[0] for rank in notes)
+    selections, tokens = merged(layout, case, "selections", CYCLES - 1), layout["ranks"][0][case]["tokens"]
+    megatron = megatron_logits(layout, case, "mtp")[-1]
+    hf, own = nextn_logits(spec, state, tokens, tmp_path, selections)
+    over = _over(megatron, hf)
+    print(f"\n{layout['name']} {case} MTP: max |Δlogit| {(hf - megatron).abs().max():.4f}, {over} tokens over")
+    assert over <= 2 * ROUTING_FLIPS and megatron.abs().mean() > 0.3
+    chose = agreement({spec.num_layers: own[spec.num_layers]}, selections, spec.dsa_index_topk)
+    assert chose.differ <= chose.queries // 5, chose
+    swapped, _ = nextn_logits(spec, m.eh_proj_halves_swapped(state, spec), tokens, tmp_path / "swapped", selections)
+    broken = _over(megatron, swapped)
+    print(f"eh_proj's halves swapped: {broken} tokens over")
+    assert broken > 4 * ROUTING_FLIPS
+
+
+def test_every_family_is_a_case_and_the_table_claims_only_what_is_checked() -> None:
+    """A family of the support table without a case would claim what no test checks; a claim of
+    "expert TP" is checked by "tp2", where an MoE model's experts are TP-sharded."""
+    assert {family for family, _ in CASES.values()} == set(CLAIMS)
     for family, claims in CLAIMS.items():
         assert claims <= {"TP", "PP", "EP", "expert TP"}, (family, claims)
         assert "expert TP" not in claims or "TP" in claims, family

@@ -76,7 +76,7 @@ def forced_selections(model: Any, selections: dict[int, dict[str, torch.Tensor]]
     def force(at: int) -> Any:
         def hook(_module: Any, _args: Any, out: torch.Tensor) -> torch.Tensor:
             own[at] = out.long()
-            return selections[at]["keys"].to(out.dtype)
+            return selections[at]["keys"].to(out.device, out.dtype)
 
         return hook
 

@@ -14,6 +14,7 @@ __all__ = [
     "bias_dropped",
     "eh_proj_halves_swapped",
     "fc1_shards_whole",
+    "grouped_untransposed",
     "indexer_rope_last",
     "kv_b_unheaded",
     "qkv_bias_ungrouped",
@@ -31,13 +32,28 @@ def swap(state: dict[str, torch.Tensor], a: str, b: str) -> dict[str, torch.Tens
 
 
 def fc1_shards_whole(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The TP=2 mistake: fc1's shards concatenated as they are, each a [gate; up] of its own."""
+    """The TP=2 mistake: fc1's shards concatenated as they are, each a [gate; up] of its own
+    (Mixtral's experts name gate and up `w1` and `w3`)."""
     out = dict(state)
     for name in state:
-        if name.endswith("gate_proj.weight"):
-            up = name.replace("gate_proj", "up_proj")
-            (g0, g1), (u0, u1) = state[name].chunk(2), state[up].chunk(2)
-            out[name], out[up] = torch.cat([g0, u0]), torch.cat([g1, u1])
+        for gate, up in (("gate_proj", "up_proj"), ("w1", "w3")):
+            if name.endswith(f".{gate}.weight"):
+                other = name.replace(f".{gate}.", f".{up}.")
+                (g0, g1), (u0, u1) = state[name].chunk(2), state[other].chunk(2)
+                out[name], out[other] = torch.cat([g0, u0]), torch.cat([g1, u1])
+    return out
+
+
+def grouped_untransposed(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The GroupedMLP mistake: an expert's blocks of weight1/weight2 read as SequentialMLP's
+    [2·ffn, hidden] and [hidden, ffn] as they lie in memory, without the transpose."""
+    out = dict(state)
+    for name in state:
+        if name.endswith(".w1.weight"):
+            up, down = name.replace(".w1.", ".w3."), name.replace(".w1.", ".w2.")
+            block1 = torch.cat([state[name].t(), state[up].t()], dim=1)  # [hidden, 2·ffn], as GroupedMLP holds it
+            out[name], out[up] = block1.reshape(-1, block1.shape[0]).chunk(2)
+            out[down] = state[down].t().reshape(state[down].shape)
     return out
 
 

@@ -106,7 +106,11 @@ DSA = dict(
 )
 
 
-def parallel_config(family: Family, tp: int, pp: int, ep: int, *, grouped_gemm: bool = False) -> Any:
+def parallel_config(
+    family: Family, tp: int, pp: int, ep: int, *, grouped_gemm: bool = False, device: str = "cpu"
+) -> Any:
+    """The family's tiny `TransformerConfig`; on CUDA (`device`), initialized there, as Megatron's
+    own training initializes it (its RoPE tables are made on the device too)."""
     import torch.nn.functional as F
     from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
@@ -147,7 +151,7 @@ def parallel_config(family: Family, tp: int, pp: int, ep: int, *, grouped_gemm: 
         bf16=True,
         params_dtype=torch.bfloat16,
         pipeline_dtype=torch.bfloat16,
-        use_cpu_initialization=True,
+        use_cpu_initialization=device == "cpu",
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
@@ -173,20 +177,21 @@ def _rope_interleaved_where_asked(config_class: type) -> dict[str, Any]:
 
 
 def build(
-    family: Family, tp: int, pp: int, ep: int, *, tied: bool = False, grouped_gemm: bool = False
+    family: Family, tp: int, pp: int, ep: int, *, tied: bool = False, grouped_gemm: bool = False, device: str = "cpu"
 ) -> tuple[list[Any], Any]:
-    """Megatron's own block spec and GPTModel, in Float16Module, DDP and DistributedOptimizer."""
+    """Megatron's own block spec and GPTModel, in Float16Module, DDP and DistributedOptimizer, on
+    `device` ("cpu", or "cuda": the current CUDA device)."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.transformer.module import Float16Module
 
-    if grouped_gemm and not torch.cuda.is_available():
-        from tests.support.grouped_gemm import use_cpu_grouped_gemm
+    if grouped_gemm:
+        from tests.support.grouped_gemm import stand_in_where_missing
 
-        use_cpu_grouped_gemm()
-    config = parallel_config(family, tp, pp, ep, grouped_gemm=grouped_gemm)
+        stand_in_where_missing()
+    config = parallel_config(family, tp, pp, ep, grouped_gemm=grouped_gemm, device=device)
     block = layer_spec(config)
     gpt = GPTModel(
         config=config,
@@ -201,6 +206,8 @@ def build(
         rotary_percent=ROTARY_PERCENT.get(family, 1.0),
         rotary_base=500000,  # not HF's default, so a theta that is not passed through shows
     )
+    if device != "cpu":
+        gpt.cuda(torch.cuda.current_device())
     _random_qkv_biases(gpt)
     ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=True)
     chunk = DistributedDataParallel(config, ddp, Float16Module(config, gpt))
@@ -250,7 +257,7 @@ def layer_spec(config: Any) -> Any:
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
     if config.experimental_attention_variant == "dsa":
         enable_dsa_without_extensions()
-        presize_indexer_loss_tracker(config)
+        presize_indexer_loss_tracker(config, "cpu" if config.use_cpu_initialization else "cuda")
         return dsa_block_spec(config, spec)
     if config.multi_latent_attention:
         for layer in spec.layer_specs:
@@ -293,7 +300,7 @@ def _forward_step(batch: Any, model: Any) -> tuple[torch.Tensor, Any]:
 
     tokens = next(batch)
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
-    positions = torch.arange(SEQ).expand_as(inputs)
+    positions = torch.arange(SEQ, device=inputs.device).expand_as(inputs)
     gpt = unwrap_gpt(model)
     if not gpt.mtp_process:
         out = model(inputs, positions, None, labels=labels if model.training else None)
@@ -317,7 +324,7 @@ def _loss(tokens: int, heads: list[torch.Tensor], out: torch.Tensor, non_loss_da
             return gather(out).float()
         return {"logits": gather(heads[-1]).float(), "mtp": [gather(head).float() for head in heads[:-1]]}
     loss = out.float().sum()
-    return loss, torch.tensor(tokens), {"loss": loss.detach()}
+    return loss, torch.tensor(tokens, device=loss.device), {"loss": loss.detach()}
 
 
 def train_step(chunks: list[Any], optimizer: Any, batch: torch.Tensor) -> None:

@@ -1,9 +1,11 @@
 """The experts each token was routed to, in Megatron and in transformers, to compare their logits
-only where they routed alike.
+only where they routed alike (tests/support/tolerance.py); and the keys each of transformers' DSA indexers chose (Megatron's:
+`megatron_dsa.recorded_selections`).
 
 Both record, while on, {global layer index: [batch, seq, experts] bool} from the routers' own
 outputs: Megatron's `TopKRouter` returns (probs, routing_map [seq·batch, experts]); transformers'
-`*TopKRouter`s (Mixtral, Qwen3-MoE) return (logits, scores, indices [batch·seq, k]).
+`*TopKRouter`s (Mixtral, Qwen3-MoE) and `*TopkRouter`s (DeepSeek-V3, GLM-4.5, GLM-5) return
+(logits, scores, indices [batch·seq, k]).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["hf_routing", "megatron_routing", "routed_alike"]
+__all__ = ["hf_routing", "hf_selections", "megatron_routing"]
 
 Routing = dict[int, torch.Tensor]
 
@@ -52,7 +54,7 @@ def hf_routing(model: Any, batch: int) -> Iterator[Routing]:
     def keep(layer: int) -> Any:
         def hook(module: Any, args: Any, out: tuple[torch.Tensor, ...]) -> None:
             indices = out[2]
-            routed = torch.zeros(indices.shape[0], module.num_experts, dtype=torch.bool)
+            routed = torch.zeros(indices.shape[0], module.num_experts, dtype=torch.bool, device=indices.device)
             chosen[layer] = routed.scatter(1, indices, True).view(batch, -1, module.num_experts)
 
         return hook
@@ -60,7 +62,7 @@ def hf_routing(model: Any, batch: int) -> Iterator[Routing]:
     handles = [
         module.register_forward_hook(keep(int(name.split(".")[2])))  # model.layers.<i>.mlp.gate
         for name, module in model.named_modules()
-        if type(module).__name__.endswith("TopKRouter")
+        if type(module).__name__.lower().endswith("topkrouter")
     ]
     try:
         yield chosen
@@ -69,14 +71,25 @@ def hf_routing(model: Any, batch: int) -> Iterator[Routing]:
             handle.remove()
 
 
-def routed_alike(megatron: Routing, hf: Routing, tokens: torch.Size) -> tuple[torch.Tensor, int]:
-    """([batch, seq] bool: the tokens before the first one its sequence routed differently in any
-    layer, which attention makes the only ones whose logits the two must share; the number of
-    (token, layer) pairs routed differently)."""
-    if sorted(megatron) != sorted(hf):
-        raise ValueError(f"Megatron routed in layers {sorted(megatron)}, transformers in {sorted(hf)}")
-    differ = torch.zeros(len(hf), *tokens, dtype=torch.bool)  # [layers, batch, seq]
-    for row, layer in enumerate(sorted(hf)):
-        differ[row] = (megatron[layer] != hf[layer]).any(dim=-1)
-    after = differ.any(dim=0).int().cummax(dim=-1).values.bool()
-    return ~after, int(differ.sum())
+@contextlib.contextmanager
+def hf_selections(model: Any) -> Iterator[Routing]:
+    """While on, the keys [batch, seq, topk] each DSA indexer of transformers' `model` chose, by
+    layer (none for a model without DSA)."""
+    chosen: Routing = {}
+
+    def keep(layer: int) -> Any:
+        def hook(_module: Any, _args: Any, out: torch.Tensor) -> None:
+            chosen[layer] = out.long().clone()
+
+        return hook
+
+    handles = [
+        layer.self_attn.indexer.register_forward_hook(keep(i))
+        for i, layer in enumerate(model.model.layers)
+        if getattr(layer.self_attn, "indexer", None) is not None
+    ]
+    try:
+        yield chosen
+    finally:
+        for handle in handles:
+            handle.remove()
