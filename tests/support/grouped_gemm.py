@@ -26,8 +26,12 @@ def _gmm(a: torch.Tensor, b: torch.Tensor, batch_sizes: torch.Tensor, trans_b: b
 
 def stand_in_where_missing() -> bool:
     """Point Megatron's `grouped_gemm_util` at the stand-in unless the package imports; idempotent.
-    Whether the stand-in is in use."""
-    from megatron.core.transformer.moe import grouped_gemm_util
+    Whether the stand-in is in use. megatron-core 0.19 has no legacy GroupedMLP (its local spec
+    builds SequentialMLP under `moe_grouped_gemm`), so nothing there calls the op."""
+    try:
+        from megatron.core.transformer.moe import grouped_gemm_util
+    except ImportError:
+        return False
 
     if grouped_gemm_util.grouped_gemm is not None and grouped_gemm_util.ops is not _STAND_IN.ops:
         return False
