@@ -38,8 +38,9 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
     out = tmp_path_factory.mktemp("families-gpu")
     start = time.perf_counter()
-    reports = spawn_ranks(rank_main, 1, out, args=("one", list(CASES), "cuda"), timeout=600)
-    print(f"\none GPU, {len(CASES)} cases: {time.perf_counter() - start:.1f} s")
+    cases = [case for case in CASES if case not in NOT_ON_0_19]
+    reports = spawn_ranks(rank_main, 1, out, args=("one", cases, "cuda"), timeout=600)
+    print(f"\none GPU, {len(cases)} cases: {time.perf_counter() - start:.1f} s")
     return {"name": "one", "reports": reports, "ranks": [torch.load(Path(out) / "rank0.pt", weights_only=False)]}
 
 
@@ -49,8 +50,17 @@ def _cases() -> list[str]:
     return list(CASES)
 
 
+# megatron-core 0.19's `get_gpt_decoder_block_spec` refuses an experimental attention variant (its
+# DSA layers are built by another spec function, with `AbsorbedMLASelfAttention`), so the tiny
+# GLM-5 of the CPU test (0.16.1) is not built here; tests/gpu/test_dsa_indexer_gpu.py checks
+# 0.19's own indexer against transformers' instead.
+NOT_ON_0_19 = {"glm_moe_dsa": "megatron-core 0.19's GPT block spec builds no DSA layer (see above)"}
+
+
 @pytest.mark.parametrize("case", _cases())
 def test_each_case_on_cuda(run: dict[str, Any], case: str) -> None:
+    if case in NOT_ON_0_19:
+        pytest.skip(NOT_ON_0_19[case])
     from tests.support.family_checks import check_restores, check_sync_memory, engine_against_megatron, mistaken
     from tests.support.mapping_mistakes import as_is
 
