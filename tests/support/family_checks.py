@@ -13,7 +13,7 @@ import torch
 
 from orchestrator.adapters.megatron.convert import ModelSpec, hf_config
 from tests.support.family_ranks import BUCKET_BYTES, CYCLES
-from tests.support.tolerance import Compared, compare, engine_logits
+from tests.support.tolerance import TOLERANCE, Compared, compare, engine_logits
 
 __all__ = [
     "check_restores",
@@ -56,14 +56,15 @@ def check_restores(run: dict[str, Any], case: str) -> None:
         assert any(r[case]["expert_bias_sources"] for r in run["reports"]), "no rank holds an expert_bias"
 
 
-def engine_against_megatron(run: dict[str, Any], case: str) -> list[Compared]:
-    """Per cycle: the engine's logits (as it served them) against Megatron's, routing-aware."""
+def engine_against_megatron(run: dict[str, Any], case: str, floor: float = TOLERANCE) -> list[Compared]:
+    """Per cycle: the engine's logits (as it served them) against Megatron's, routing-aware, each
+    token held to at least `floor`."""
     spec, engine = spec_of(run, case), run["ranks"][0][case]
     out = []
     for cycle, (ours, theirs) in enumerate(zip(megatron_logits(run, case), engine["engine"], strict=True)):
         routing = (merged(run, case, "routing", cycle), engine["engine_routing"][cycle])
         selections = (merged(run, case, "selections", cycle), engine["engine_keys"][cycle])
-        out.append(compare(ours, theirs, routing, selections, spec.dsa_index_topk or 0))
+        out.append(compare(ours, theirs, routing, selections, spec.dsa_index_topk or 0, floor))
     return out
 
 

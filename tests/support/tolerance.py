@@ -54,10 +54,10 @@ INDEX_FLIPS = 12  # (query, layer) index choices, of 96 (the queries with more k
 FIRST_TIE = 3 * NEAR_TIE
 
 
-def token_tolerance(megatron: torch.Tensor) -> torch.Tensor:
+def token_tolerance(megatron: torch.Tensor, floor: float = TOLERANCE) -> torch.Tensor:
     """[batch, seq]: each token's tolerance (see the module docstring)."""
     ulp = torch.exp2(torch.floor(torch.log2(megatron.abs().amax(dim=-1))) - 7)  # bf16 keeps 8 bits
-    return torch.clamp(ULPS * ulp, min=TOLERANCE)
+    return torch.clamp(ULPS * ulp, min=floor)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,10 +152,12 @@ def compare(
     routing: tuple[dict, dict],
     selections: tuple[dict, dict] = ({}, {}),
     topk: int = 0,
+    floor: float = TOLERANCE,
 ) -> Compared:
     """Megatron's logits against transformers' ([batch, seq, vocab]); `routing` (Megatron's, HF's)
     by layer; `selections` (Megatron's {layer: {scores, keys}}, HF's {layer: keys}) of a DSA model
-    with index top-k `topk` (Megatron's layers HF has not, the MTP layers', are not compared)."""
+    with index top-k `topk` (Megatron's layers HF has not, the MTP layers', are not compared);
+    `floor` the least tolerance a token gets (`TOLERANCE` on the CPU)."""
     errors = (hf - megatron).abs().amax(dim=-1)  # [batch, seq]
     routed = _apart(*routing, errors.shape, 0)
     indexed = _apart(*selections, errors.shape, topk) if selections[1] else {}
@@ -163,7 +165,7 @@ def compare(
     compared = torch.ones_like(errors, dtype=torch.bool)
     if apart:
         compared = ~torch.stack(list(apart.values())).any(dim=0).int().cummax(dim=-1).values.bool()
-    tolerance = token_tolerance(megatron)
+    tolerance = token_tolerance(megatron, floor)
     return Compared(
         max_diff=float(errors.max()),
         compared_max=float(errors[compared].max()) if compared.any() else 0.0,
