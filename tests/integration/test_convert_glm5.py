@@ -22,39 +22,27 @@ pytest.importorskip("megatron.core")
 
 from orchestrator.adapters.megatron.convert import Family, ModelSpec, family_of, hf_config, hf_names, hf_shape, to_hf
 from orchestrator.adapters.megatron.convert.mtp import left_out
+from tests.integration.test_convert_deepseek import DEEPSEEK
 from tests.support.megatron_dsa import walsh_hadamard
 from tests.support.megatron_parallel import parallel_config
 
+# DeepSeek-V3's tiny shape without YaRN, groups or a routed scale, with the indexer and one MTP layer.
 GLM5 = ModelSpec(
-    family=Family.GLM_MOE_DSA,
-    vocab_size=128,
-    hidden_size=64,
-    num_layers=3,
-    num_attention_heads=4,
-    num_query_groups=4,
-    head_dim=16,
-    ffn_hidden_size=128,
-    max_position_embeddings=16,
-    rotary_base=10000.0,
-    layernorm_epsilon=1e-6,
-    qk_layernorm=True,
-    num_experts=8,
-    moe_ffn_hidden_size=32,
-    moe_router_topk=2,
-    moe_layers=(1, 2),
-    expert_bias=True,
-    multi_latent_attention=True,
-    q_lora_rank=32,
-    kv_lora_rank=24,
-    qk_nope_head_dim=16,
-    qk_rope_head_dim=8,
-    v_head_dim=12,
-    moe_score_function="sigmoid",
-    moe_shared_ffn_hidden_size=64,
-    dsa_index_n_heads=4,
-    dsa_index_head_dim=32,
-    dsa_index_topk=4,
-    mtp_num_layers=1,
+    **{
+        **DEEPSEEK.to_dict(),
+        "family": Family.GLM_MOE_DSA,
+        "moe_layers": (1, 2),
+        "yarn_factor": 0.0,
+        "yarn_original_max_position_embeddings": 0,
+        "yarn_mscale_all_dim": 0.0,
+        "moe_router_num_groups": 0,
+        "moe_router_group_topk": 0,
+        "moe_routed_scaling_factor": 1.0,
+        "dsa_index_n_heads": 4,
+        "dsa_index_head_dim": 32,
+        "dsa_index_topk": 4,
+        "mtp_num_layers": 1,
+    }
 )
 
 
