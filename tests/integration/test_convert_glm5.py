@@ -221,3 +221,20 @@ def test_walsh_hadamard_is_the_scaled_sylvester_transform() -> None:
     assert walsh_hadamard(x.bfloat16()).dtype is torch.bfloat16
     with pytest.raises(ValueError, match="power-of-2"):
         walsh_hadamard(torch.zeros(2, 24))
+
+
+def test_what_the_sync_leaves_out_is_logged_once_a_process(caplog: pytest.LogCaptureFixture) -> None:
+    """Every sync of a rank says the same: it is logged at the first, from whichever thread."""
+    import threading
+
+    from orchestrator.adapters.megatron.convert.gather import say_once
+
+    note = f"MTP layer(s) mtp.layers.0 left out ({threading.get_ident()})"  # new to this process
+    with caplog.at_level("WARNING", logger="orchestrator.adapters.megatron.convert.gather"):
+        threads = [threading.Thread(target=say_once, args=([note, note],)) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        say_once([note])
+    assert [r.getMessage() for r in caplog.records].count(note) == 1

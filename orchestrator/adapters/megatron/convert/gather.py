@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -47,11 +48,24 @@ from orchestrator.adapters.megatron.convert.hf import hf_targets, to_hf
 from orchestrator.adapters.megatron.convert.spec import Family, ModelSpec
 from orchestrator.models import support_table
 
-__all__ = ["conversion_problems", "hf_buckets", "is_sync_source", "left_out", "model_spec", "unwrap_gpt"]
+__all__ = ["conversion_problems", "hf_buckets", "is_sync_source", "left_out", "model_spec", "say_once", "unwrap_gpt"]
 
 Bucket = list[tuple[str, torch.Tensor]]
 _log = logging.getLogger(__name__)
+# What `hf_buckets` has logged as left out, held for the process's life (one rank holds every
+# sync of its model): a note is logged once, whichever thread syncs first.
 _said: set[str] = set()
+_said_lock = threading.Lock()
+
+
+def say_once(notes: list[str]) -> None:
+    """Log each of `notes` as a warning, unless this process already has."""
+    with _said_lock:
+        new = [note for note in dict.fromkeys(notes) if note not in _said]
+        _said.update(new)
+    for note in new:
+        _log.warning(note)
+
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _LOCAL_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
@@ -267,9 +281,7 @@ def hf_buckets(
         raise ValueError(f"bucket_bytes must be positive, not {bucket_bytes}")
     spec = model_spec(model_chunks, family, config)
     units = list(_units(model_chunks, mtp=mtp))
-    for note in set(left_out(model_chunks, mtp=mtp)) - _said:  # once a process: it holds every sync
-        _log.warning(note)
-        _said.add(note)
+    say_once(left_out(model_chunks, mtp=mtp))
     # Every name is checked before the first collective, so no rank waits alone; a tensor with
     # no HF counterpart to send (tied embeddings' output layer) is not gathered.
     units = [unit for unit in units if hf_targets(unit.name, spec)]
