@@ -8,7 +8,12 @@ The shapes follow the real APIs (docs/lifecycle.md, design §4):
   `/flush_cache` and `/get_weight_version`.
 - `WeightTransport` is SGLang's `/update_weights_from_tensor` or `/update_weights_from_distributed`.
 
-Adapters report what they did and never swallow a failed call: the controller decides.
+Adapters report what they did and never swallow a failed call: the controller decides. Each
+also says what is true now (`MemoryRegions.paused`, `RolloutEngine.released`,
+`TrainerControl.mains_generation`): a call can fail after it took effect, and `recover` acts on
+what these report, not on what the controller believed it did (docs/lifecycle.md, recovery).
+Calls are idempotent where the component allows: pausing what is paused, resuming what is
+resident, releasing what is released is a no-op that logs a note, never a second effect.
 """
 
 from __future__ import annotations
@@ -35,12 +40,19 @@ class MemoryRegions(Protocol):
     backup: their contents are lost (params are rebuilt, grads are zeroed before use). `default`
     holds the fp32 mains and Adam state and is paused with a CPU backup: its contents survive.
 
-    The controller tracks which tags are paused and never pauses a paused tag or resumes a
-    resident one, so implementations need not (torch_memory_saver exits the process on either).
+    The controller reads `paused` before it acts and never pauses a paused tag or resumes a
+    resident one. Implementations still make both a no-op with a note (torch_memory_saver itself
+    exits the process on either), so a fan-out over ranks that disagree can act on every rank.
     """
 
     def tags(self) -> frozenset[str]:
         """The tags this implementation manages."""
+        ...
+
+    @property
+    def paused(self) -> frozenset[str]:
+        """The tags paused now: read from what the adapter did, so a pause that took effect and
+        then raised counts as paused."""
         ...
 
     def pause(self, tag: str) -> int:
@@ -93,10 +105,13 @@ class TrainerControl(Protocol):
         ...
 
     def rebuild(self, mode: Mode) -> int:
-        """Bring the params back after their regions resumed. Returns bytes written.
+        """Make the params cast(mains) again: after their regions resumed, or after an optimizer
+        step stopped midway. Returns bytes written.
 
         Rematerialize: cast fp32 mains to bf16, all-gather the params, copy the extras back.
-        Backup: copy the pinned host copy back.
+        Backup: copy the pinned host copy back. A stash older than the last step (see
+        `mains_generation`) is stale: the params are cast from the mains instead, and the extras,
+        never dropped since that step (a step runs only with every region resident), stay as they are.
         """
         ...
 
@@ -106,6 +121,13 @@ class TrainerControl(Protocol):
 
     def host_pinned_bytes(self) -> int:
         """Pinned host bytes this rank holds for restores."""
+        ...
+
+    def mains_generation(self) -> int:
+        """How many optimizer steps have begun to change the fp32 mains (counted as each begins,
+        so a step that raised midway counts). The params are cast(mains) only if they were
+        written after the last step began: a change since the controller last saw them whole
+        means `rebuild` is due, whatever the controller believed."""
         ...
 
 
@@ -137,11 +159,18 @@ class RolloutEngine(Protocol):
     name: str
 
     def release(self, tags: frozenset[EngineMemory]) -> None:
-        """Release the tagged memory (SGLang: /release_memory_occupation). Fails if busy."""
+        """Release the tagged memory (SGLang: /release_memory_occupation). Fails if busy.
+        Tags already released are left as they are, with a note."""
         ...
 
     def resume(self, tags: frozenset[EngineMemory]) -> None:
         """Take the tagged memory back (SGLang: /resume_memory_occupation)."""
+        ...
+
+    def released(self) -> frozenset[EngineMemory]:
+        """The memory released now. A release or resume that failed after the engine applied it
+        (a read timeout) is settled before this answers: it never repeats the engine's own
+        belief back as a guess."""
         ...
 
     def flush_cache(self) -> None:

@@ -99,3 +99,10 @@ class LoggingListener(Listener):
         cause = error.cause if isinstance(error, ActionFailed) else error
         self._log.error(record.event.value, **_keys(record), cause=f"{type(cause).__name__}: {cause}")
         self._flush()
+
+
+def note_noop(component: str, call: str, why: str) -> None:
+    """An adapter call that found its work already done (a pause of a paused tag, a release of
+    released memory): logged as a warning line, not raised. After a call that took effect and
+    then failed, recover makes such calls on purpose; each one leaves this note."""
+    structlog.get_logger("colocate").warning("noop", component=component, call=call, why=why)
