@@ -14,37 +14,45 @@ from dataclasses import dataclass, field
 import torch
 
 from orchestrator.protocols import TransferReport
+from orchestrator.telemetry.logs import note_noop
 from states import EngineMemory, Mode, Region, Source, TrainerLayout
 
 
 class InMemoryRegions:
-    """Regions of fixed sizes. A double pause or a stray resume raises, as the real one would crash."""
+    """Regions of fixed sizes. A pause of a paused tag, or a resume of a resident one, is a no-op
+    with a note, as in the real adapters (which stand between it and torch_memory_saver's exit)."""
 
     def __init__(
         self, sizes: Mapping[str, int] | None = None, on_pause: Mapping[str, Callable[[], None]] | None = None
     ) -> None:
         self.sizes = dict(sizes or {r.value: 1 << 20 for r in Region})
         self.on_pause = dict(on_pause or {})  # what losing a tag's contents does to its tensors
-        self.paused: set[str] = set()
+        self._paused: set[str] = set()
         self.calls: list[tuple[str, str]] = []
 
     def tags(self) -> frozenset[str]:
         return frozenset(self.sizes)
 
+    @property
+    def paused(self) -> frozenset[str]:
+        return frozenset(self._paused)
+
     def pause(self, tag: str) -> int:
         self.calls.append(("pause", tag))
-        if tag in self.paused:
-            raise RuntimeError(f"double pause of {tag}: torch_memory_saver would exit the process")
-        self.paused.add(tag)
+        if tag in self._paused:
+            note_noop("in-memory regions", f"pause({tag})", "already paused")
+            return 0
+        self._paused.add(tag)
         if tag in self.on_pause:
             self.on_pause[tag]()
         return self.sizes[tag]
 
     def resume(self, tag: str) -> int:
         self.calls.append(("resume", tag))
-        if tag not in self.paused:
-            raise RuntimeError(f"resume of resident {tag}")
-        self.paused.discard(tag)
+        if tag not in self._paused:
+            note_noop("in-memory regions", f"resume({tag})", "not paused")
+            return 0
+        self._paused.discard(tag)
         return self.sizes[tag]
 
 
@@ -63,12 +71,23 @@ class InMemoryTrainer:
         self.params = {name: main.to(torch.bfloat16) for name, main in self.mains.items()}
         self._extra_backup: torch.Tensor | None = None
         self._param_backup: dict[str, torch.Tensor] = {}
+        self._generation = 0  # optimizer steps begun
+        self._stashed_at: int | None = None  # the generation the stash was taken at
 
     def optimizer_step(self) -> None:
+        self.move_mains()
         for name, main in self.mains.items():
-            main.add_(0.01)
-            self.params[name] = main.to(torch.bfloat16)
+            self.params[name].copy_(main)
         self.extra.add_(1)
+
+    def move_mains(self) -> None:
+        """The first half of a step: the mains move; the params are written after."""
+        self._generation += 1
+        for main in self.mains.values():
+            main.add_(0.01)
+
+    def mains_generation(self) -> int:
+        return self._generation
 
     def drop(self) -> None:
         """What pausing `param_buffer` does to the contents: they are gone."""
@@ -89,16 +108,18 @@ class InMemoryTrainer:
         self._extra_backup = self.extra.clone()
         if mode is Mode.BACKUP:
             self._param_backup = {n: p.clone() for n, p in self.params.items()}
+        self._stashed_at = self._generation
         return self.host_pinned_bytes()
 
     def rebuild(self, mode: Mode) -> int:
-        if mode is Mode.BACKUP:
+        current = self._stashed_at == self._generation  # else a step began since: the stash is stale
+        if mode is Mode.BACKUP and current:
             for name, p in self.params.items():
                 p.copy_(self._param_backup[name])
         else:
             for name, p in self.params.items():
                 p.copy_(self.mains[name])
-        if self._extra_backup is not None:
+        if self._extra_backup is not None and current:
             self.extra.copy_(self._extra_backup)
         if self.corrupt_next_rebuild:
             self.params[self.corrupt_next_rebuild].view(torch.int16).view(-1)[0] ^= 1
@@ -142,13 +163,20 @@ class InMemoryEngine:
         self.calls.append(f"release:{','.join(sorted(tags))}")
         if self.busy:
             raise RuntimeError("release while requests are in flight")
-        if EngineMemory.WEIGHTS in tags:
+        if tags - self.resident:
+            note_noop(self.name, "release", f"{', '.join(sorted(tags - self.resident))} already released")
+        if EngineMemory.WEIGHTS in tags & self.resident:
             self.weights = {}
         self.resident -= tags
 
     def resume(self, tags: frozenset[EngineMemory]) -> None:
         self.calls.append(f"resume:{','.join(sorted(tags))}")
+        if tags & self.resident:
+            note_noop(self.name, "resume", f"{', '.join(sorted(tags & self.resident))} not released")
         self.resident |= tags
+
+    def released(self) -> frozenset[EngineMemory]:
+        return frozenset(EngineMemory) - self.resident
 
     def flush_cache(self) -> None:
         self.flushes += 1
