@@ -55,6 +55,16 @@ class ActionFailed(LifecycleError):
         super().__init__(f"{event.value} failed in {state.value}: {type(cause).__name__}: {cause}")
 
 
+class EventInFlight(LifecycleError):
+    """An event was fired while another was in flight (from another thread): one writer at a time."""
+
+    _fields = ("event", "running")
+
+    def __init__(self, event: Event, running: Event) -> None:
+        self.event, self.running = event, running
+        super().__init__(f"{event.value} fired while {running.value} is in flight: fire events from one thread")
+
+
 class FaultWithoutCause(LifecycleError):
     """`fault` was fired with nothing to say why: a fault needs a cause (`Lifecycle.fault(cause)`)."""
 

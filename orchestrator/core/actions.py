@@ -1,8 +1,10 @@
 """What each admitted event does: the memory choreography behind the rows of `states.TABLE`.
 
 Guards decide whether an event may run (guards/); these actions only move memory and weights
-through the adapters, and record what they did in `Known` (core/known.py). An action that raises leaves the
-lifecycle FAULTED; `recover` then reconciles what is actually resident with what TRAIN promises.
+through the adapters, and record what they did in `Known` (core/known.py). Each reads what the
+adapters say is true before it acts (paused regions, released engine memory, the mains'
+generation) and makes only the calls that close the difference. An action that raises leaves the
+lifecycle FAULTED; `recover` then does the same against what TRAIN promises (core/observed.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 from guards.bitexact import restore_bit_identical
 from orchestrator.core.config import LifecycleConfig
 from orchestrator.core.known import Known
+from orchestrator.core.observed import ALL, Observed
 from orchestrator.core.regions import RegionLedger
 from orchestrator.errors import EngineError, RecoveryRefused, RestoreMismatch
 from orchestrator.protocols import RolloutEngine, TrainerControl, WeightTransport, WeightUpdateSessions
@@ -44,6 +47,7 @@ class Actions:
     ) -> None:
         self.config, self.known = config, known
         self._trainer, self._regions, self._engine, self._transport = trainer, regions, engine, transport
+        self.observed = Observed(config, known, trainer, regions, engine)
         # The offload choice's regions, never paused; set once the lifecycle has chosen (core/offload.py).
         self.keep: frozenset[Region] = frozenset()
 
@@ -62,13 +66,15 @@ class Actions:
 
     def take_over_engine(self) -> None:
         """Release all of an attached engine's memory, so the trainer starts alone on the device."""
-        self._engine_release(frozenset(EngineMemory), already_resident=True)
+        self.observed.engine_release(ALL)
+        self.observed.params_seen_whole()
 
     # ---- the cycle ------------------------------------------------------------------------
 
     def train_step(self, record: TransitionRecord, work: Work | None) -> Any:
         result = work() if work is not None else None
         self.known.trained_since_sync = True
+        self.observed.params_seen_whole()  # the step returned: it wrote the params from the mains it moved
         return result
 
     def save_checkpoint(self, record: TransitionRecord, work: Work | None) -> Any:
@@ -94,7 +100,7 @@ class Actions:
         """A critic-only step: the actor did not train, so the engine keeps its version. Its weight
         memory was released at the last restore (contents lost, as SGLang and the transformers
         engine lose them), so it is resumed and refilled with the same tensors at the same version."""
-        if EngineMemory.WEIGHTS in self.known.engine_resident:
+        if EngineMemory.WEIGHTS in self.observed.engine_resident():
             return
         self._sync(record, self.known.weight_version)
 
@@ -102,16 +108,16 @@ class Actions:
         if self.known.cycles < self.config.verify_cycles:
             self.known.digests = dict(self._trainer.digests())
             record.attributes[semconv.TENSORS_DIGESTED] = len(self.known.digests)
-        self.known.params_valid = False
+        self.known.params_generation = None  # gone from here on, even if the pause raises after it took effect
         record.attributes[semconv.BYTES_FREED] = self._regions.pause(Region.PARAM_BUFFER)
 
     def serve_rollout(self, record: TransitionRecord, work: Work | None) -> Any:
-        self._engine_resume(KV)
+        self.observed.engine_resume(KV)
         return work() if work is not None else None
 
     def restore_trainer(self, record: TransitionRecord, work: Work | None) -> None:
-        self._engine_release(self.known.engine_resident)
-        record.attributes.update(self._bring_trainer_back())
+        self.observed.engine_release(ALL)
+        record.attributes.update(self.observed.bring_trainer_back())
         # Back in TRAIN the regions' host arenas stay pinned for the next pause: count them here too.
         arena = self._regions.host_arena_bytes()
         record.attributes[semconv.HOST_PINNED_BYTES] = self._trainer.host_pinned_bytes() + arena
@@ -121,18 +127,23 @@ class Actions:
         if verdict is not None and not verdict.ok:
             raise RestoreMismatch(cycle, verdict)
 
-    # ---- recovery: reconcile what is resident with what TRAIN promises ----------------------
+    # ---- recovery: close what differs from TRAIN's promises, as the adapters report it -------
 
     def recover(self, record: TransitionRecord, work: Work | None) -> None:
-        """Wait (bounded) for the engine to go idle, release it, resume every paused region,
-        rebuild the params whenever they may be wrong, verify them against the last digests,
-        and re-read the engine's version so the next update is legal."""
+        """Wait (bounded) for the engine to go idle; then, from what the adapters say is true now,
+        release what the engine holds, resume every paused region, rebuild unless the params are
+        current, verify them against a drop's digests, and look again before TRAIN is admitted.
+        Each call closes a difference seen: none repeats one that already took effect."""
         self._await_engine_idle()
-        self._engine_release(self.known.engine_resident)
-        record.attributes.update(self._bring_trainer_back())
+        record.attributes[semconv.RECONCILED] = tuple(self.observed.differences()) or ("nothing",)
+        self.observed.engine_release(ALL)
+        record.attributes.update(self.observed.bring_trainer_back())
         verdict = self._verify(record)
         if verdict is not None and not verdict.ok:
             raise RecoveryRefused([f"the rebuilt params differ from the digests taken at the drop: {verdict.reason}"])
+        left = self.observed.differences()
+        if left:
+            raise RecoveryRefused([f"{difference}, after recover's calls returned" for difference in left])
         served = self._engine.weight_version() if self._engine is not None else None
         # A push may have landed before its flush or version check failed: continue past it.
         self.known.weight_version = max(self.known.weight_version, served or 0)
@@ -161,7 +172,7 @@ class Actions:
         engine, transport = self._engine, self._transport
         if engine is None or transport is None:  # unreachable past engine_attached; says so if not
             raise EngineError("none", "a weight sync needs an engine and a weight transport")
-        self._engine_resume(WEIGHTS)
+        self.observed.engine_resume(WEIGHTS)
         self.known.cache_flushed = False
         session: AbstractContextManager[None] = (
             engine.weight_update_session() if isinstance(engine, WeightUpdateSessions) else nullcontext()
@@ -183,17 +194,6 @@ class Actions:
             }
         )
 
-    def _bring_trainer_back(self) -> dict[str, int]:
-        paused = sorted(self._regions.paused)
-        retaken = sum(self._regions.resume(tag) for tag in paused)
-        from_host = self._regions.host_arena_bytes() if Region.DEFAULT in paused else 0  # all of it came back
-        written = 0
-        if not self.known.params_valid:
-            written = self._trainer.rebuild(self.config.mode)
-            self.known.params_valid = self.known.digests is None  # else valid once verified
-        self.known.extras_stashed = False  # the next optimizer step makes them stale
-        return {semconv.BYTES_RETAKEN: retaken, semconv.BYTES_REBUILT: written, semconv.BYTES_FROM_HOST: from_host}
-
     def _verify(self, record: TransitionRecord) -> Any:
         """Compare the params with the digests taken at the drop, if this cycle took any."""
         if self.known.digests is None:
@@ -202,17 +202,6 @@ class Actions:
         self.known.last_restore_verified = verdict.ok
         record.attributes[semconv.RESTORE_VERIFIED] = verdict.ok
         if verdict.ok:
-            self.known.digests, self.known.params_valid = None, True
+            self.known.digests = None
+            self.observed.params_seen_whole()
         return verdict
-
-    def _engine_resume(self, tags: frozenset[EngineMemory]) -> None:
-        missing = tags - self.known.engine_resident
-        if missing and self._engine is not None:
-            self._engine.resume(missing)
-            self.known.engine_resident |= missing
-
-    def _engine_release(self, tags: frozenset[EngineMemory], *, already_resident: bool = False) -> None:
-        held = tags if already_resident else tags & self.known.engine_resident
-        if held and self._engine is not None:
-            self._engine.release(held)
-        self.known.engine_resident -= held

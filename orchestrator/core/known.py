@@ -1,27 +1,23 @@
-"""`Known`: what one rank's controller has done to memory and weights, as it did it.
+"""`Known`: what one rank's controller did and cannot ask an adapter for.
 
 The actions write it (core/actions.py); the lifecycle reads it into the `Snapshot` its guards
-judge, beside what it asks the adapters (whether the engine is idle, which version it serves) and
-the regions its `RegionLedger` holds paused. None of it is re-derived from the adapters: it is the
-controller's own account, which `recover` reconciles with what is actually resident.
+judge. What an adapter can say is never kept here: which regions are paused (`MemoryRegions.paused`),
+which engine memory is released (`RolloutEngine.released`), which version it serves and whether it
+is idle are asked each time, so a call that failed after it took effect leaves no stale belief.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from states import EngineMemory
-
 
 @dataclass(slots=True)
 class Known:
-    """What the controller knows because it did it (never re-derived from the adapters)."""
+    """What the controller knows because it did it."""
 
     step: int = 0
-    # The engine: which of its memory colocate resumed and has not released since; whether it
-    # serves the weights of the last sync, which version that was, and whether its cache was
-    # flushed after the sync's last bucket.
-    engine_resident: frozenset[EngineMemory] = frozenset()
+    # The engine: whether it serves the weights of the last sync, which version that was, and
+    # whether its cache was flushed after the sync's last bucket.
     engine_synced: bool = False
     weight_version: int = 0
     cache_flushed: bool = True
@@ -29,9 +25,10 @@ class Known:
     # frozen params) copied aside before `default` is paused.
     trained_since_sync: bool = False
     extras_stashed: bool = False
-    # Rematerialization: whether the bf16 params are the ones the fp32 mains (or backup) define,
-    # and the checks of the first `verify_cycles` drop/restore cycles.
-    params_valid: bool = True
+    # The trainer's `mains_generation` when the params were last seen equal to cast(mains): after
+    # a train event's work returned, after a rebuild that needs no check. None while they are
+    # dropped or unchecked. A generation that moved since means a step began after: rebuild.
+    params_generation: int | None = None
     cycles: int = 0  # completed drop/restore cycles
     digests: dict[str, str] | None = None  # taken at the drop of a verified cycle, kept until verified
     last_restore_verified: bool | None = None

@@ -16,7 +16,9 @@ from typing import Any
 from guards import refusals
 from orchestrator.core.actions import Actions, Work
 from orchestrator.core.config import LifecycleConfig
+from orchestrator.core.events import CycleEvents
 from orchestrator.core.known import Known
+from orchestrator.core.latch import FaultLatch, Held
 from orchestrator.core.machine import Firing, PhaseMachine
 from orchestrator.core.offload import choose
 from orchestrator.core.regions import RegionLedger
@@ -54,7 +56,7 @@ def check_wiring(mode: Mode, engine: RolloutEngine | None, transport: WeightTran
         raise ConfigError([f"mode {mode} needs an engine and a weight transport"])
 
 
-class Lifecycle:
+class Lifecycle(CycleEvents):
     """Drives one rank through train → pause_grads → update_weights → drop_params → rollout → restore.
 
     The engine is taken over at construction: its memory is released so the trainer starts
@@ -82,9 +84,12 @@ class Lifecycle:
         # Versions continue from what an attached engine already serves (an earlier job's
         # weights), so they keep increasing; it still serves nothing of this job's before a sync.
         self._known = Known(weight_version=(engine.weight_version() or 0) if engine is not None else 0)
-        actions = Actions(config, self._known, trainer, self._regions, engine, transport)
+        self._actions = actions = Actions(config, self._known, trainer, self._regions, engine, transport)
         self.fault_cause: BaseException | None = None
-        self._machine = PhaseMachine(actions.by_name(), self.snapshot, lambda record: self.listeners.on_begin(record))
+        self._latch = FaultLatch()
+        self._machine = PhaseMachine(
+            actions.by_name(), self.snapshot, lambda record: self.listeners.on_begin(record), self._latch.check
+        )
         actions.take_over_engine()
         # Chosen once the engine is released and every region resident: what is free then is
         # what the sleeps to come start from.
@@ -118,7 +123,7 @@ class Lifecycle:
             step=known.step,
             paused=self._regions.paused,
             engine_attached=engine is not None,
-            engine_resident=known.engine_resident,
+            engine_resident=self._actions.observed.engine_resident(),
             engine_idle=engine.is_idle() if engine is not None else True,
             engine_synced=known.engine_synced,
             engine_version=engine.weight_version() if engine is not None else None,
@@ -155,9 +160,19 @@ class Lifecycle:
         """Admit `event`, run its action (and `work`, the caller's part of it), change phase.
 
         Raises IllegalTransition or GuardRejected with the phase unchanged, or ActionFailed
-        once the lifecycle is FAULTED. Returns what `work` returned. A fault needs a cause:
-        fire it through `fault(cause)`.
+        once the lifecycle is FAULTED: the action raised, or `fault` was called (from any
+        thread) while it ran. Returns what `work` returned. A fault needs a cause: fire it
+        through `fault(cause)`. One event at a time: another fired meanwhile is EventInFlight.
         """
+        self._latch.begin(event)
+        try:
+            return self._fire(event, work)
+        finally:
+            late = self._latch.end()
+            if late is not None:  # arrived once the action was done: it lands after the transition
+                self._land(late, refuse=False)
+
+    def _fire(self, event: Event, work: Work | None) -> Any:
         src = self.phase
         row = self._machine.rows.get((src, event))
         record = self._record(event, row.dest if row else src)
@@ -185,66 +200,48 @@ class Lifecycle:
         raise error
 
     def _fail(self, record: TransitionRecord, exc: Exception) -> None:
+        # A fault that arrived while the action ran is the cause, whatever the action did after.
+        held = exc.cause if isinstance(exc, Held) else self._latch.take()
+        if held is not None and held is not exc and not isinstance(exc, Held):
+            held.add_note(f"{record.event.value} then raised: {type(exc).__name__}: {exc}")
+        cause = held if held is not None else exc
         record.ended_ns = time.perf_counter_ns()
-        record.cause = exc
-        error = ActionFailed(record.src, record.event, exc)
+        record.cause = cause
+        error = ActionFailed(record.src, record.event, cause)
         self.listeners.on_fault(record, error)
         if record.src is Phase.FAULTED and self.fault_cause is not None:
-            self.fault_cause.add_note(f"{record.event.value} failed too: {type(exc).__name__}: {exc}")
+            # recover failed: the first cause stays until a recover resolves it, this one noted on it
+            self.fault_cause.add_note(f"{record.event.value} failed too: {type(cause).__name__}: {cause}")
         elif record.src is not Phase.FAULTED:
-            self.fault(exc)
-        raise error from exc
+            self._land(cause)
+        raise error from cause
 
     def fault(self, cause: BaseException | str) -> None:
         """Move to FAULTED from outside (a rank died, a watchdog fired). Only `recover` leaves it.
 
-        The first cause is kept in `fault_cause`; a fault while FAULTED is refused, and its cause
-        becomes a note on the kept one.
+        From any thread. While an event is in flight, its action owns the phase: the fault is
+        held, and the event ends in FAULTED with this cause (its caller gets ActionFailed); during
+        a recover, that recover fails. The first cause is kept in `fault_cause`; a fault while
+        FAULTED is refused, and its cause becomes a note on the kept one.
         """
         if not cause:
             raise FaultWithoutCause()
         error = cause if isinstance(cause, BaseException) else RuntimeError(cause)
+        self._latch.offer(error, lambda: self._land(error))
+
+    def _land(self, error: BaseException, *, refuse: bool = True) -> None:
+        """Write FAULTED with `error` as its cause: the phase's one writer calls this. Already
+        FAULTED, the cause becomes a note on the kept one (and `fault` is refused, if `refuse`)."""
         record = self._record(Event.FAULT, Phase.FAULTED)
         record.cause = error
         record.attributes[semconv.CAUSE] = f"{type(error).__name__}: {error}"
         if self.phase is Phase.FAULTED:
             if self.fault_cause is not None:
                 self.fault_cause.add_note(f"a later fault: {type(error).__name__}: {error}")
-            self._reject(record, IllegalTransition(self.phase, Event.FAULT, self.legal_events()))
+            if refuse:
+                self._reject(record, IllegalTransition(self.phase, Event.FAULT, self.legal_events()))
+            return
         self.fault_cause = error
         self._machine.trigger(Event.FAULT, Firing(record))
         record.ended_ns = time.perf_counter_ns()
         self.listeners.on_transition(record)
-
-    # The cycle, as a run loop reads it.
-    def train(self, work: Work | None = None) -> Any:
-        return self.fire(Event.TRAIN, work)
-
-    def save(self, work: Work | None = None) -> Any:
-        return self.fire(Event.SAVE, work)
-
-    def pause_grads(self) -> None:
-        self.fire(Event.PAUSE_GRADS)
-
-    def update_weights(self) -> None:
-        self.fire(Event.UPDATE_WEIGHTS)
-
-    def skip_update(self) -> None:
-        self.fire(Event.SKIP_UPDATE)
-
-    def drop_params(self) -> None:
-        self.fire(Event.DROP_PARAMS)
-
-    def rollout(self, work: Work | None = None) -> Any:
-        return self.fire(Event.ROLLOUT, work)
-
-    def restore(self) -> None:
-        self.fire(Event.RESTORE)
-
-    def recover(self) -> None:
-        """Leave FAULTED for TRAIN by reconciling what is resident (docs/lifecycle.md, recovery).
-
-        Raises ActionFailed (its cause a RecoveryRefused naming what does not hold, or the
-        adapter's error) with the lifecycle still FAULTED and the first cause kept.
-        """
-        self.fire(Event.RECOVER)

@@ -42,7 +42,8 @@ class PhaseMachine:
     """One rank's phase, moved only along the rows of `states.TABLE`.
 
     `snapshot` is what the guards of a row judge; `begin` is told of an admitted event before its
-    action runs; `actions` maps the names the table gives to what they do.
+    action runs, `end` after it returned, before the phase changes (it may raise to stop the
+    change); `actions` maps the names the table gives to what they do.
     """
 
     def __init__(
@@ -50,8 +51,9 @@ class PhaseMachine:
         actions: Mapping[str, Action],
         snapshot: Callable[[], Snapshot],
         begin: Callable[[TransitionRecord], None],
+        end: Callable[[], None] = lambda: None,
     ) -> None:
-        self._actions, self._snapshot, self._begin = actions, snapshot, begin
+        self._actions, self._snapshot, self._begin, self._end = actions, snapshot, begin, end
         self.rows = {(row.source, row.event): row for row in TABLE}
         self._model = _Model()
         self._machine = Machine(
@@ -102,3 +104,4 @@ class PhaseMachine:
         self._begin(firing.record)
         if row.action is not None:
             firing.result = self._actions[row.action](firing.record, firing.work)
+            self._end()

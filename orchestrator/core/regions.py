@@ -1,7 +1,7 @@
 """The ledger in front of a `MemoryRegions` adapter: it refuses bad calls before the adapter acts.
 
-torch_memory_saver exits the process on a double pause and ignores CUDA return codes, so the
-controller keeps the truth about what is paused and never asks twice.
+torch_memory_saver exits the process on a double pause and ignores CUDA return codes, so nothing
+reaches it that the adapter's own account (`paused`) says is done already.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ class RegionLedger:
         missing = {r.value for r in Region} - self._tags
         if missing:
             raise ConfigError([f"memory regions lack tag {tag!r}" for tag in sorted(missing)])
-        self._paused: set[Region] = set()
 
     def host_arena_bytes(self) -> int:
         """What the adapter pins for its regions' contents (0 for one that pins nothing)."""
@@ -26,7 +25,8 @@ class RegionLedger:
 
     @property
     def paused(self) -> frozenset[Region]:
-        return frozenset(self._paused)
+        """What the adapter says is paused now (a pause that raised after it took effect counts)."""
+        return frozenset(Region(tag) for tag in self._regions.paused if tag in Region.__members__.values())
 
     def _known(self, tag: str) -> Region:
         if tag not in self._tags or tag not in Region.__members__.values():
@@ -35,16 +35,12 @@ class RegionLedger:
 
     def pause(self, tag: str) -> int:
         region = self._known(tag)
-        if region in self._paused:
+        if region in self.paused:
             raise RegionRefused(tag, "already paused: a second pause would unmap unmapped memory")
-        freed = self._regions.pause(region)
-        self._paused.add(region)
-        return freed
+        return self._regions.pause(region)
 
     def resume(self, tag: str) -> int:
         region = self._known(tag)
-        if region not in self._paused:
+        if region not in self.paused:
             raise RegionRefused(tag, "not paused: resuming it would map memory over live tensors")
-        retaken = self._regions.resume(region)
-        self._paused.discard(region)
-        return retaken
+        return self._regions.resume(region)

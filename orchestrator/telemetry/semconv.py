@@ -114,6 +114,8 @@ BYTES_TO_HOST: Final = "colocate.bytes_to_host"
 """pause_grads: bytes copied to pinned host memory, the stash and the regions' host arenas (bytes)."""
 BYTES_FROM_HOST: Final = "colocate.bytes_from_host"
 """restore, recover: bytes copied back from the regions' host arenas (bytes)."""
+RECONCILED: Final = "colocate.reconciled"
+"""recover: how what the adapters reported differed from TRAIN when it began, or `nothing` (list of str)."""
 RESTORE_VERIFIED: Final = "colocate.restore_verified"
 """restore, recover, in verified cycles: the rebuilt params match the drop's digests (bool)."""
 

@@ -55,6 +55,8 @@ def violations(world: World) -> list[str]:
         found.append(f"{phase}: engine holds {sorted(engine.resident)}, expected {sorted(wanted)}")
     if PARAM not in world.regions.paused and not same(trainer.params, expected_params(trainer)):
         found.append(f"{phase}: resident params are not the ones the fp32 mains define")
+    if not bool((trainer.extra == trainer.truth).all()):
+        found.append(f"{phase}: the extra is not what the last step left (a stale stash was copied back?)")
     if phase in (Phase.WEIGHTS_SYNCED, Phase.PARAMS_DROPPED, Phase.ROLLOUT):
         if engine.version != lc.weight_version:
             found.append(f"{phase}: engine serves {engine.version}, colocate pushed {lc.weight_version}")

@@ -1,18 +1,21 @@
 """An exhaustive model check of the controller: every event sequence to depth 8, breadth first.
 
 Moves: every event (train and rollout with their work, fault with a cause), the engine turning
-busy or idle, the next rebuild flipping a bit, and every event again with an exception injected at each adapter call it makes, in
-turn. Roots: both modes; the first cycle verified. Every move's outcome is checked against the
-invariants of tests/support/invariants.py; a state already seen (by what the controller knows and
-what the fakes hold) is not expanded again. From every FAULTED state, once the engine is idle, a
-plain recover must succeed and a whole cycle must follow: after recover the run can progress.
+busy or idle, the next rebuild flipping a bit (where a verified cycle's digests wait to check it:
+the fault verification exists to catch), and every event again with a fault injected at each
+adapter call it makes, in turn, each way `tests/support/world.py` injects one: before the call
+takes effect, after it, partway through it, and a `fault()` from elsewhere while it runs. Roots:
+both modes; the first cycle verified. Every move's outcome is checked against the invariants of
+tests/support/invariants.py; a state already seen (by what the controller knows and what the
+fakes hold) is not expanded again. From every FAULTED state, once the world behaves (engine idle,
+nothing injected, no bit flipped), a plain recover must succeed and a whole cycle must follow.
 """
 
 from __future__ import annotations
 
-import copy
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
+from collections.abc import Iterator
 from dataclasses import astuple
 from typing import Any
 
@@ -22,29 +25,30 @@ from orchestrator import ActionFailed, GuardRejected, IllegalTransition
 from orchestrator.errors import FaultWithoutCause
 from states import Event, Mode, Phase
 from tests.support.invariants import violations
-from tests.support.world import Injected, World, build, expected_params, same
+from tests.support.world import Injected, Saved, World, build, expected_params, injections, same
 
 DEPTH = 8
 EVENTS = [e.value for e in Event if e is not Event.FAULT]
-# Besides events: the engine turning busy or idle, and the next rebuild flipping a bit.
+# Besides events: the engine turning busy or idle, and the next (verified) rebuild flipping a bit.
 WORLD = ["fault", "busy", "idle", "corrupt"]
-PLAIN: list[tuple[str, int | None]] = [(e, None) for e in EVENTS] + [(w, None) for w in WORLD]
 
-Move = tuple[str, int | None]
+Move = tuple[str, int | None, str]  # (event or world move, the call to inject at, how)
+PLAIN: list[Move] = [(name, None, "") for name in EVENTS + WORLD]
 
 
 def apply(world: World, move: Move) -> str:
     """Make one move; return 'ok', 'refused' or 'faulted'. Any other exception fails the check."""
-    name, fail_at = move
+    name, fail_at, how = move
     lc, calls = world.lifecycle, world.calls
-    calls.count, calls.fail_at = 0, fail_at
+    calls.count, calls.fail_at, calls.how, calls.names = 0, fail_at, how, []
     try:
         if name == "busy":
             world.engine.busy = True
         elif name == "idle":
             world.engine.busy = False
         elif name == "corrupt":
-            world.trainer.corrupt_next_rebuild = "layer1.weight"
+            if lc._known.digests is not None:  # a rebuild that a verified cycle checks
+                world.trainer.corrupt_next_rebuild = "layer1.weight"
         elif name == "fault":
             lc.fault(Injected("a rank died"))
         else:
@@ -62,64 +66,83 @@ def key(world: World) -> tuple[Any, ...]:
     """What decides every later outcome. It reads the controller's private `Known` on purpose:
     a key that missed what the controller remembers would merge states that behave apart."""
     lc, engine, trainer = world.lifecycle, world.engine, world.trainer
-    known = astuple(lc._known)
-    known = (*known[1:-2], known[-2] is not None, known[-1])  # step and the digests' values do not matter
+    known, generation = lc._known, trainer.mains_generation()
     expected = expected_params(trainer)
+
+    def behind(seen: int | None) -> int | None:  # generations are counters: only the gap matters
+        return None if seen is None else generation - seen
+
     return (
         lc.phase,
         lc.fault_cause is None,
-        known,
-        frozenset(world.regions.paused),
+        astuple(known)[1:6],  # not the step
+        behind(known.params_generation),
+        min(known.cycles, 1),  # past the one verified cycle, the count changes nothing
+        known.digests is not None,
+        known.last_restore_verified,
+        world.regions.paused,
         frozenset(engine.resident),
         engine.busy,
         engine.version,
         same(engine.weights, expected),
         same(trainer.params, expected),
-        trainer._extra_backup is not None,
+        bool((trainer.extra == trainer.truth).all()),
+        behind(trainer._stashed_at),
         trainer.corrupt_next_rebuild,
     )
 
 
 def progress(world: World) -> list[str]:
     """Once the world behaves (engine idle, nothing injected, no bit flipped), recover and then a
-    whole cycle succeed."""
-    world = copy.deepcopy(world)
+    whole cycle succeed, and the params after recover are cast(mains) bit for bit."""
     world.engine.busy, world.trainer.corrupt_next_rebuild = False, None
-    steps = [("recover", None)] if world.lifecycle.phase is Phase.FAULTED else []
-    steps += [("pause_grads", None), ("update_weights", None), ("drop_params", None), ("rollout", None)]
-    steps += [("restore", None), ("train", None)]
-    for move in steps:
-        if apply(world, move) != "ok":
-            return [f"{move[0]} did not succeed after recover: {world.lifecycle.fault_cause!r}"]
+    steps = ["recover"] if world.lifecycle.phase is Phase.FAULTED else []
+    steps += ["pause_grads", "update_weights", "drop_params", "rollout", "restore", "train"]
+    for step in steps:
+        if apply(world, (step, None, "")) != "ok":
+            return [f"{step} did not succeed once the world behaved: {world.lifecycle.fault_cause!r}"]
+        if step == "recover" and (found := violations(world)):
+            return [f"after recover: {found}"]
     return violations(world)
 
 
-def explore(mode: Mode) -> dict[str, int]:
-    root = build(mode, verify_cycles=1)
-    start = key(root)
-    frontier: list[tuple[World, tuple[Move, ...]]] = [(root, ())]
+def variants(world: World, state: Saved, plain: Move) -> Iterator[tuple[Move, str]]:
+    """The move as it is, then with each injection at each call it made, each from `state`; the
+    world holds the move's outcome while the caller looks at it."""
+    world.load(state)
+    yield plain, apply(world, plain)
+    calls = list(world.calls.names) if plain[0] in EVENTS else []
+    for index, name in enumerate(calls):
+        for how in injections(name):
+            world.load(state)
+            move = (plain[0], index, how)
+            yield move, apply(world, move)
+
+
+def explore(mode: Mode) -> dict[str, Any]:
+    world = build(mode, verify_cycles=1)
+    start = key(world)
+    frontier: list[tuple[Saved, tuple[Move, ...], Any]] = [(world.save(), (), start)]
     seen = {start}
     edges: dict[Any, list[Any]] = {}
-    moves_made = 0
+    injected: Counter[str] = Counter()
+    recovered = 0
     for _ in range(DEPTH):
         next_frontier = []
-        for world, path in frontier:
-            here = key(world)
+        for state, path, here in frontier:
+            world.load(state)
+            assert key(world) == here, f"after {path}: the saved world did not load back whole"
             children = []
             for plain in PLAIN:
-                trial = copy.deepcopy(world)
-                outcome = apply(trial, plain)
-                calls = trial.calls.count
-                variants = [(trial, plain, outcome)]
-                for fail_at in range(calls if plain[0] in EVENTS else 0):
-                    injected = copy.deepcopy(world)
-                    move = (plain[0], fail_at)
-                    variants.append((injected, move, apply(injected, move)))
-                for after, move, outcome in variants:
-                    moves_made += 1
+                for move, outcome in variants(world, state, plain):
+                    after = world
+                    injected[move[2] or "none"] += 1
                     trail = (*path, move)
                     broken = violations(after)
-                    if outcome == "refused" and key(after) != here:
+                    if outcome == "refused" and move[2] == "fault":
+                        if after.lifecycle.phase is not Phase.FAULTED:  # refused, and then the fault landed
+                            broken.append(f"a fault during a refused {move[0]} did not land")
+                    elif outcome == "refused" and key(after) != here:
                         broken.append(f"a refused {move[0]} changed the state")
                     assert not broken, f"after {trail} ({outcome}): {broken}"
                     child = key(after)
@@ -127,10 +150,12 @@ def explore(mode: Mode) -> dict[str, int]:
                     if child in seen:
                         continue
                     seen.add(child)
+                    saved = world.save()
                     if after.lifecycle.phase is Phase.FAULTED:
-                        stuck = progress(after)
+                        stuck = progress(world)
                         assert not stuck, f"after {trail}: {stuck}"
-                    next_frontier.append((after, trail))
+                        recovered += 1
+                    next_frontier.append((saved, trail, child))
             edges[here] = children
         frontier = next_frontier
     # Sequences covered: every path of DEPTH moves through the explored graph (a seen state stands
@@ -142,7 +167,7 @@ def explore(mode: Mode) -> dict[str, int]:
             for child in edges.get(state, ()):
                 nxt[child] += n
         counts = nxt
-    return {"states": len(seen), "moves": moves_made, "sequences": sum(counts.values())}
+    return {"states": len(seen), "sequences": sum(counts.values()), "injected": injected, "recovered": recovered}
 
 
 @pytest.mark.parametrize("mode", [Mode.REMATERIALIZE, Mode.BACKUP])
@@ -150,9 +175,13 @@ def test_every_sequence_to_depth_8_keeps_the_invariants(mode: Mode, capsys: pyte
     started, cpu = time.perf_counter(), time.process_time()
     counts = explore(mode)
     seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
+    moves = counts["injected"]
     with capsys.disabled():
         print(
             f"\nmodel check {mode.value}: {counts['sequences']:,} sequences of {DEPTH} moves, "
-            f"{counts['states']:,} distinct states, {counts['moves']:,} moves made, {seconds:.1f} s ({cpu:.1f} s CPU)"
+            f"{counts['states']:,} distinct states, {sum(moves.values()):,} moves made "
+            f"({', '.join(f'{n:,} {how}' for how, n in sorted(moves.items()))}), "
+            f"{counts['recovered']:,} FAULTED states recovered, {seconds:.1f} s ({cpu:.1f} s CPU)"
         )
     assert counts["states"] > 50, "the check explored the space, not one corner of it"
+    assert all(moves[how] for how in ("before", "after", "partial", "fault")), moves
