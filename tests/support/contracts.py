@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+import structlog
 import torch
 
 from orchestrator import Lifecycle, LifecycleConfig
@@ -137,6 +138,51 @@ def tensors_made_later_are_paused_too(case: RegionsCase) -> None:
     assert torch.equal(late_state, torch.ones_like(late_state)), "the late optimizer state lost its contents"
 
 
+def paused_says_which_tags_are_paused(case: RegionsCase) -> None:
+    """protocols.MemoryRegions.paused: each tag from its pause until its resume, and no other."""
+    assert case.regions.paused == frozenset()
+    done: set[str] = set()
+    for tag in PAUSE_ORDER:
+        case.regions.pause(tag)
+        done.add(tag)
+        assert case.regions.paused == done, f"after pause({tag})"
+    for tag in reversed(PAUSE_ORDER):
+        case.regions.resume(tag)
+        done.discard(tag)
+        assert case.regions.paused == done, f"after resume({tag})"
+
+
+def _noops(logs: list[dict[str, Any]]) -> list[str]:
+    return [log["call"] for log in logs if log["event"] == "noop"]
+
+
+def a_second_pause_and_a_stray_resume_are_noops(case: RegionsCase) -> None:
+    """protocols.MemoryRegions: pausing a paused tag or resuming a resident one frees and retakes
+    nothing, changes no contents, and leaves a note (torch_memory_saver itself would exit)."""
+    kept = {tag: [t.clone() for t in ts] for tag, ts in case.tensors.items()}
+    for tag in PAUSE_ORDER:  # every tag resident
+        before = case.free()
+        with structlog.testing.capture_logs() as logs:
+            assert case.regions.resume(tag) == 0, f"a stray resume({tag}) reported bytes"
+        assert abs(case.free() - before) <= case.tolerance, f"a stray resume({tag}) took memory"
+        assert _noops(logs) == [f"resume({tag})"], f"no note of the stray resume({tag})"
+    assert case.regions.paused == frozenset()
+    assert all(torch.equal(a, b) for tag in kept for a, b in zip(kept[tag], case.tensors[tag], strict=True))
+    for tag in PAUSE_ORDER:
+        case.regions.pause(tag)
+        before = case.free()
+        with structlog.testing.capture_logs() as logs:
+            assert case.regions.pause(tag) == 0, f"a second pause({tag}) reported bytes"
+        assert abs(case.free() - before) <= case.tolerance, f"a second pause({tag}) freed memory"
+        assert _noops(logs) == [f"pause({tag})"], f"no note of the second pause({tag})"
+        assert tag in case.regions.paused
+    for tag in reversed(PAUSE_ORDER):
+        case.regions.resume(tag)
+    assert case.regions.paused == frozenset()
+    for before, after in zip(kept[Region.DEFAULT], case.tensors[Region.DEFAULT], strict=True):
+        assert torch.equal(before, after), "default lost its contents to a second pause"
+
+
 REGIONS: dict[str, Callable[[RegionsCase], None]] = {
     f.__name__: f
     for f in (
@@ -147,6 +193,8 @@ REGIONS: dict[str, Callable[[RegionsCase], None]] = {
         resume_keeps_the_addresses,
         the_ledger_refuses_a_second_pause_before_the_adapter_acts,
         tensors_made_later_are_paused_too,
+        paused_says_which_tags_are_paused,
+        a_second_pause_and_a_stray_resume_are_noops,
     )
 }
 

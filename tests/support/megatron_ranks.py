@@ -191,10 +191,76 @@ def coverage_scenario(rank: int, world_size: int, out: Path) -> dict[str, Any]:
     return result
 
 
+def params_off_their_mains(trainer: MegatronTrainer, optimizer: Any) -> list[str]:
+    """The bf16 params that are not cast(their fp32 main), by Megatron's own map of each main
+    shard into its param (not the trainer's cast)."""
+    names = {id(p): n for n, p in trainer._params.items()}
+    off = []
+    for opt in optimizer.chained_optimizers:
+        for models, mains in zip(opt.model_float16_groups, opt.shard_fp32_from_float16_groups, strict=True):
+            for model, main in zip(models, mains, strict=True):
+                part = opt._get_model_param_range_map(model)["param"]
+                if not torch.equal(model.detach().view(-1)[part.start : part.end], main.to(model.dtype)):
+                    off.append(names[id(model)])
+    return off
+
+
+def _a_step_that_raised(trainer: MegatronTrainer, chunks: Any, optimizer: Any, batch: torch.Tensor, mode: Mode) -> dict:
+    """Stash, then a step whose inner Adam step runs and whose cast into the params raises; then
+    `rebuild(mode)`. Replaced: `_copy_main_params_to_model_params` of the DistributedOptimizer
+    (this instance's, once), the first call after the inner `optimizer.step()` in Megatron's
+    `step_with_ready_grads`: the mains (and the fp32 param, whose main is itself) have moved, the
+    bf16 params have not."""
+    trainer.stash(mode)
+    stashed = {n: t.detach().clone() for n, t in trainer._extras.items()}
+    before = trainer.mains_generation()
+    (distributed,) = optimizer.chained_optimizers
+
+    def cast_fails() -> None:
+        del distributed._copy_main_params_to_model_params
+        raise RuntimeError("injected: the cast after the inner step")
+
+    distributed._copy_main_params_to_model_params = cast_fails
+    try:
+        train_step(chunks, optimizer, batch)
+        raised = None
+    except RuntimeError as error:
+        raised = str(error)
+    live = {n: t.detach().clone() for n, t in trainer._extras.items()}
+    off = params_off_their_mains(trainer, optimizer)
+    trainer.rebuild(mode)
+    return {
+        "raised": raised,
+        "moved": trainer.mains_generation() - before,
+        "off_before_rebuild": len(off),
+        "off_after_rebuild": params_off_their_mains(trainer, optimizer),
+        "extras_the_step_changed": sorted(n for n in live if not torch.equal(live[n], stashed[n])),
+        "extras_the_rebuild_changed": sorted(n for n in live if not torch.equal(trainer._extras[n], live[n])),
+    }
+
+
+def steps_scenario(rank: int, world_size: int, out: Path) -> dict[str, Any]:
+    """`mains_generation` over real optimizer steps, and a rebuild after a step that raised."""
+    chunks, optimizer = build_gpt(AWKWARD)
+    trainer = MegatronTrainer(chunks, optimizer)
+    generator = torch.Generator().manual_seed(7)
+    generations = [trainer.mains_generation()]
+    for _ in range(2):
+        train_step(chunks, optimizer, tokens(AWKWARD, generator))
+        generations.append(trainer.mains_generation())
+    later = MegatronTrainer(chunks, optimizer)  # its own hooks: it counts from its construction
+    result: dict[str, Any] = {"generations": generations, "later_trainer": later.mains_generation()}
+    for mode in (Mode.REMATERIALIZE, Mode.BACKUP):
+        result[mode.value] = _a_step_that_raised(trainer, chunks, optimizer, tokens(AWKWARD, generator), mode)
+    result["later_trainer_after"] = later.mains_generation()
+    return result
+
+
 SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
     "cycles": cycles_scenario,
     "memory": memory_scenario,
     "coverage": coverage_scenario,
+    "steps": steps_scenario,
 }
 
 

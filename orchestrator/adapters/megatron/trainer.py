@@ -12,6 +12,11 @@ the extras, keeps a small pinned host backup:
 - frozen params (`requires_grad=False`): in no DDP buffer and no optimizer.
 
 Backup mode, the baseline, pins a host copy of every param buffer instead.
+
+A stash holds the params as they were at one optimizer step. `StepsBegun` counts the steps as
+they begin, by a step pre-hook on each inner torch optimizer, so a step that moved the mains and
+then raised (before the cast, or in the all-gather) still counts: a rebuild after it casts from
+the mains whatever the mode, and leaves the extras as the step left them.
 """
 
 from __future__ import annotations
@@ -113,6 +118,42 @@ def _router_dtype(buffer: torch.Tensor) -> None:
         buffer.data = buffer.data.to(torch.float32)
 
 
+class StepsBegun:
+    """How many optimizer steps have begun to change the fp32 mains, counted from the optimizers
+    themselves: a step pre-hook on each inner torch optimizer (`torch.optim.AdamW` on the CPU,
+    TE's or apex's `FusedAdam` on a GPU, all `torch.optim.Optimizer`s) runs before the update,
+    so a step that raises after it counts. The hooks are this instance's: nothing process-wide
+    is changed. Every inner optimizer's step counts: one per step where Megatron chains one
+    optimizer, one per chained optimizer where it chains several (dense and expert params).
+    """
+
+    def __init__(self, optimizers: Sequence[Any]) -> None:
+        self.count = 0
+        for optimizer in optimizers:
+            inner = getattr(optimizer, "optimizer", None)
+            if inner is None:
+                continue  # a stub: no params on this rank, so no mains to change
+            if not isinstance(inner, torch.optim.Optimizer):
+                raise ConfigError([f"{type(inner).__name__}: not a torch optimizer, its steps cannot be counted"])
+            inner.register_step_pre_hook(self._begin)
+
+    def _begin(self, *_: object) -> None:
+        self.count += 1
+
+
+def _extra_kind(param: torch.Tensor, extras: Collection[Extra]) -> Extra | None:
+    if not param.requires_grad and Extra.FROZEN in extras:
+        return Extra.FROZEN
+    if param.dtype == torch.float32 and Extra.FP32 in extras:
+        return Extra.FP32
+    return None
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def _host_like(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
     return torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
 
@@ -151,7 +192,7 @@ class MegatronTrainer:
             for raw, param in chunk.named_parameters():
                 name = prefix + globally(_strip(raw))
                 self._params[name] = param
-                kind = self._extra_kind(param, extras)
+                kind = _extra_kind(param, extras)
                 if kind is not None:
                     self._extras[name] = param
                 # An fp32 param is in a DDP buffer, but its "main" is a view of that buffer: a
@@ -171,19 +212,13 @@ class MegatronTrainer:
         self._digest = DIGESTS[self.digest_method]
         self._extra_backup: dict[str, torch.Tensor] = {}
         self._param_backup: list[torch.Tensor] = []
+        self._steps = StepsBegun(self._optimizers)
+        self._stashed_at: int | None = None  # the step count the stash was taken at
         self.cast = MainParamCast(self._optimizers)  # one Triton launch where it can, else Megatron's loop
 
     def _prefixed(self) -> Iterator[tuple[str, Any]]:
         for i, chunk in enumerate(self._chunks):
             yield (f"vp_stages.{i}." if len(self._chunks) > 1 else ""), chunk
-
-    @staticmethod
-    def _extra_kind(param: torch.Tensor, extras: Collection[Extra]) -> Extra | None:
-        if not param.requires_grad and Extra.FROZEN in extras:
-            return Extra.FROZEN
-        if param.dtype == torch.float32 and Extra.FP32 in extras:
-            return Extra.FP32
-        return None
 
     # ---- the Trainer Protocol -------------------------------------------------------------
 
@@ -197,6 +232,9 @@ class MegatronTrainer:
         )
 
     def stash(self, mode: Mode) -> int:
+        """Copy the extras (and, in backup mode, the param buffers) to host memory, and note the
+        step count they belong to (`mains_generation`)."""
+        self._stashed_at = None  # a stash that raises midway is never trusted
         copied = 0
         for name, tensor in self._extras.items():
             backup = self._extra_backup.get(name)
@@ -214,12 +252,18 @@ class MegatronTrainer:
             for backup, buffer in zip(self._param_backup, self._buffers, strict=True):
                 backup.copy_(buffer.param_data, non_blocking=True)
                 copied += nbytes(buffer.param_data)
-        self._synchronize()
+        _synchronize()
+        self._stashed_at = self.mains_generation()
         return copied
 
     def rebuild(self, mode: Mode) -> int:
+        """Make the params cast(mains): backup mode copies the stash back, rematerialize casts
+        and gathers, and both copy the extras back. A stash older than the last step begun (or
+        none) is stale: the params are cast and gathered whatever the mode, and the extras,
+        which that step found resident and may have changed, stay as they are."""
         written = 0
-        if mode is Mode.BACKUP:
+        current = self._stashed_at == self.mains_generation()
+        if mode is Mode.BACKUP and current:
             for backup, buffer in zip(self._param_backup, self._buffers, strict=True):
                 buffer.param_data.copy_(backup, non_blocking=True)
                 written += nbytes(buffer.param_data)
@@ -229,11 +273,12 @@ class MegatronTrainer:
             with process_span(semconv.GATHER_SPAN):
                 self.gather_params()
             written += sum(nbytes(b.param_data) for b in self._buffers)
-        with process_span(semconv.EXTRAS_SPAN):
-            written += self.copy_extras_back()
+        if current:
+            with process_span(semconv.EXTRAS_SPAN):
+                written += self.copy_extras_back()
         # The grad buffers come back holding whatever the resumed pages held: Megatron's train
         # step zeroes them (`zero_grad_buffer`) before accumulating, so they are not restored.
-        self._synchronize()
+        _synchronize()
         return written
 
     def digests(self) -> Mapping[str, str]:
@@ -257,6 +302,10 @@ class MegatronTrainer:
 
     def host_pinned_bytes(self) -> int:
         return sum(nbytes(t) for t in (*self._extra_backup.values(), *self._param_backup))
+
+    def mains_generation(self) -> int:
+        """Optimizer steps begun (`StepsBegun`), a step that raised midway included."""
+        return self._steps.count
 
     def sync_shapes(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The sync tensors' names, shapes and dtypes, as tensors on the meta device: to check a
@@ -309,11 +358,6 @@ class MegatronTrainer:
     def region_bytes(self) -> dict[str, int]:
         """Bytes each region tag holds once the optimizer has stepped (`steady_region_bytes`)."""
         return steady_region_bytes(self.region_tensors(), self._optimizers)
-
-    @staticmethod
-    def _synchronize() -> None:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
 
 
 def steady_region_bytes(tensors: Mapping[str, Sequence[torch.Tensor]], optimizers: Sequence[Any]) -> dict[str, int]:

@@ -20,6 +20,13 @@ What `pause` counts as freed, per region, is what the memory the storages live i
   happens (the contents go out and come back, as on a GPU), but it frees no memory.
 
 `resume` counts the same way: what the storages' memory had to give back.
+
+`paused` is what this adapter did, storage by storage: a storage counts as paused the moment
+it is freed, and stays paused until its memory and contents are back. So a pause that raised
+midway (a host copy that failed on the second storage) leaves its tag paused, holding what it
+freed, and a resume that raised midway (a `resize_` out of memory) leaves it paused until a
+later resume has retaken the rest. Pausing a paused tag, or resuming a resident one, does
+nothing but note it (`note_noop`).
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from orchestrator.adapters.regions.host import HostArena, as_bytes
+from orchestrator.telemetry.logs import note_noop
 from states import Region
 
 TensorsByTag = Mapping[str, Sequence[torch.Tensor]]
@@ -92,42 +100,70 @@ class StorageRegions:
     ) -> None:
         self._tensors = tensors
         self._keep = frozenset(keep_contents)
-        self._paused: dict[str, list[_Paused]] = {}
+        self._paused: dict[str, list[_Paused]] = {}  # the storages freed, by tag
+        self._saved: dict[str, list[torch.UntypedStorage]] = {}  # what each arena holds, while paused
         self._arenas: dict[str, HostArena] = {}
         return_large_frees_to_the_os()
 
     def tags(self) -> frozenset[str]:
         return frozenset(r.value for r in Region)
 
+    @property
+    def paused(self) -> frozenset[str]:
+        """The tags holding a storage this adapter freed and has not yet restored."""
+        return frozenset(self._paused)
+
     def pause(self, tag: str) -> int:
         """Free the tag's storages (copying `keep_contents` tags to host memory first); returns
-        the bytes their memory got back (see the module docstring)."""
+        the bytes their memory got back (see the module docstring). A paused tag: 0, a note."""
+        if tag in self._paused:
+            note_noop("storage regions", f"pause({tag})", "already paused")
+            return 0
         storages = storages_by_tag(self._tensors())[tag]
         to_arena = tag in self._keep and any(s.device.type == "cuda" for s in storages)
-        if to_arena:
+        if to_arena:  # every byte is on the host before the first storage is freed
             self._arenas.setdefault(tag, HostArena(pinned=True)).save(storages)
-        paused = []
-        for storage in storages:
-            backup = None
-            if tag in self._keep and not to_arena:
-                backup = torch.empty(storage.nbytes(), dtype=torch.uint8)
-                backup.copy_(as_bytes(storage))
-            paused.append(_Paused(storage, storage.nbytes(), backup))
-            storage.resize_(0)
-        self._paused[tag] = paused
+        paused: list[_Paused] = []
+        try:
+            for storage in storages:
+                backup = None
+                if tag in self._keep and not to_arena:
+                    backup = torch.empty(storage.nbytes(), dtype=torch.uint8)
+                    backup.copy_(as_bytes(storage))
+                nbytes = storage.nbytes()
+                storage.resize_(0)
+                paused.append(_Paused(storage, nbytes, backup))
+        finally:  # what was freed is paused, even if a later storage raised
+            if paused or not storages:
+                self._paused[tag] = paused
+                if to_arena:
+                    self._saved[tag] = storages
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         return sum(p.freed for p in paused)
 
     def resume(self, tag: str) -> int:
-        paused = self._paused.pop(tag)
+        """Reallocate the tag's freed storages and copy back what `keep_contents` kept; returns
+        the bytes retaken by this call. The tag is resident only once every storage and its
+        contents are back: after a `resize_` that raised, a second resume retakes the rest.
+        A resident tag: 0, a note."""
+        paused = self._paused.get(tag)
+        if paused is None:
+            note_noop("storage regions", f"resume({tag})", "not paused")
+            return 0
+        retaken = 0
         for p in paused:
-            p.storage.resize_(p.nbytes)
+            if p.storage.nbytes() != p.nbytes:  # else an earlier resume retook it before it raised
+                p.storage.resize_(p.nbytes)
+                retaken += p.freed
+        for p in paused:
             if p.backup is not None:
                 as_bytes(p.storage).copy_(p.backup)
-        if tag in self._arenas and paused:
-            self._arenas[tag].load([p.storage for p in paused])
-        return sum(p.freed for p in paused)
+        if tag in self._saved:
+            self._arenas[tag].load(self._saved[tag])
+        del self._paused[tag]
+        self._saved.pop(tag, None)
+        return retaken
 
     def host_arena_bytes(self) -> int:
         """Pinned host bytes the arenas hold (GPU storages only), kept across cycles."""

@@ -9,6 +9,12 @@ torch_memory_saver's `hook_mode="torch"` pool serves the allocation. The optimiz
 re-homed into `default` with a CPU backup, so its contents survive a pause. Storages that
 appear later (Adam moments, at the first optimizer step) are re-homed at the next pause.
 
+torch_memory_saver ends the process on a pause of a paused tag or a resume of a resident one, so
+this adapter never passes either on: it keeps which tags it paused (`paused`) and makes both a
+no-op with a note (`note_noop`). A tag counts as paused from the moment torch_memory_saver's
+pause returned (its pages are unmapped then) until its pages are mapped again and the bytes it
+keeps are back: a resume that raised midway leaves it paused, and the next resume finishes it.
+
 Import order: Megatron sets `torch_memory_saver.hook_mode = "torch"` when its inference context
 is imported, which fails once torch_memory_saver is initialised, so Megatron is imported first.
 """
@@ -24,6 +30,7 @@ import torch
 
 from orchestrator.adapters.regions.host import HostArena, as_bytes
 from orchestrator.adapters.regions.storage import TensorsByTag, storages_by_tag
+from orchestrator.telemetry.logs import note_noop
 from states import Region
 
 _KEEP_CONTENTS = frozenset({Region.DEFAULT.value})
@@ -62,7 +69,7 @@ class TorchMemorySaverRegions:
         self._homed: set[int] = set()  # data_ptr of re-homed storages: stable across pause and resume
         self._arenas = {tag: HostArena(pinned=True) for tag in _KEEP_CONTENTS}
         self._saved: dict[str, list[torch.UntypedStorage]] = {}  # what each arena holds, while paused
-        self._paused: set[str] = set()
+        self._unmapped: set[str] = set()  # the tags torch_memory_saver holds paused
         self._rehome_new()
 
     def _rehome_new(self) -> None:
@@ -89,31 +96,43 @@ class TorchMemorySaverRegions:
 
     @property
     def paused(self) -> frozenset[str]:
-        """The tags this adapter has paused and not resumed."""
-        return frozenset(self._paused)
+        """The tags torch_memory_saver holds unmapped, and those whose kept bytes are not back
+        yet (a resume that mapped the pages, then raised before the arena's copy)."""
+        return frozenset(self._unmapped | self._saved.keys())
 
     def pause(self, tag: str) -> int:
-        if tag in self._paused:  # torch_memory_saver would end the process
-            raise RuntimeError(f"pause of {tag!r}: already paused")
+        """Unmap the tag's pages (`default`'s bytes go to the host arena first); returns the bytes
+        the device got back. A paused tag: 0 and a note, never torch_memory_saver's exit."""
+        if tag in self.paused:
+            note_noop("torch_memory_saver regions", f"pause({tag})", "already paused")
+            return 0
         self._rehome_new()
         torch.cuda.synchronize()  # nothing queued may still touch memory about to be unmapped
         before = _free_device_bytes()
-        if tag in self._arenas:
-            self._saved[tag] = storages_by_tag(self._tensors())[tag]
-            self._arenas[tag].save(self._saved[tag])
+        kept = storages_by_tag(self._tensors())[tag] if tag in self._arenas else None
+        if kept is not None:
+            self._arenas[tag].save(kept)
         self._tms.pause(tag)
-        self._paused.add(tag)
+        self._unmapped.add(tag)
+        if kept is not None:
+            self._saved[tag] = kept
         return _free_device_bytes() - before
 
     def resume(self, tag: str) -> int:
-        if tag not in self._paused:  # torch_memory_saver would end the process
-            raise RuntimeError(f"resume of {tag!r}: not paused")
+        """Map fresh pages at the same addresses (`default`'s bytes come back from the arena);
+        returns the bytes retaken. A resident tag: 0 and a note, never torch_memory_saver's exit.
+        After a resume that raised, a second one does what the first left undone."""
+        if tag not in self.paused:
+            note_noop("torch_memory_saver regions", f"resume({tag})", "not paused")
+            return 0
         before = _free_device_bytes()
-        self._tms.resume(tag)
-        self._paused.discard(tag)
+        if tag in self._unmapped:
+            self._tms.resume(tag)
+            self._unmapped.discard(tag)
         retaken = before - _free_device_bytes()
-        if tag in self._arenas:  # queued: the current stream waits for it (HostArena.load)
-            self._arenas[tag].load(self._saved.pop(tag))
+        if tag in self._saved:  # queued: the current stream waits for it (HostArena.load)
+            self._arenas[tag].load(self._saved[tag])
+            del self._saved[tag]
         return retaken
 
     def host_arena_bytes(self) -> int:

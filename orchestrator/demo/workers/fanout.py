@@ -24,7 +24,13 @@ from states import EngineMemory, Mode, TrainerLayout, TrainingSetup
 
 
 class DistributedTrainer:
-    """Trainer + MemoryRegions over every rank, as one object."""
+    """Trainer + MemoryRegions over every rank, as one object.
+
+    What is true now is read from every rank: a tag paused on any rank is paused (a call that
+    failed on one rank may have taken effect on the others), and a step begun on any rank moved
+    the mains. So recover's calls go to every rank, where each rank's adapter makes a call whose
+    work is done a no-op with a note.
+    """
 
     def __init__(self, ranks: WorkerPool[TrainerRank]) -> None:
         self.ranks = ranks
@@ -54,6 +60,10 @@ class DistributedTrainer:
         """Per rank: every rank pins the same."""
         return max(self.ranks.all(TrainerRank.host_pinned_bytes))
 
+    def mains_generation(self) -> int:
+        """The sum of every rank's count: it moves when any rank begins a step."""
+        return sum(self.ranks.all(TrainerRank.mains_generation))
+
     def tags(self) -> frozenset[str]:
         return frozenset(self.ranks.one(0, TrainerRank.tags))
 
@@ -69,6 +79,11 @@ class DistributedTrainer:
     def host_arena_bytes(self) -> int:
         """Per rank, what its regions' host arenas pin: every rank pins the same."""
         return max(self.ranks.all(TrainerRank.host_arena_bytes))
+
+    @property
+    def paused(self) -> frozenset[str]:
+        """The tags paused on any rank."""
+        return frozenset().union(*self.ranks.all(TrainerRank.paused))
 
     def pause(self, tag: str) -> int:
         return sum(self.ranks.all(TrainerRank.pause, tag))

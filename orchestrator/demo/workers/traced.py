@@ -22,7 +22,8 @@ class Traced:
     untraced = frozenset(
         {
             "ready", "tags", "layout", "weight_version", "is_idle", "host_pinned_bytes", "host_arena_bytes", "probe",
-            "flush_traces", "device_memory", "footprint", "region_bytes", "unallocated_bytes",
+            "flush_traces", "device_memory", "footprint", "region_bytes", "unallocated_bytes", "paused",
+            "mains_generation",
         }
     )  # fmt: skip
 

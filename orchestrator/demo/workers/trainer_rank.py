@@ -132,6 +132,9 @@ class TrainerRank(Traced):
     def host_pinned_bytes(self) -> int:
         return self.trainer.host_pinned_bytes()
 
+    def mains_generation(self) -> int:
+        return self.trainer.mains_generation()
+
     def tags(self) -> frozenset[str]:
         return self.regions.tags()
 
@@ -153,6 +156,10 @@ class TrainerRank(Traced):
 
     def resume(self, tag: str) -> int:
         return self.regions.resume(tag)
+
+    def paused(self) -> frozenset[str]:
+        """The regions' `paused`, as a call: the driver reaches a rank by its methods (`WorkerPool`)."""
+        return self.regions.paused
 
     # The work of a step.
     def train(self, batch: Batch) -> float:
