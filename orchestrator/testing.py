@@ -129,7 +129,9 @@ class InMemoryTrainer:
     def digests(self) -> Mapping[str, str]:
         named = {**self.params, "router.expert_bias": self.extra}
         return {
-            n: hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest() for n, t in named.items()
+            # A copy goes to numpy: numpy's view would pin the storage's size (StorageRegions resizes it).
+            n: hashlib.sha256(t.view(torch.uint8).clone().numpy().tobytes()).hexdigest()
+            for n, t in named.items()
         }
 
     def sync_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
