@@ -14,6 +14,10 @@ Implements `orchestrator.protocols.RolloutEngine` the way SGLang behaves, on CPU
   `Cache` whose layers are views of it (decode.py). Released and resumed like the weights.
 - `cuda_graph`: accepted and recorded; this engine captures no graphs, so nothing is freed.
 
+`released()` reports the tags whose storage is freed now. Releasing a released tag or resuming a
+resident one is a no-op with a note (`note_noop`); a release while a request is in flight is
+refused before anything is freed.
+
 The engine serves a version once every checkpoint name has been loaded at that version
 (`update_weights` takes one bucket at a time). Like SGLang, it keeps reporting that version after
 its weights are released, but it refuses to generate until a complete sync has refilled them.
@@ -38,6 +42,7 @@ from orchestrator.adapters.megatron.gpt import TinyGPTConfig
 from orchestrator.adapters.regions.storage import return_large_frees_to_the_os
 from orchestrator.adapters.transport.bucketed import nbytes
 from orchestrator.errors import EngineError
+from orchestrator.telemetry.logs import note_noop
 from states import EngineMemory
 
 _ALIGN = 256  # bytes: where each param starts in the engine's one weight storage
@@ -152,29 +157,41 @@ class TransformersEngine:
     # ---- the RolloutEngine Protocol --------------------------------------------------------
 
     def release(self, tags: frozenset[EngineMemory]) -> None:
+        """Refused while a request is in flight, before anything is freed. Tags already released
+        are left as they are, with a note. Each tag counts as released once its storage is freed,
+        so a release that raises midway leaves `released()` true."""
         self._require_idle("release")
-        already = tags & self._released
-        if already:
-            raise EngineError(self.name, f"release of {', '.join(sorted(already))}: already released")
-        if EngineMemory.WEIGHTS in tags:
+        if tags & self._released:
+            note_noop(self.name, "release", f"{', '.join(sorted(tags & self._released))} already released")
+        todo = tags - self._released
+        if EngineMemory.WEIGHTS in todo:
             self._weights.untyped_storage().resize_(0)  # every param is a view of it
             self._missing, self._loading = set(self._slots.names), None
-        if EngineMemory.KV_CACHE in tags:
+            self._released.add(EngineMemory.WEIGHTS)
+        if EngineMemory.KV_CACHE in todo:
             self._kv.untyped_storage().resize_(0)
-        self._released |= tags
+            self._released.add(EngineMemory.KV_CACHE)
+        self._released |= todo  # cuda_graph: nothing to free
         _return_freed_pages(self.device)
 
     def resume(self, tags: frozenset[EngineMemory]) -> None:
-        not_released = tags - self._released
-        if not_released:
-            raise EngineError(self.name, f"resume of {', '.join(sorted(not_released))}: not released")
-        if EngineMemory.WEIGHTS in tags:
+        """Tags not released are left as they are, with a note. Each tag counts as resident once
+        its storage is back, so a resume that raises midway (out of memory) leaves `released()` true."""
+        if tags - self._released:
+            note_noop(self.name, "resume", f"{', '.join(sorted(tags - self._released))} not released")
+        todo = tags & self._released
+        if EngineMemory.WEIGHTS in todo:
             self._weights.untyped_storage().resize_(self._weights_bytes)
-        if EngineMemory.KV_CACHE in tags:
+            self._released.discard(EngineMemory.WEIGHTS)
+        if EngineMemory.KV_CACHE in todo:
             self._kv.untyped_storage().resize_(self._kv_bytes)
+            self._released.discard(EngineMemory.KV_CACHE)
             # Fresh pages may hold NaN bit patterns, and a masked slot still contributes 0 · NaN.
             self._kv.zero_()
-        self._released -= tags
+        self._released -= todo
+
+    def released(self) -> frozenset[EngineMemory]:
+        return frozenset(self._released)
 
     def flush_cache(self) -> None:
         """Zero the KV slab. Each `generate` already starts from an empty cache (there is no prefix
