@@ -239,10 +239,11 @@ def a_dead_engine_is_an_engine_error_on_every_call(case: EngineCase) -> None:
     from orchestrator.errors import EngineError
 
     case.load(1)
+    case.engine.release(KV)  # so that both memory calls below have something to send
     assert case.kill is not None
     case.kill()
     calls: list[Callable[[], Any]] = [
-        lambda: case.engine.release(KV),
+        lambda: case.engine.release(WEIGHTS),
         lambda: case.engine.resume(KV),
         case.engine.flush_cache,
         case.engine.weight_version,
