@@ -160,19 +160,20 @@ class _FailingStorage:
 
 def test_a_release_or_resume_that_raises_midway_reports_what_it_did(synced: TransformersEngine) -> None:
     """The weights are freed before the KV slab: a failure at the slab leaves them released."""
-    kv, synced._kv = synced._kv, _FailingStorage()  # type: ignore[assignment]
+    kv = synced._kv
+    synced._storage[KV] = _FailingStorage()  # type: ignore[assignment]
     with pytest.raises(RuntimeError, match="the allocator failed"):
         synced.release(frozenset({WEIGHTS, KV}))
     assert synced.released() == {WEIGHTS}
     assert synced.resident_bytes()[WEIGHTS] == 0
-    synced._kv = kv
+    synced._storage[KV] = kv
     synced.release(frozenset({WEIGHTS, KV}))  # weights: a no-op now
     assert synced.released() == {WEIGHTS, KV}
-    synced._kv = _FailingStorage()  # type: ignore[assignment]
+    synced._storage[KV] = _FailingStorage()  # type: ignore[assignment]
     with pytest.raises(RuntimeError, match="the allocator failed"):
         synced.resume(frozenset({WEIGHTS, KV}))
     assert synced.released() == {KV}, "the weights came back, the slab did not"
-    synced._kv = kv
+    synced._storage[KV] = kv
     synced.resume(frozenset({KV}))
     assert synced.released() == frozenset()
 
