@@ -19,7 +19,7 @@ import torch
 from orchestrator.errors import EngineError
 from orchestrator.protocols import MemoryRegions, Named, RolloutEngine, WeightTransport, WeightUpdateSessions
 from orchestrator.testing import InMemoryEngine, InMemoryRegions, InMemoryTrainer, InMemoryTransport
-from states import Mode, Region
+from states import EngineMemory, Mode, Region
 
 MiB = 1 << 20
 NO_BACKUP = (Region.PARAM_BUFFER.value, Region.GRAD_BUFFER.value)  # contents lost at a pause
@@ -130,6 +130,10 @@ class EngineCase:
     weights: Sequence[Named] = ()  # what the transport pushes, in the engine's names ([] if it reads a trainer)
     kill: Callable[[], None] | None = None  # make the engine unreachable (a server that died)
     replicas: int = 1  # servers a bucket goes to (each counts the bytes it was sent)
+    # Remote engines: what the servers themselves released (every server's, for a group), and a
+    # way to lose the answer to the next memory call on every server (the stand-in's `fault`).
+    truth: Callable[[], frozenset[EngineMemory]] | None = None
+    fault: Callable[[str, float], None] | None = None
 
     def session(self) -> AbstractContextManager[None]:
         engine = self.engine
@@ -243,6 +247,26 @@ def stand_in(stack: ExitStack) -> Served:
     return served
 
 
+READ_TIMEOUT_S = 2.0  # the SGLang cases' read timeout: a fault answers later than this
+
+
+def _truth(servers: Sequence[Served]) -> Callable[[], frozenset[EngineMemory]]:
+    def truth() -> frozenset[EngineMemory]:
+        dead = [s.server.state.dead for s in servers if s.server.state.dead]
+        assert not dead, f"a server ended: {dead}"
+        return frozenset.intersection(*(frozenset(map(EngineMemory, s.server.state.released)) for s in servers))
+
+    return truth
+
+
+def _fault(servers: Sequence[Served]) -> Callable[[str, float], None]:
+    def fault(kind: str, seconds: float) -> None:
+        for s in servers:
+            s.server.state.fault = (kind, seconds)
+
+    return fault
+
+
 def _stand_in_busy(servers: Sequence[Served]) -> Callable[[Callable[[], None]], None]:
     def while_busy(check: Callable[[], None]) -> None:
         for s in servers:
@@ -264,13 +288,28 @@ def sglang_engine() -> Iterator[EngineCase]:
     with ExitStack() as stack:
         served = stand_in(stack)
         engine = SGLangEngine(
-            served.server.url, connect_timeout_s=1.0, retries=0, flush_max_wait_s=1.0, flush_poll_s=0.01
+            served.server.url,
+            connect_timeout_s=1.0,
+            read_timeout_s=READ_TIMEOUT_S,
+            retries=0,
+            flush_max_wait_s=1.0,
+            flush_poll_s=0.01,
         )
         stack.callback(engine.close)
         weights = hf_weights(served.server.state.model.model)
         transport = BucketedTransport(lambda: weights, engine, bucket_bytes=16 << 10)
         serve = lambda: engine.generate(PROMPTS.tolist(), {"max_new_tokens": 2, "temperature": 1.0})  # noqa: E731
-        yield EngineCase(engine, transport, serve, _stand_in_busy([served]), EngineError, weights, served.die(engine))
+        yield EngineCase(
+            engine,
+            transport,
+            serve,
+            _stand_in_busy([served]),
+            EngineError,
+            weights,
+            served.die(engine),
+            truth=_truth([served]),
+            fault=_fault([served]),
+        )
 
 
 @contextmanager
@@ -281,7 +320,12 @@ def sglang_group() -> Iterator[EngineCase]:
     with ExitStack() as stack:
         servers = [stand_in(stack), stand_in(stack)]
         group = SGLangGroup(
-            [s.server.url for s in servers], connect_timeout_s=1.0, retries=0, flush_max_wait_s=1.0, flush_poll_s=0.01
+            [s.server.url for s in servers],
+            connect_timeout_s=1.0,
+            read_timeout_s=READ_TIMEOUT_S,
+            retries=0,
+            flush_max_wait_s=1.0,
+            flush_poll_s=0.01,
         )
         stack.callback(group.close)
         group.connect()
@@ -292,5 +336,14 @@ def sglang_group() -> Iterator[EngineCase]:
             return group.generate(PROMPTS, max_new_tokens=2, temperature=1.0, seed=0)
 
         yield EngineCase(
-            group, transport, serve, _stand_in_busy(servers), EngineError, weights, servers[1].die(group.engines[1]), 2
+            group,
+            transport,
+            serve,
+            _stand_in_busy(servers),
+            EngineError,
+            weights,
+            servers[1].die(group.engines[1]),
+            2,
+            truth=_truth(servers),
+            fault=_fault(servers),
         )

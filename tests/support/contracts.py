@@ -16,7 +16,7 @@ import torch
 
 from orchestrator import Lifecycle, LifecycleConfig
 from orchestrator.core.regions import RegionLedger
-from orchestrator.errors import RegionRefused
+from orchestrator.errors import EngineError, RegionRefused
 from orchestrator.protocols import LoadsWeights, MemoryRegions, RolloutEngine, WeightTransport
 from orchestrator.testing import InMemoryRegions, InMemoryTrainer
 from states import EngineMemory, Phase, Region
@@ -283,14 +283,48 @@ def the_lifecycle_drives_two_cycles_on_it(case: EngineCase) -> None:
     assert lifecycle.phase is Phase.TRAIN and lifecycle.last_restore_verified
 
 
-def a_dead_engine_is_an_engine_error_on_every_call(case: EngineCase) -> None:
-    from orchestrator.errors import EngineError
-
+def released_reports_what_release_and_resume_did(case: EngineCase) -> None:
+    """protocols.RolloutEngine.released, and the server's own state where it has one."""
+    engine = case.engine
     case.load(1)
+    steps = [
+        (engine.release, KV, KV),
+        (engine.release, ALL, ALL),
+        (engine.resume, WEIGHTS, KV),
+        (engine.resume, KV, frozenset()),
+    ]
+    for call, tags, expected in steps:
+        call(tags)
+        assert engine.released() == expected, f"{call.__name__}({sorted(tags)})"
+        if case.truth is not None:
+            assert case.truth() == expected, f"the server after {call.__name__}({sorted(tags)})"
+
+
+def a_repeated_release_or_resume_changes_nothing(case: EngineCase) -> None:
+    """A release of released memory and a resume of resident memory are no-ops: the weights still
+    serve after a no-op resume of them, and the version stands."""
+    engine = case.engine
+    case.load(2)
+    engine.release(KV)
+    engine.release(KV)
+    assert engine.released() == KV
+    engine.resume(WEIGHTS)  # resident: nothing may reallocate (and so lose) them
+    assert engine.released() == KV and engine.weight_version() == 2
+    engine.resume(ALL)  # weights resident, KV released: only KV comes back
+    engine.resume(ALL)
+    assert engine.released() == frozenset() and engine.weight_version() == 2
+    if case.truth is not None:
+        assert case.truth() == frozenset()
+    case.serve()  # no sync since: the weights were never released
+
+
+def a_dead_engine_is_an_engine_error_on_every_call(case: EngineCase) -> None:
+    case.load(1)
+    case.engine.release(KV)  # so that both memory calls below have something to send
     assert case.kill is not None
     case.kill()
     calls: list[Callable[[], Any]] = [
-        lambda: case.engine.release(KV),
+        lambda: case.engine.release(WEIGHTS),
         lambda: case.engine.resume(KV),
         case.engine.flush_cache,
         case.engine.weight_version,
@@ -340,6 +374,39 @@ def a_partial_load_does_not_serve_the_new_version(case: EngineCase) -> None:
     assert engine.weight_version() == 1, "half the weights arrived, and the new version is served"
 
 
+def unanswered_memory_calls_are_settled_to_what_the_server_did(case: EngineCase) -> None:
+    """A release and a resume whose answer was lost (answered late, the connection dropped after
+    the server applied it, the server held up before applying it): `released()` reports what the
+    server did, and the next release of everything sends nothing twice (a double release would
+    end an SGLang server: `truth` asserts every server lives)."""
+    import time
+
+    from tests.support.contract_cases import READ_TIMEOUT_S
+
+    engine, truth, fault = case.engine, case.truth, case.fault
+    assert truth is not None and fault is not None
+    case.load(1)
+    for kind in ("late", "drop", "stall"):
+        fault(kind, READ_TIMEOUT_S + 0.5)
+        with pytest.raises(EngineError):
+            engine.release(KV)
+        time.sleep(0.6 if kind != "drop" else 0)  # the server has finished with it
+        assert truth() == KV, kind
+        assert engine.released() == KV, f"{kind}: released() did not settle the release"
+        engine.release(ALL)  # what recover does: KV is not sent again
+        assert truth() == ALL and engine.released() == ALL
+        fault(kind, READ_TIMEOUT_S + 0.5)
+        with pytest.raises(EngineError):
+            engine.resume(ALL)
+        time.sleep(0.6 if kind != "drop" else 0)
+        assert engine.released() == truth() == frozenset(), f"{kind}: released() did not settle the resume"
+        engine.release(ALL)
+        engine.resume(ALL)
+        assert truth() == frozenset()
+    case.load(2)
+    case.serve()
+
+
 ENGINES: dict[str, Callable[[EngineCase], None]] = {
     f.__name__: f
     for f in (
@@ -349,14 +416,20 @@ ENGINES: dict[str, Callable[[EngineCase], None]] = {
         serving_is_refused_while_its_memory_is_released,
         the_version_survives_a_release_and_a_refill_serves_it_again,
         the_lifecycle_drives_two_cycles_on_it,
+        released_reports_what_release_and_resume_did,
+        a_repeated_release_or_resume_changes_nothing,
     )
 }
 ENGINES_THAT_LOAD: dict[str, Callable[[EngineCase], None]] = {
     f.__name__: f
     for f in (loads_bucket_by_bucket_and_reports_bytes_written, a_partial_load_does_not_serve_the_new_version)
 }
-REMOTE_ENGINES = {
-    a_dead_engine_is_an_engine_error_on_every_call.__name__: a_dead_engine_is_an_engine_error_on_every_call
+REMOTE_ENGINES: dict[str, Callable[[EngineCase], None]] = {
+    f.__name__: f
+    for f in (
+        a_dead_engine_is_an_engine_error_on_every_call,
+        unanswered_memory_calls_are_settled_to_what_the_server_did,
+    )
 }
 
 

@@ -8,8 +8,15 @@ behaviours colocate relies on (sglang 0.5.23, design §4):
   (its pydantic schema uses `extra_behavior="ignore"`), so a misspelt `weight_verison` would be
   dropped silently there; the stand-in is stricter on purpose.
 - /flush_cache answers 400 while requests are in flight (`hold`), 200 once they finish.
-- release while requests are in flight fails (SGLang's scheduler asserts idle); resuming a tag
-  that is not released fails (SGLang's `offload_tags.remove`).
+- release while requests are in flight fails (SGLang's scheduler asserts idle).
+- a release of a released tag, or a resume of a tag that is not released, ends the server, as in
+  SGLang (torch_memory_saver's `exit(1)` on a double pause; the scheduler's `KeyError` from
+  `offload_tags.remove`, which ends its process: see client.py): `state.dead` says why, and every
+  later request gets its connection closed unanswered.
+- `state.fault` plays a memory call whose answer is lost, for the next release or resume:
+  ("late", s) applies it and answers s seconds later; ("stall", s) holds the server s seconds
+  before applying it (SGLang's scheduler handles one request at a time: a later request waits),
+  then answers; ("drop", 0) applies it and closes the connection unanswered.
 - `weight_version` sent with a successful update is what /model_info reports afterwards ("default"
   before); an update without one leaves it unchanged, as SGLang's `TokenizerControlMixin`
   (tokenizer_control_mixin.py: `update_weights_from_tensor`, `update_weights_from_distributed`) sets
@@ -58,6 +65,7 @@ import json
 import pickle
 import sys
 import threading
+import time
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -95,6 +103,13 @@ def _rebuild_cuda_tensor(*args: Any) -> torch.Tensor:
     if isinstance(device, str):
         args = (*args[:_CUDA_DEVICE_ARG], _device_index(device), *args[_CUDA_DEVICE_ARG + 1 :])
     return reductions.rebuild_cuda_tensor(*args)
+
+
+class _Died(Exception):
+    """The server ended: the connection closes unanswered."""
+
+
+_MEMORY_ROUTES = ("/release_memory_occupation", "/resume_memory_occupation")
 
 
 class _Refused(Exception):
@@ -166,6 +181,8 @@ class StandInState:
     skip_tokenizer_init: bool = True  # started as the README starts SGLang
     session_open: bool = False  # between /begin_weight_update and /end_weight_update
     sessions: int = 0  # sessions closed
+    fault: tuple[str, float] | None = None  # the next memory call's lost answer (see the module docstring)
+    dead: str | None = None  # why the server ended, as SGLang's would
 
 
 class SGLangStandIn:
@@ -234,16 +251,30 @@ class SGLangStandIn:
     # ---- routes ----------------------------------------------------------------------------
 
     def handle(self, method: str, path: str, body: Any, traceparent: str | None = None) -> tuple[int, Any]:
+        """The answer; raises `_Died` where the connection must close unanswered. A fault's late
+        answer is slept out after the lock is let go (the server goes on serving meanwhile)."""
         route = path.split("?", 1)[0]
         with self.lock:
+            if self.state.dead is not None:
+                raise _Died(self.state.dead)
             self.state.requests.append((path, body))
             self.state.traceparents.append(traceparent)
+            fault = self.state.fault if route in _MEMORY_ROUTES else None
+            if fault is not None:
+                self.state.fault = None
+                if fault[0] == "stall":
+                    time.sleep(fault[1])  # the scheduler is busy with it: later requests wait
             if route in self.routes:
                 self.validate(route, body)
             handler = _ROUTES.get((method, route))
             if handler is None:
                 return 404, {"detail": "Not Found"}
-            return handler(self, self.state, body)
+            answer = handler(self, self.state, body)
+        if fault is not None and fault[0] == "drop":
+            raise _Died("the connection dropped after the call was applied")
+        if fault is not None and fault[0] == "late":
+            time.sleep(fault[1])
+        return answer
 
 
 def _idle_required(state: StandInState, call: str) -> None:
@@ -257,8 +288,11 @@ def _release(server: SGLangStandIn, state: StandInState, body: dict[str, Any]) -
     unknown = sorted(set(tags) - set(TAGS))
     if unknown:
         raise _Refused(f"unknown memory tag(s) {unknown}")
+    if set(tags) & state.released:  # torch_memory_saver: "Cannot pause allocation that is not active"
+        state.dead = f"double pause of {sorted(set(tags) & state.released)}: torch_memory_saver exit(1)"
+        raise _Died(state.dead)
     if state.model is not None:
-        state.model.release(frozenset(EngineMemory(t) for t in set(tags) - state.released))
+        state.model.release(frozenset(EngineMemory(t) for t in tags))
     state.released |= set(tags)
     return 200, None
 
@@ -266,8 +300,9 @@ def _release(server: SGLangStandIn, state: StandInState, body: dict[str, Any]) -
 def _resume(server: SGLangStandIn, state: StandInState, body: dict[str, Any]) -> tuple[int, Any]:
     tags = body.get("tags") or list(TAGS)
     not_released = sorted(set(tags) - state.released)
-    if not_released:
-        raise _Refused(f"KeyError: {not_released} not released")
+    if not_released:  # offload_tags.remove raises in the scheduler's process, which ends the server
+        state.dead = f"resume of {not_released}, not released: KeyError in the scheduler"
+        raise _Died(state.dead)
     if state.model is not None:
         state.model.resume(frozenset(EngineMemory(t) for t in tags))
     state.released -= set(tags)
@@ -516,6 +551,9 @@ def _handler(server: SGLangStandIn) -> type[BaseHTTPRequestHandler]:
             try:
                 body = json.loads(raw) if raw else {}
                 status, content = server.handle(method, self.path, body, self.headers.get("traceparent"))
+            except _Died:
+                self.close_connection = True
+                return
             except _Refused as exc:
                 status, content = exc.status, {"object": "error", "message": str(exc), "code": exc.status}
             except (LookupError, ValueError, RuntimeError) as exc:  # the model refused (EngineError is one)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import structlog
 import torch
 
 pytest.importorskip("transformers")
@@ -132,14 +133,65 @@ def test_release_kv_frees_the_slab_and_resume_gives_it_back_zeroed(synced: Trans
     synced.generate(prompts(), max_new_tokens=2, temperature=1.0, seed=0)
 
 
-def test_cuda_graph_is_accepted_and_recorded(synced: TransformersEngine) -> None:
+def test_cuda_graph_is_accepted_and_recorded_and_a_repeat_is_a_noop_with_a_note(synced: TransformersEngine) -> None:
     synced.release(frozenset({GRAPH}))
-    with pytest.raises(EngineError, match="cuda_graph: already released"):
-        synced.release(frozenset({GRAPH}))
-    synced.generate(prompts(), max_new_tokens=2, temperature=1.0, seed=0)
-    synced.resume(frozenset({GRAPH}))
-    with pytest.raises(EngineError, match="cuda_graph: not released"):
+    assert synced.released() == {GRAPH}
+    with structlog.testing.capture_logs() as logs:
+        synced.release(frozenset({GRAPH, KV}))  # graph: a no-op; kv: released
+    assert synced.released() == {GRAPH, KV} and synced.resident_bytes()[KV] == 0
+    assert [(e["call"], e["why"]) for e in logs if e["event"] == "noop"] == [("release", "cuda_graph already released")]
+    synced.resume(frozenset({GRAPH, KV}))
+    with structlog.testing.capture_logs() as logs:
         synced.resume(frozenset({GRAPH}))
+    assert [(e["call"], e["why"]) for e in logs if e["event"] == "noop"] == [("resume", "cuda_graph not released")]
+    assert synced.released() == frozenset()
+    synced.generate(prompts(), max_new_tokens=2, temperature=1.0, seed=0)
+
+
+class _FailingStorage:
+    """A KV slab whose storage cannot be resized: a release or resume that raises midway."""
+
+    def untyped_storage(self) -> _FailingStorage:
+        return self
+
+    def resize_(self, nbytes: int) -> None:
+        raise RuntimeError("the allocator failed")
+
+
+def test_a_release_or_resume_that_raises_midway_reports_what_it_did(synced: TransformersEngine) -> None:
+    """The weights are freed before the KV slab: a failure at the slab leaves them released."""
+    kv = synced._kv
+    synced._storage[KV] = _FailingStorage()  # type: ignore[assignment]
+    with pytest.raises(RuntimeError, match="the allocator failed"):
+        synced.release(frozenset({WEIGHTS, KV}))
+    assert synced.released() == {WEIGHTS}
+    assert synced.resident_bytes()[WEIGHTS] == 0
+    synced._storage[KV] = kv
+    synced.release(frozenset({WEIGHTS, KV}))  # weights: a no-op now
+    assert synced.released() == {WEIGHTS, KV}
+    synced._storage[KV] = _FailingStorage()  # type: ignore[assignment]
+    with pytest.raises(RuntimeError, match="the allocator failed"):
+        synced.resume(frozenset({WEIGHTS, KV}))
+    assert synced.released() == {KV}, "the weights came back, the slab did not"
+    synced._storage[KV] = kv
+    synced.resume(frozenset({KV}))
+    assert synced.released() == frozenset()
+
+
+def test_release_while_busy_is_refused_before_anything_is_freed(synced: TransformersEngine) -> None:
+    refused: list[Exception] = []
+
+    def hook(*_: object) -> None:
+        handle.remove()
+        try:
+            synced.release(frozenset({WEIGHTS, KV}))
+        except EngineError as exc:
+            refused.append(exc)
+
+    handle = synced.model.register_forward_pre_hook(hook)
+    synced.generate(prompts(), max_new_tokens=2, temperature=1.0, seed=0)
+    assert len(refused) == 1 and "in flight" in str(refused[0])
+    assert synced.released() == frozenset() and synced.resident_bytes()[WEIGHTS] > 0
 
 
 def test_flush_zeroes_the_slab_and_clears_staleness(synced: TransformersEngine) -> None:

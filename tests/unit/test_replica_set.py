@@ -57,3 +57,20 @@ def test_replicas_that_disagree_match_no_trainer() -> None:
     weight = two.replicas.workers[1].engine.model.get_parameter("model.norm.weight")
     weight.data.view(torch.int16)[0] ^= 1
     assert all(name.startswith("replica") for name in two.digests())
+
+
+def test_a_tag_is_released_only_where_every_replica_released_it() -> None:
+    """A release that reached one replica and failed on the other: the set reports the tag held,
+    so recover releases it on both (a no-op, with a note, on the one that had)."""
+    two = synced(replicas(2))
+    first, second = two.replicas.workers
+    kv = frozenset({EngineMemory.KV_CACHE})
+    first.release(kv)
+    assert first.released() == kv and two.released() == frozenset()
+    two.release(kv)
+    assert two.released() == kv
+    assert all(r.engine.resident_bytes()[EngineMemory.KV_CACHE] == 0 for r in (first, second))
+    second.resume(kv)
+    assert two.released() == frozenset()
+    two.resume(kv)
+    assert first.released() == second.released() == frozenset()

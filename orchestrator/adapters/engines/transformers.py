@@ -14,6 +14,10 @@ Implements `orchestrator.protocols.RolloutEngine` the way SGLang behaves, on CPU
   `Cache` whose layers are views of it (decode.py). Released and resumed like the weights.
 - `cuda_graph`: accepted and recorded; this engine captures no graphs, so nothing is freed.
 
+`released()` reports the tags whose storage is freed now. Releasing a released tag or resuming a
+resident one is a no-op with a note (`note_noop`); a release while a request is in flight is
+refused before anything is freed.
+
 The engine serves a version once every checkpoint name has been loaded at that version
 (`update_weights` takes one bucket at a time). Like SGLang, it keeps reporting that version after
 its weights are released, but it refuses to generate until a complete sync has refilled them.
@@ -38,6 +42,7 @@ from orchestrator.adapters.megatron.gpt import TinyGPTConfig
 from orchestrator.adapters.regions.storage import return_large_frees_to_the_os
 from orchestrator.adapters.transport.bucketed import nbytes
 from orchestrator.errors import EngineError
+from orchestrator.telemetry.logs import note_noop
 from states import EngineMemory
 
 _ALIGN = 256  # bytes: where each param starts in the engine's one weight storage
@@ -141,6 +146,7 @@ class TransformersEngine:
         self._kv = kv_slab(self.config, self.model, max_batch, self.max_len)
         self._kv_bytes = nbytes(self._kv)
         self._released: set[EngineMemory] = set()
+        self._storage = {EngineMemory.WEIGHTS: self._weights, EngineMemory.KV_CACHE: self._kv}  # cuda_graph: none
         self._version: int | None = None
         self._loading: int | None = None  # the version a sync in progress is loading
         self._missing = set(self._slots.names)  # not loaded since the weights were (re)allocated
@@ -152,33 +158,34 @@ class TransformersEngine:
     # ---- the RolloutEngine Protocol --------------------------------------------------------
 
     def release(self, tags: frozenset[EngineMemory]) -> None:
+        """Refused while busy, before any effect; a tag is released once its storage is freed."""
         self._require_idle("release")
-        already = tags & self._released
-        if already:
-            raise EngineError(self.name, f"release of {', '.join(sorted(already))}: already released")
-        if EngineMemory.WEIGHTS in tags:
-            self._weights.untyped_storage().resize_(0)  # every param is a view of it
-            self._missing, self._loading = set(self._slots.names), None
-        if EngineMemory.KV_CACHE in tags:
-            self._kv.untyped_storage().resize_(0)
-        self._released |= tags
+        if tags & self._released:
+            note_noop(self.name, "release", f"{', '.join(sorted(tags & self._released))} already released")
+        for tag in sorted(tags - self._released, reverse=True):  # weights, kv_cache, cuda_graph
+            if tag in self._storage:
+                self._storage[tag].untyped_storage().resize_(0)  # every param is a view of the weights
+            if tag == EngineMemory.WEIGHTS:
+                self._missing, self._loading = set(self._slots.names), None
+            self._released.add(tag)
         _return_freed_pages(self.device)
 
     def resume(self, tags: frozenset[EngineMemory]) -> None:
-        not_released = tags - self._released
-        if not_released:
-            raise EngineError(self.name, f"resume of {', '.join(sorted(not_released))}: not released")
-        if EngineMemory.WEIGHTS in tags:
-            self._weights.untyped_storage().resize_(self._weights_bytes)
-        if EngineMemory.KV_CACHE in tags:
-            self._kv.untyped_storage().resize_(self._kv_bytes)
-            # Fresh pages may hold NaN bit patterns, and a masked slot still contributes 0 · NaN.
-            self._kv.zero_()
-        self._released -= tags
+        """A tag is resident once its storage is back (a resume may raise midway: out of memory)."""
+        if tags - self._released:
+            note_noop(self.name, "resume", f"{', '.join(sorted(tags - self._released))} not released")
+        for tag in sorted(tags & self._released, reverse=True):
+            if tag in self._storage:
+                self._storage[tag].untyped_storage().resize_(self.footprint()[tag])
+            self._released.discard(tag)
+            if tag == EngineMemory.KV_CACHE:  # fresh pages may hold NaN bits, and a masked slot adds 0 · NaN
+                self._kv.zero_()
+
+    def released(self) -> frozenset[EngineMemory]:
+        return frozenset(self._released)
 
     def flush_cache(self) -> None:
-        """Zero the KV slab. Each `generate` already starts from an empty cache (there is no prefix
-        cache to hit), so this only guarantees no K/V of older weights stays in memory."""
+        """Zero the KV slab (each `generate` starts from an empty cache: no K/V of older weights stays)."""
         self._require_idle("flush_cache")
         if EngineMemory.KV_CACHE not in self._released:
             self._kv.zero_()
@@ -215,8 +222,7 @@ class TransformersEngine:
         return written
 
     def missing_weights(self) -> frozenset[str]:
-        """Checkpoint names not loaded since the weights were allocated or a new version began
-        (of tied names, one)."""
+        """Checkpoint names not loaded since the weights were allocated or a new version began."""
         return frozenset(self._missing)
 
     def weights(self) -> dict[str, torch.Tensor]:
@@ -227,8 +233,7 @@ class TransformersEngine:
         return {name: self._params[name].clone() for name in self._slots.names}
 
     def digests(self) -> dict[str, str]:
-        """SHA256 per checkpoint tensor (as `weights`), to compare with digests of the trainer's
-        converted tensors."""
+        """SHA256 per checkpoint tensor (as `weights`), to compare with the trainer's converted ones."""
         if EngineMemory.WEIGHTS in self._released:
             raise EngineError(self.name, "digests of released weights would prove nothing")
         return sha256_digests({name: self._params[name] for name in self._slots.names})
@@ -242,7 +247,7 @@ class TransformersEngine:
         }
 
     def resident_bytes(self) -> dict[EngineMemory, int]:
-        """Bytes each tag holds now: its footprint, 0 while released (cuda_graph is always 0 here)."""
+        """Bytes each tag holds now: its footprint, 0 while released."""
         return {tag: 0 if tag in self._released else n for tag, n in self.footprint().items()}
 
     # ---- serving ---------------------------------------------------------------------------

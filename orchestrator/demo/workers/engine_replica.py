@@ -59,6 +59,9 @@ class EngineReplica(Traced):
     def resume(self, tags: frozenset[EngineMemory]) -> None:
         self.engine.resume(tags)
 
+    def released(self) -> frozenset[EngineMemory]:
+        return self.engine.released()
+
     def flush_cache(self) -> None:
         self.engine.flush_cache()
 

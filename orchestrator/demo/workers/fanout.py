@@ -119,6 +119,11 @@ class ReplicaSet:
     def resume(self, tags: frozenset[EngineMemory]) -> None:
         self.replicas.all(EngineReplica.resume, tags)
 
+    def released(self) -> frozenset[EngineMemory]:
+        """The tags every replica released: a tag any replica still holds counts as resident, so
+        recover releases it again (a no-op, with a note, on the replicas that had)."""
+        return frozenset.intersection(*self.replicas.all(EngineReplica.released))
+
     def flush_cache(self) -> None:
         self.replicas.all(EngineReplica.flush_cache)
 

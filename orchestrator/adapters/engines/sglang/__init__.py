@@ -3,6 +3,7 @@
 - `wire`: SGLang's weight wire format (the flattened bucket, `MultiprocessingSerializer`'s bytes),
   reimplemented without importing sglang.
 - `http`: `SGLangHTTP`, requests to one server: the session, retries, client spans, error shapes.
+- `memory`: `SGLangMemory`, the memory routes of one server and the tags it released.
 - `weights`: `SGLangWeightUpdates`, the weight-update routes of one server (session, bucket, broadcast).
 - `client`: `SGLangEngine`, one server as a `RolloutEngine`: the routes colocate calls, and `generate`.
 - `broadcast`: `WeightBroadcaster` and `weight_update_group`, for servers off the trainer's GPUs.

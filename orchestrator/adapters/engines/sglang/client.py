@@ -5,8 +5,32 @@ The HTTP underneath (the session, retries, client spans, SGLang's error shapes) 
 
 Routes, as sglang 0.5.23's `sglang/srt/entrypoints/http_server.py` defines them:
 
-- `release`/`resume`: POST /release_memory_occupation, /resume_memory_occupation {"tags": [...]}.
-  SGLang's scheduler *asserts* it is idle on release: colocate's `engine_idle` guard must hold.
+- `release`/`resume`: POST /release_memory_occupation, /resume_memory_occupation {"tags": [...]},
+  sent only for what closes the difference (memory.py's `SGLangMemory`). SGLang's scheduler
+  *asserts* it is idle on release: colocate's `engine_idle` guard must hold.
+- `released`: no route reports it; the client keeps it (memory.py), from these facts of 0.5.23:
+  1. The scheduler's `SchedulerWeightUpdaterManager` (managers/scheduler_components/
+     weight_updater.py) keeps `offload_tags`, which no HTTP route reads (/server_info's
+     `memory_usage` holds sizes fixed at startup).
+  2. `release_memory_occupation` adds each tag to `offload_tags` without looking, then calls
+     `memory_saver_adapter.pause(tag)`: for a tag already paused, torch_memory_saver's
+     `TorchMemorySaver::pause` (csrc/core.cpp) prints "Cannot pause allocation that is not active"
+     and calls `exit(1)`. A release of a released tag ends the server: never sent.
+  3. `resume_memory_occupation` calls `offload_tags.remove(tag)` for each tag in the order sent,
+     before resuming any: a tag not released raises `KeyError` there, after the tags before it
+     were taken off `offload_tags` with their memory still paused (a later resume of those would
+     raise the same `KeyError`: they could never come back). The `KeyError` is raised in the
+     scheduler's process, whose event loop (managers/scheduler.py, `process_input_requests`)
+     catches nothing: `run_scheduler_process` logs "Scheduler hit an exception" and sends SIGQUIT
+     to the server, which exits. (SGLang's app answers 400 instead only where the scheduler runs
+     in its own process, as in tests/support/sglang_tier.py.) A resume of a resident tag ends the
+     server: never sent, so no request can probe what is released.
+  4. What remains known: the scheduler handles requests one at a time, in the order received,
+     and a release or resume it handled either completed or ended the server (2, 3; the idle
+     assertion too). So after a call that was sent and got no answer, an answer to any later
+     request the scheduler handles (memory.py uses /flush_cache) means that call was applied.
+     Not covered: a request the server never read although it was sent (a kept-alive connection
+     the server closed as the request went out); the client would count it applied.
 - `flush_cache`: POST /flush_cache; 400 while requests run. Retried (the one hand-rolled loop here)
   until `flush_max_wait_s`, then `EngineError`. 0.5.23 also takes `?timeout=` to wait server-side;
   not relied on, since older 0.5.x releases lack it.
@@ -39,9 +63,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.adapters.engines.sglang.http import _message
+from orchestrator.adapters.engines.sglang.memory import SGLangMemory
 from orchestrator.adapters.engines.sglang.weights import SGLangWeightUpdates
 from orchestrator.errors import EngineError
-from states import EngineMemory
 
 _NO_VERSION = (None, "", "default")  # what SGLang reports before any versioned update
 
@@ -74,7 +98,7 @@ class Generation:
     weight_version: str | None = None
 
 
-class SGLangEngine(SGLangWeightUpdates):
+class SGLangEngine(SGLangMemory, SGLangWeightUpdates):
     """Implements `orchestrator.protocols.RolloutEngine` for one SGLang server; `name` is its URL.
 
     `tp_size` is the server's tensor-parallel size (one serialized payload per TP rank).
@@ -98,13 +122,7 @@ class SGLangEngine(SGLangWeightUpdates):
         self.tp_size = tp_size
         self.flush_max_wait_s, self.flush_poll_s = flush_max_wait_s, flush_poll_s
 
-    # ---- the RolloutEngine Protocol --------------------------------------------------------
-
-    def release(self, tags: frozenset[EngineMemory]) -> None:
-        self._call("POST", "/release_memory_occupation", {"tags": sorted(tags)})
-
-    def resume(self, tags: frozenset[EngineMemory]) -> None:
-        self._call("POST", "/resume_memory_occupation", {"tags": sorted(tags)})
+    # ---- the RolloutEngine Protocol (release, resume, released: SGLangMemory) -----------------
 
     def flush_cache(self) -> None:
         """Flush; while SGLang answers 400 (requests in flight) ask again, up to `flush_max_wait_s`."""

@@ -41,7 +41,8 @@ def url_problems(
 class SGLangGroup:
     """Several SGLang servers (data-parallel replicas, one URL each) as one `RolloutEngine`.
 
-    Memory calls, flushes and weight buckets go to every server, concurrently; the version is
+    Memory calls, flushes and weight buckets go to every server, concurrently (each server sends
+    only the memory calls that change something, see memory.py); the version is
     the one they all serve (servers that disagree are an `EngineError` naming each one's). The
     rollout splits the prompts into contiguous shares, one per server.
 
@@ -107,6 +108,11 @@ class SGLangGroup:
 
     def resume(self, tags: frozenset[EngineMemory]) -> None:
         self._each(lambda e: e.resume(tags))
+
+    def released(self) -> frozenset[EngineMemory]:
+        """The tags every server released: a tag any server still holds counts as resident, so
+        recover releases it again, and each server sends only what it holds."""
+        return frozenset.intersection(*self._each(SGLangEngine.released))
 
     def flush_cache(self) -> None:
         self._each(SGLangEngine.flush_cache)

@@ -5,6 +5,10 @@ retried a few times with backoff (the request never reached the server, so this 
 502/503/504 are retried for GETs only; a read timeout is never retried, since SGLang may have
 applied the call. An unreachable URL raises `EngineError` naming it within a few seconds.
 
+A request that failed before the server got it (no connection: refused, unroutable, connect
+timeout) raises `EngineError`; one that was sent and got no answer (a read timeout, the connection
+dropped after sending) raises its subclass `Unanswered`: the server may have applied it.
+
 Every POST is a client span `sglang POST <path>` with OpenTelemetry's HTTP client attributes,
 `server.address` (the host), `server.port`, `url.full`, `http.response.status_code` (GETs are
 queries the lifecycle makes around every transition, and have none), and every request carries the W3C
@@ -21,6 +25,7 @@ from urllib.parse import urlsplit
 import requests
 from opentelemetry import propagate, trace
 from requests.adapters import HTTPAdapter
+from urllib3.exceptions import NewConnectionError
 from urllib3.util.retry import Retry
 
 from orchestrator.errors import EngineError
@@ -58,6 +63,23 @@ def _message(response: requests.Response) -> str:
         if "message" in body:
             return str(body["message"])
     return str(body)
+
+
+class Unanswered(EngineError):
+    """The request was sent and no answer came (read timeout, connection dropped): the server may
+    have applied it. Its plain `EngineError` siblings failed before the server got the request."""
+
+
+def _sent(exc: requests.RequestException) -> bool:
+    """Whether the request left this process before it failed: every failure but a connection that
+    never opened (urllib3 retries those, then wraps the last `NewConnectionError` or connect timeout)."""
+    if isinstance(exc, requests.ConnectTimeout):
+        return False
+    if isinstance(exc, requests.ConnectionError):
+        reason = exc.args[0] if exc.args else None
+        cause = getattr(reason, "reason", reason)  # MaxRetryError.reason: the last attempt's error
+        return not isinstance(cause, NewConnectionError)
+    return True
 
 
 class SGLangHTTP:
@@ -100,7 +122,8 @@ class SGLangHTTP:
         try:
             return self._session.request(method, self.name + path, json=body, headers=headers, timeout=self._timeout)
         except requests.RequestException as exc:
-            raise EngineError(self.name, f"{method} {path}: {self._unreachable(exc)}") from exc
+            error = Unanswered if _sent(exc) else EngineError
+            raise error(self.name, f"{method} {path}: {self._unreachable(exc)}") from exc
 
     def _unreachable(self, exc: requests.RequestException) -> str:
         """Why no answer came, in a few words (urllib3's own text repeats the URL and the retries)."""
