@@ -54,25 +54,43 @@ class NullTrainer:
     def host_pinned_bytes(self) -> int:
         return 0
 
+    def mains_generation(self) -> int:
+        return 0
+
 
 class NullRegions:
+    """Moves no memory; keeps which tags are paused, which the controller reads before each call."""
+
+    def __init__(self) -> None:
+        self.paused: frozenset[str] = frozenset()
+
     def tags(self) -> frozenset[str]:
         return frozenset(r.value for r in Region)
 
     def pause(self, tag: str) -> int:
+        self.paused |= {tag}
         return 0
 
     def resume(self, tag: str) -> int:
+        self.paused -= {tag}
         return 0
 
 
 class NullEngine:
+    """Holds no memory; keeps which tags are released, which the controller reads before each call."""
+
     name = "null"
     version: int | None = None
+    _released: frozenset[EngineMemory] = frozenset()
 
-    def release(self, tags: frozenset[EngineMemory]) -> None: ...
+    def release(self, tags: frozenset[EngineMemory]) -> None:
+        self._released |= tags
 
-    def resume(self, tags: frozenset[EngineMemory]) -> None: ...
+    def resume(self, tags: frozenset[EngineMemory]) -> None:
+        self._released -= tags
+
+    def released(self) -> frozenset[EngineMemory]:
+        return self._released
 
     def flush_cache(self) -> None: ...
 

@@ -87,52 +87,65 @@ def test_a_fault_during_a_rollout_lands_when_the_rollout_ends(work_raises: bool)
 
 def test_a_fault_during_the_push_never_lands_in_weights_synced() -> None:
     for _ in range(ROUNDS // 4):
-        rig = make_rig()
-        started, done = threading.Event(), threading.Event()
-        push = rig.transport.push
-        rig.transport.push = lambda version: (blocking(started, done)(), push(version))[1]  # type: ignore[method-assign]
-        watchdog = fault_from_another_thread(rig, started, done)
-        rig.lifecycle.pause_grads()
-        with pytest.raises(ActionFailed) as failed:
-            rig.lifecycle.update_weights()
-        watchdog.join()
-        rig.transport.push = push  # type: ignore[method-assign]
-        assert_faulted_by_the_watchdog(rig, failed)
+        push_with_a_fault_meanwhile()
+
+
+def push_with_a_fault_meanwhile() -> None:
+    rig = make_rig()
+    started, done = threading.Event(), threading.Event()
+    push = rig.transport.push
+
+    def slow_push(version: int) -> object:
+        blocking(started, done)()
+        return push(version)
+
+    rig.transport.push = slow_push  # type: ignore[method-assign,assignment]
+    watchdog = fault_from_another_thread(rig, started, done)
+    rig.lifecycle.pause_grads()
+    with pytest.raises(ActionFailed) as failed:
+        rig.lifecycle.update_weights()
+    watchdog.join()
+    rig.transport.push = push  # type: ignore[method-assign]
+    assert_faulted_by_the_watchdog(rig, failed)
 
 
 def test_a_fault_while_recover_waits_fails_that_recover_and_keeps_the_first_cause() -> None:
     for _ in range(ROUNDS // 4):
-        rig = make_rig(recover_idle_timeout_s=5.0)
-        to_dropped(rig)
-        rig.lifecycle.rollout()
-        rig.engine.busy = True
-        rig.lifecycle.fault("the trainer's health check failed")
-        first = rig.lifecycle.fault_cause
-        waiting, is_idle = threading.Event(), rig.engine.is_idle
+        recover_with_a_fault_meanwhile()
 
-        def polled() -> bool:  # recover is waiting for the engine
-            waiting.set()
-            return is_idle()
 
-        rig.engine.is_idle = polled  # type: ignore[method-assign]
+def recover_with_a_fault_meanwhile() -> None:
+    rig = make_rig(recover_idle_timeout_s=5.0)
+    to_dropped(rig)
+    rig.lifecycle.rollout()
+    rig.engine.busy = True
+    rig.lifecycle.fault("the trainer's health check failed")
+    first = rig.lifecycle.fault_cause
+    assert first is not None
+    waiting, is_idle = threading.Event(), rig.engine.is_idle
 
-        def second_fault_then_idle() -> None:
-            waiting.wait(5)
-            threading.Event().wait(random.random() / 500)
-            rig.lifecycle.fault(Watchdog("rank 5 died while recover waited"))
-            rig.engine.busy = False
+    def polled() -> bool:  # recover is waiting for the engine
+        waiting.set()
+        return is_idle()
 
-        thread = threading.Thread(target=second_fault_then_idle)
-        thread.start()
-        with pytest.raises(ActionFailed) as failed:
-            rig.lifecycle.recover()
-        thread.join()
-        assert isinstance(failed.value.cause, Watchdog)
-        assert rig.lifecycle.phase is Phase.FAULTED and rig.lifecycle.fault_cause is first
-        assert any("rank 5 died" in note for note in first.__notes__)
+    def second_fault_then_idle() -> None:
+        waiting.wait(5)
+        threading.Event().wait(random.random() / 500)
+        rig.lifecycle.fault(Watchdog("rank 5 died while recover waited"))
+        rig.engine.busy = False
+
+    rig.engine.is_idle = polled  # type: ignore[method-assign]
+    thread = threading.Thread(target=second_fault_then_idle)
+    thread.start()
+    with pytest.raises(ActionFailed) as failed:
         rig.lifecycle.recover()
-        assert rig.lifecycle.phase is Phase.TRAIN and rig.lifecycle.fault_cause is None
-        cycle(rig)
+    thread.join()
+    assert isinstance(failed.value.cause, Watchdog)
+    assert rig.lifecycle.phase is Phase.FAULTED and rig.lifecycle.fault_cause is first
+    assert any("rank 5 died" in note for note in first.__notes__)
+    rig.lifecycle.recover()
+    assert rig.lifecycle.phase is Phase.TRAIN and rig.lifecycle.fault_cause is None
+    cycle(rig)
 
 
 def test_an_event_fired_while_another_is_in_flight_is_refused_and_changes_nothing() -> None:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from orchestrator import ActionFailed, IllegalTransition, Lifecycle, LifecycleConfig
+from orchestrator import ActionFailed, Lifecycle, LifecycleConfig
 from orchestrator.adapters.regions.storage import StorageRegions
 from orchestrator.errors import RecoveryRefused
 from orchestrator.testing import InMemoryRegions, InMemoryTrainer, InMemoryTransport
@@ -86,7 +86,11 @@ def storage_rig() -> tuple[Rig, StorageRegions]:
     trainer = InMemoryTrainer(mains={f"layer{i}.weight": torch.randn(256, 256) for i in range(2)})
     grads = [torch.zeros(256, 256)]
     regions = StorageRegions(
-        lambda: {"param_buffer": list(trainer.params.values()), "grad_buffer": grads, "default": [*trainer.mains.values()]}
+        lambda: {
+            "param_buffer": list(trainer.params.values()),
+            "grad_buffer": grads,
+            "default": [*trainer.mains.values()],
+        }
     )
     return make_rig(trainer=trainer, regions=regions), regions  # type: ignore[arg-type]
 

@@ -23,7 +23,7 @@ class Traced:
         {
             "ready", "tags", "layout", "weight_version", "is_idle", "host_pinned_bytes", "host_arena_bytes", "probe",
             "flush_traces", "device_memory", "footprint", "region_bytes", "unallocated_bytes", "paused",
-            "mains_generation",
+            "mains_generation", "released",
         }
     )  # fmt: skip
 
