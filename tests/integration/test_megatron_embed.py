@@ -126,3 +126,27 @@ def test_a_send_that_fails_on_one_rank_faults_the_update_on_every_rank(
     for failed in (first, second):
         assert (failed["phase"], failed["recovered"]) == (Phase.FAULTED.value, Phase.TRAIN.value), failed
         assert failed["engine_version"] == 2, "the engine serves the last complete version"
+
+
+def test_calls_that_took_effect_and_then_raised_are_reconciled_on_real_megatron(tmp_path: Path) -> None:
+    """Issue 24's repros A–E through colocate_megatron: after each, recover leaves nothing paused,
+    the engine holding nothing and every param cast(its fp32 main) by Megatron's own range map,
+    and the next cycle syncs the trainer's weights into the engine."""
+    result = run("after_effect", tmp_path)
+    assert "error" not in result, result.get("error")
+    assert result["first"]["engine_has_trainer_weights"]
+    for name in ("A: a region resume", "B: a region pause", "C: an engine release", "D: an engine resume"):
+        assert (
+            result[name]["raised"]
+            == "_Timeout: "
+            + {"A": "resume", "B": "pause", "C": "release", "D": "resume"}[name[0]]
+            + ": no answer (it took effect)"
+        ), result[name]
+    assert result["E: an optimizer step"]["raised"] == "_Timeout: injected: the cast after the inner step"
+    for name, after in result.items():
+        if name == "first":
+            continue
+        assert after["phase"] == Phase.TRAIN.value and after["paused"] == [], (name, after)
+        assert after["engine_released"] == ["cuda_graph", "kv_cache", "weights"], (name, after)
+        assert after["params_off_their_mains"] == [], (name, after)
+        assert after["engine_has_trainer_weights"], (name, after)

@@ -65,12 +65,18 @@ class RemoteEngine:
 
     def __init__(self, proxy: Any) -> None:
         self._proxy, self.name, self.sent = proxy, "transformers@rank0", 0
+        self._released: frozenset[EngineMemory] = frozenset()
 
     def release(self, tags: frozenset[EngineMemory]) -> None:
-        pass  # rank 0's lifecycle releases the engine
+        self._released |= tags  # rank 0's lifecycle releases the engine: this handle only says so
 
     def resume(self, tags: frozenset[EngineMemory]) -> None:
-        pass
+        self._released -= tags
+
+    def released(self) -> frozenset[EngineMemory]:
+        """What this handle was told: rank 0's lifecycle moves the memory, so this rank's recover
+        never waits on another rank's."""
+        return self._released
 
     def flush_cache(self) -> None:
         pass

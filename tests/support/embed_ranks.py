@@ -101,6 +101,9 @@ class _NoWeights:
     def flush_cache(self) -> None:
         self._engine.flush_cache()
 
+    def released(self) -> frozenset[EngineMemory]:
+        return self._engine.released()
+
     def weight_version(self) -> int | None:
         return self._engine.weight_version()
 
@@ -227,6 +230,93 @@ def embed_scenario() -> dict[str, Any]:
     return result
 
 
+class _Timeout(RuntimeError):
+    """What a call raised once its effect had landed."""
+
+
+def _after_effect(owner: Any, method: str, when: Callable[..., bool] = lambda *a: True) -> None:
+    """`owner.method` takes effect, then raises `_Timeout`, once (where `when(args)` holds)."""
+    real, failed = getattr(owner, method), []
+
+    def call(*args: Any) -> Any:
+        result = real(*args)
+        if not failed and when(*args):
+            failed.append(args)
+            raise _Timeout(f"{method}: no answer (it took effect)")
+        return result
+
+    setattr(owner, method, call)
+
+
+def after_effect_scenario() -> dict[str, Any]:
+    """colocate_megatron on real megatron-core (StorageRegions, the transformers engine): each call
+    takes effect and then raises, once, in turn; recover; then a whole cycle. Replaced: the one
+    call that raises (the adapter's own method, wrapped to run and then raise), and for the step
+    that raised, the DistributedOptimizer's `_copy_main_params_to_model_params` (once)."""
+    from tests.support.megatron_ranks import params_off_their_mains
+
+    chunks, optimizer = build_gpt(DENSE)
+    engine = TransformersEngine(gpt_shape(chunks), max_batch=8, max_len=DENSE.seq_len)
+    lc = colocate_megatron(chunks, optimizer, engine)
+    regions = lc._regions._regions  # the StorageRegions the call chose
+
+    def cycle(step: int) -> dict[str, Any]:
+        with lc.step():
+            lc.pause_grads()
+            lc.update_weights()
+            synced = [
+                (n, t.to(torch.bfloat16))
+                for name, t in chunks_sync(chunks, optimizer)
+                for n, t in to_hf(name, t, DENSE)
+            ]
+            same = all(torch.equal(engine._params[n], t) for n, t in synced)  # read while the engine holds them
+            lc.drop_params()
+            lc.rollout(partial(engine.generate, tokens(DENSE, step)[:, :4], max_new_tokens=2, temperature=1.0, seed=0))
+            lc.restore()
+            lc.train(partial(lm_step, chunks, optimizer, tokens(DENSE, 10 + step)))
+        return {"engine_has_trainer_weights": same}
+
+    def step_raises_after_the_inner_step() -> None:
+        (distributed,) = optimizer.chained_optimizers
+
+        def cast_fails() -> None:
+            del distributed._copy_main_params_to_model_params
+            raise _Timeout("injected: the cast after the inner step")
+
+        distributed._copy_main_params_to_model_params = cast_fails
+        lm_step(chunks, optimizer, tokens(DENSE, 99))
+
+    kv, to_rollout = EngineMemory.KV_CACHE, ("pause_grads", "update_weights", "drop_params", "rollout")
+    # name: (the call made to take effect and then raise, the events before the one that fails, that event)
+    faults: dict[str, tuple[Callable[[], None], tuple[str, ...], Callable[[], Any]]] = {
+        "A: a region resume": (lambda: _after_effect(regions, "resume", lambda t: t == Region.DEFAULT), to_rollout, lc.restore),
+        "B: a region pause": (lambda: _after_effect(regions, "pause", lambda t: t == Region.PARAM_BUFFER), to_rollout[:2], lc.drop_params),
+        "C: an engine release": (lambda: _after_effect(engine, "release"), to_rollout, lc.restore),
+        "D: an engine resume": (lambda: _after_effect(engine, "resume", lambda tags: kv in tags), to_rollout[:3], lc.rollout),
+        "E: an optimizer step": (lambda: None, (), lambda: lc.train(step_raises_after_the_inner_step)),
+    }  # fmt: skip
+    result: dict[str, Any] = {"first": cycle(0)}
+    for index, (name, (inject, before, failing)) in enumerate(faults.items()):
+        inject()
+        for event in before:
+            getattr(lc, event)()
+        try:
+            failing()
+            raised = None
+        except ActionFailed as error:
+            raised = f"{type(error.cause).__name__}: {error.cause}"
+        lc.recover()
+        result[name] = {
+            "raised": raised,
+            "phase": lc.phase.value,
+            "paused": sorted(regions.paused),
+            "engine_released": sorted(engine.released()),
+            "params_off_their_mains": params_off_their_mains(MegatronTrainer(chunks, optimizer), optimizer),
+            **cycle(1 + index),
+        }
+    return result
+
+
 def chunks_sync(chunks: Any, optimizer: Any) -> list[Named]:
     """What a sync reads right now (params only: a dense model has no extras)."""
     return [(n, t) for n, t in MegatronTrainer(chunks, optimizer).sync_tensors()]
@@ -235,6 +325,7 @@ def chunks_sync(chunks: Any, optimizer: Any) -> list[Named]:
 SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
     "extras_written": extras_written_scenario,
     "embed": embed_scenario,
+    "after_effect": after_effect_scenario,
 }
 
 

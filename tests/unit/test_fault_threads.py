@@ -14,8 +14,7 @@ from collections.abc import Callable
 
 import pytest
 
-from orchestrator import ActionFailed, IllegalTransition
-from orchestrator.errors import EventInFlight
+from orchestrator import ActionFailed, EventInFlight, IllegalTransition
 from states import Phase
 from tests.support.rig import Rig, cycle, make_rig
 
