@@ -1,4 +1,4 @@
-"""An exhaustive model check of the controller: every event sequence to depth 8, breadth first.
+"""An exhaustive model check of the controller: every event sequence to depth 10, breadth first.
 
 Moves: every event (train and rollout with their work, fault with a cause), the engine turning
 busy or idle, the next rebuild flipping a bit (where a verified cycle's digests wait to check it:
@@ -27,7 +27,7 @@ from states import Event, Mode, Phase
 from tests.support.invariants import violations
 from tests.support.world import Injected, Saved, World, build, expected_params, injections, same
 
-DEPTH = 8
+DEPTH = 10
 EVENTS = [e.value for e in Event if e is not Event.FAULT]
 # Besides events: the engine turning busy or idle, and the next (verified) rebuild flipping a bit.
 WORLD = ["fault", "busy", "idle", "corrupt"]
@@ -171,7 +171,7 @@ def explore(mode: Mode) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("mode", [Mode.REMATERIALIZE, Mode.BACKUP])
-def test_every_sequence_to_depth_8_keeps_the_invariants(mode: Mode, capsys: pytest.CaptureFixture[str]) -> None:
+def test_every_sequence_to_depth_10_keeps_the_invariants(mode: Mode, capsys: pytest.CaptureFixture[str]) -> None:
     started, cpu = time.perf_counter(), time.process_time()
     counts = explore(mode)
     seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
