@@ -201,10 +201,13 @@ class Lifecycle(CycleEvents):
 
     def _fail(self, record: TransitionRecord, exc: Exception) -> None:
         # A fault that arrived while the action ran is the cause, whatever the action did after.
-        held = exc.cause if isinstance(exc, Held) else self._latch.take()
-        if held is not None and held is not exc and not isinstance(exc, Held):
+        if isinstance(exc, Held):
+            cause: BaseException = exc.cause
+        elif (held := self._latch.take()) is not None:
             held.add_note(f"{record.event.value} then raised: {type(exc).__name__}: {exc}")
-        cause = held if held is not None else exc
+            cause = held
+        else:
+            cause = exc
         record.ended_ns = time.perf_counter_ns()
         record.cause = cause
         error = ActionFailed(record.src, record.event, cause)

@@ -13,7 +13,7 @@ from guards.verdict import Verdict
 from orchestrator.errors import LifecycleError
 from states import Event, Mode, Phase
 
-AttributeValue = str | bool | int | float
+AttributeValue = str | bool | int | float | tuple[str, ...]
 
 _log = logging.getLogger(__name__)
 

@@ -13,11 +13,12 @@ from typing import Any
 import pytest
 import torch
 
-from orchestrator import ActionFailed, Lifecycle, LifecycleConfig
+from orchestrator import ActionFailed, Lifecycle, LifecycleConfig, Listener, TransitionRecord
 from orchestrator.adapters.regions.storage import StorageRegions
 from orchestrator.errors import RecoveryRefused
+from orchestrator.telemetry import semconv
 from orchestrator.testing import InMemoryRegions, InMemoryTrainer, InMemoryTransport
-from states import EngineMemory, Mode, Phase, Region
+from states import EngineMemory, Event, Mode, Phase, Region
 from tests.support.rig import Rig, cycle, make_rig
 
 ALL = frozenset(EngineMemory)
@@ -69,15 +70,28 @@ def to_rollout(rig: Rig) -> None:
 # ---- A: a region resume takes effect, then raises ------------------------------------------------
 
 
+class Transitions(Listener):
+    def __init__(self) -> None:
+        self.records: list[TransitionRecord] = []
+
+    def on_transition(self, record: TransitionRecord) -> None:
+        self.records.append(record)
+
+
 @pytest.mark.parametrize("tag", list(Region))
 def test_a_resume_that_took_effect_is_not_repeated(tag: Region) -> None:
-    rig = make_rig()
+    seen = Transitions()
+    rig = make_rig(listeners=(seen,))
     to_rollout(rig)
     after_effect(rig.regions, "resume", lambda t: t == tag)
     with pytest.raises(ActionFailed, match="Timeout"):
         rig.lifecycle.restore()
     rig.lifecycle.recover()
-    assert ("resume", tag.value) in rig.regions.calls
+    assert rig.regions.calls.count(("resume", tag.value)) == 1, "the resume that took effect was repeated"
+    (recovered,) = [r for r in seen.records if r.event is Event.RECOVER]
+    found = recovered.attributes[semconv.RECONCILED]
+    assert f"{tag.value} is paused" not in found, found  # resumed already: it took effect
+    assert any(difference.startswith("the params are not known to be cast(mains)") for difference in found), found
     assert_back_in_train(rig)
 
 
