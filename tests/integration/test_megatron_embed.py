@@ -138,11 +138,11 @@ def test_calls_that_took_effect_and_then_raised_are_reconciled_on_real_megatron(
     for name in ("A: a region resume", "B: a region pause", "C: an engine release", "D: an engine resume"):
         assert (
             result[name]["raised"]
-            == "_Timeout: "
+            == "Timeout: "
             + {"A": "resume", "B": "pause", "C": "release", "D": "resume"}[name[0]]
             + ": no answer (it took effect)"
         ), result[name]
-    assert result["E: an optimizer step"]["raised"] == "_Timeout: injected: the cast after the inner step"
+    assert result["E: an optimizer step"]["raised"] == "Timeout: injected: the cast after the inner step"
     for name, after in result.items():
         if name == "first":
             continue

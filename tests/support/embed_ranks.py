@@ -230,29 +230,12 @@ def embed_scenario() -> dict[str, Any]:
     return result
 
 
-class _Timeout(RuntimeError):
-    """What a call raised once its effect had landed."""
-
-
-def _after_effect(owner: Any, method: str, when: Callable[..., bool] = lambda *a: True) -> None:
-    """`owner.method` takes effect, then raises `_Timeout`, once (where `when(args)` holds)."""
-    real, failed = getattr(owner, method), []
-
-    def call(*args: Any) -> Any:
-        result = real(*args)
-        if not failed and when(*args):
-            failed.append(args)
-            raise _Timeout(f"{method}: no answer (it took effect)")
-        return result
-
-    setattr(owner, method, call)
-
-
 def after_effect_scenario() -> dict[str, Any]:
     """colocate_megatron on real megatron-core (StorageRegions, the transformers engine): each call
     takes effect and then raises, once, in turn; recover; then a whole cycle. Replaced: the one
     call that raises (the adapter's own method, wrapped to run and then raise), and for the step
     that raised, the DistributedOptimizer's `_copy_main_params_to_model_params` (once)."""
+    from tests.support.inject import Timeout, after_effect
     from tests.support.megatron_ranks import params_off_their_mains
 
     chunks, optimizer = build_gpt(DENSE)
@@ -281,7 +264,7 @@ def after_effect_scenario() -> dict[str, Any]:
 
         def cast_fails() -> None:
             del distributed._copy_main_params_to_model_params
-            raise _Timeout("injected: the cast after the inner step")
+            raise Timeout("injected: the cast after the inner step")
 
         distributed._copy_main_params_to_model_params = cast_fails
         lm_step(chunks, optimizer, tokens(DENSE, 99))
@@ -289,10 +272,10 @@ def after_effect_scenario() -> dict[str, Any]:
     kv, to_rollout = EngineMemory.KV_CACHE, ("pause_grads", "update_weights", "drop_params", "rollout")
     # name: (the call made to take effect and then raise, the events before the one that fails, that event)
     faults: dict[str, tuple[Callable[[], None], tuple[str, ...], Callable[[], Any]]] = {
-        "A: a region resume": (lambda: _after_effect(regions, "resume", lambda t: t == Region.DEFAULT), to_rollout, lc.restore),
-        "B: a region pause": (lambda: _after_effect(regions, "pause", lambda t: t == Region.PARAM_BUFFER), to_rollout[:2], lc.drop_params),
-        "C: an engine release": (lambda: _after_effect(engine, "release"), to_rollout, lc.restore),
-        "D: an engine resume": (lambda: _after_effect(engine, "resume", lambda tags: kv in tags), to_rollout[:3], lc.rollout),
+        "A: a region resume": (lambda: after_effect(regions, "resume", lambda t: t == Region.DEFAULT), to_rollout, lc.restore),
+        "B: a region pause": (lambda: after_effect(regions, "pause", lambda t: t == Region.PARAM_BUFFER), to_rollout[:2], lc.drop_params),
+        "C: an engine release": (lambda: after_effect(engine, "release"), to_rollout, lc.restore),
+        "D: an engine resume": (lambda: after_effect(engine, "resume", lambda tags: kv in tags), to_rollout[:3], lc.rollout),
         "E: an optimizer step": (lambda: None, (), lambda: lc.train(step_raises_after_the_inner_step)),
     }  # fmt: skip
     result: dict[str, Any] = {"first": cycle(0)}

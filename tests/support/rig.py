@@ -40,6 +40,15 @@ def make_rig(
     return Rig(lifecycle, trainer, engine, regions, transport)
 
 
+def to_rollout(rig: Rig) -> None:
+    """The cycle up to the rollout: sync, drop, roll out."""
+    lc = rig.lifecycle
+    lc.pause_grads()
+    lc.update_weights()
+    lc.drop_params()
+    lc.rollout()
+
+
 def cycle(rig: Rig) -> None:
     """One full step: sync, drop, rollout, restore, train."""
     lc = rig.lifecycle

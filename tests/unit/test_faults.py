@@ -10,15 +10,7 @@ import guards
 from orchestrator import ActionFailed, GuardRejected, IllegalTransition, LifecycleError
 from orchestrator.errors import FaultWithoutCause, RecoveryRefused
 from states import TABLE, EngineMemory, Event, Mode, Phase
-from tests.support.rig import Rig, cycle, make_rig
-
-
-def _to_rollout(rig: Rig) -> None:
-    lc = rig.lifecycle
-    lc.pause_grads()
-    lc.update_weights()
-    lc.drop_params()
-    lc.rollout()
+from tests.support.rig import Rig, cycle, make_rig, to_rollout
 
 
 def _bf16_of_mains(rig: Rig) -> dict[str, torch.Tensor]:
@@ -30,7 +22,7 @@ def _bf16_of_mains(rig: Rig) -> dict[str, torch.Tensor]:
 
 def test_recover_rebuilds_params_after_a_failed_rebuild() -> None:
     rig = make_rig()
-    _to_rollout(rig)
+    to_rollout(rig)
     original = rig.trainer.rebuild
 
     def rebuild_then_die(mode: Mode) -> int:
@@ -51,7 +43,7 @@ def test_recover_rebuilds_params_after_a_failed_rebuild() -> None:
 @pytest.mark.parametrize("mode", [Mode.REMATERIALIZE, Mode.BACKUP])
 def test_recover_rebuilds_params_after_a_restore_mismatch(mode: Mode) -> None:
     rig = make_rig(mode)
-    _to_rollout(rig)
+    to_rollout(rig)
     rig.trainer.corrupt_next_rebuild = "layer1.weight"
     with pytest.raises(ActionFailed):
         rig.lifecycle.restore()
@@ -66,7 +58,7 @@ def test_recover_rebuilds_params_after_a_restore_mismatch(mode: Mode) -> None:
 
 def test_recover_that_cannot_verify_its_rebuild_refuses_and_stays_faulted() -> None:
     rig = make_rig()
-    _to_rollout(rig)
+    to_rollout(rig)
     original = rig.trainer.rebuild
 
     def always_corrupt(mode: Mode) -> int:
@@ -87,7 +79,7 @@ def test_recover_that_cannot_verify_its_rebuild_refuses_and_stays_faulted() -> N
 
 def test_recover_waits_for_a_busy_engine_then_refuses_without_releasing() -> None:
     rig = make_rig(recover_idle_timeout_s=0.0)
-    _to_rollout(rig)
+    to_rollout(rig)
     rig.engine.busy = True
     rig.lifecycle.fault("rank 1 died mid-rollout")
     calls = len(rig.engine.calls)
@@ -103,7 +95,7 @@ def test_recover_waits_for_a_busy_engine_then_refuses_without_releasing() -> Non
 
 def test_recover_waits_a_bounded_time_for_the_engine_to_go_idle() -> None:
     rig = make_rig(recover_idle_timeout_s=5.0)
-    _to_rollout(rig)
+    to_rollout(rig)
     rig.engine.busy = True
     polls = []
 
@@ -159,7 +151,7 @@ def test_a_fault_needs_a_cause() -> None:
 
 def test_a_failed_recover_is_a_note_on_the_kept_cause() -> None:
     rig = make_rig(recover_idle_timeout_s=0.0)
-    _to_rollout(rig)
+    to_rollout(rig)
     rig.engine.busy = True
     first = RuntimeError("rank 1 died")
     rig.lifecycle.fault(first)

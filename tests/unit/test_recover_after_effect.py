@@ -7,7 +7,6 @@ whole cycle that completes. The adapters are the in-memory ones unless a test na
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -19,29 +18,10 @@ from orchestrator.errors import RecoveryRefused
 from orchestrator.telemetry import semconv
 from orchestrator.testing import InMemoryRegions, InMemoryTrainer, InMemoryTransport
 from states import EngineMemory, Event, Mode, Phase, Region
-from tests.support.rig import Rig, cycle, make_rig
+from tests.support.inject import Timeout, after_effect
+from tests.support.rig import Rig, cycle, make_rig, to_rollout
 
 ALL = frozenset(EngineMemory)
-
-
-class Timeout(RuntimeError):
-    """What the adapter call raised once its effect had landed (a read timeout, say)."""
-
-
-def after_effect(owner: Any, method: str, when: Callable[..., bool] = lambda *a: True) -> list[Any]:
-    """Make `owner.method` take effect, then raise `Timeout`, once (where `when(args)` holds).
-    Returns the arguments of the failed call."""
-    real, failed = getattr(owner, method), []
-
-    def call(*args: Any) -> Any:
-        result = real(*args)
-        if not failed and when(*args):
-            failed.append(args)
-            raise Timeout(f"{method}{args}: no answer (it took effect)")
-        return result
-
-    setattr(owner, method, call)
-    return failed
 
 
 def bf16_of_mains(trainer: InMemoryTrainer) -> dict[str, torch.Tensor]:
@@ -57,14 +37,6 @@ def assert_back_in_train(rig: Rig) -> None:
         assert torch.equal(trainer.params[name], expected), f"{name} is not cast(mains) after recover"
     cycle(rig)
     assert lc.phase is Phase.TRAIN and rig.engine.version == lc.weight_version
-
-
-def to_rollout(rig: Rig) -> None:
-    lc = rig.lifecycle
-    lc.pause_grads()
-    lc.update_weights()
-    lc.drop_params()
-    lc.rollout()
 
 
 # ---- A: a region resume takes effect, then raises ------------------------------------------------
