@@ -128,12 +128,11 @@ def test_a_send_that_fails_on_one_rank_faults_the_update_on_every_rank(
         assert failed["engine_version"] == 2, "the engine serves the last complete version"
 
 
-def test_calls_that_took_effect_and_then_raised_are_reconciled_on_real_megatron(tmp_path: Path) -> None:
+def test_calls_that_took_effect_and_then_raised_are_reconciled_on_real_megatron(embed: dict[str, Any]) -> None:
     """Issue 24's repros A–E through colocate_megatron: after each, recover leaves nothing paused,
     the engine holding nothing and every param cast(its fp32 main) by Megatron's own range map,
     and the next cycle syncs the trainer's weights into the engine."""
-    result = run("after_effect", tmp_path)
-    assert "error" not in result, result.get("error")
+    result = embed["after_effect"]
     assert result["first"]["engine_has_trainer_weights"]
     for name in ("A: a region resume", "B: a region pause", "C: an engine release", "D: an engine resume"):
         assert (

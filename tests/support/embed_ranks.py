@@ -307,8 +307,8 @@ def chunks_sync(chunks: Any, optimizer: Any) -> list[Named]:
 
 SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
     "extras_written": extras_written_scenario,
-    "embed": embed_scenario,
-    "after_effect": after_effect_scenario,
+    # One spawn for both: megatron's import is most of a spawn's time.
+    "embed": lambda: embed_scenario() | {"after_effect": after_effect_scenario()},
 }
 
 
