@@ -19,14 +19,16 @@ import io
 import os
 import threading
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing.reduction import ForkingPickler
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch.multiprocessing import reductions  # importing it registers torch's reductions with ForkingPickler
 
 from orchestrator.protocols import Named
+
+T = TypeVar("T")
 
 _CUDA_DEVICE_ARG = 6  # index of `device` in torch's reduce_tensor args for CUDA tensors (SGLang's patch_torch)
 
@@ -66,10 +68,31 @@ _torch_reduce_tensor = getattr(reductions, "_reduce_tensor_original", reductions
 def _reduce_storage_by_name(storage: torch.UntypedStorage) -> tuple[Any, tuple[Any, ...]]:
     """torch's `reduce_storage` under the `file_system` strategy, for this storage only."""
     _start_shm_manager_quietly()
-    metadata = storage._share_filename_cpu_()
+    metadata = patiently(storage._share_filename_cpu_)
     storage._shared_incref()  # the receiver's rebuild decrefs, as with torch's own reduction
     reductions.shared_cache[metadata[1]] = reductions.StorageWeakRef(storage)
     return reductions.rebuild_storage_filename, (type(storage), *metadata)
+
+
+_MANAGER_TIMEOUT = "Shared memory manager connection has timed out"
+_MANAGER_ATTEMPTS = 5
+
+
+def patiently(share: Callable[[], T]) -> T:
+    """`share()`, asked again while torch's shared-memory manager is too slow to answer.
+
+    torch's libshm gives `torch_shm_manager` one second to answer each allocation (its socket's
+    `poll(..., 1000)`); on a host whose cores are all busy the daemon can miss that, and the
+    allocation raises before the storage is touched. So it is asked again, up to 5 times in all;
+    any other error, and the fifth timeout, are raised as they are.
+    """
+    for _ in range(_MANAGER_ATTEMPTS - 1):
+        try:
+            return share()
+        except RuntimeError as exc:
+            if _MANAGER_TIMEOUT not in str(exc):
+                raise
+    return share()
 
 
 _shm_manager_lock = threading.Lock()
