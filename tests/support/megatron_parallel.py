@@ -114,6 +114,8 @@ def parallel_config(
     import torch.nn.functional as F
     from megatron.core.transformer import MLATransformerConfig, TransformerConfig
 
+    from orchestrator.adapters.megatron.build import UNFUSED
+
     extra: dict[str, Any] = {}  # the family's keys
     if family in (Family.DEEPSEEK_V3, Family.GLM_MOE_DSA):
         extra = {**ROUTED, **MLA, "num_query_groups": 4}  # MLA: every head its own k and v
@@ -152,12 +154,7 @@ def parallel_config(
         params_dtype=torch.bfloat16,
         pipeline_dtype=torch.bfloat16,
         use_cpu_initialization=device == "cpu",
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
+        **UNFUSED,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep

@@ -56,6 +56,7 @@ def _params(r: int, world: int, port: int) -> dict[str, int]:
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
+    from orchestrator.adapters.megatron.build import UNFUSED
     from orchestrator.adapters.megatron.cpu import enable_cpu_path
 
     class MLACoreAttention(DotProductAttention):
@@ -78,12 +79,7 @@ def _params(r: int, world: int, port: int) -> dict[str, int]:
         rope_type="rope",
         use_cpu_initialization=True,
         tensor_model_parallel_size=world,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
+        **UNFUSED,
     )
     spec = get_gpt_layer_local_spec(multi_latent_attention=True, qk_layernorm=True, normalization="RMSNorm")
     spec.submodules.self_attention.submodules.core_attention = MLACoreAttention

@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 import pytest
 
-from orchestrator import ActionFailed, EventInFlight, IllegalTransition
-from states import Phase
+from orchestrator import ActionFailed, EventInFlight, IllegalTransition, Listener, TransitionRecord
+from states import Event, Phase
 from tests.support.rig import Rig, cycle, make_rig
 
 ROUNDS = 200
@@ -169,3 +169,23 @@ def test_an_event_fired_while_another_is_in_flight_is_refused_and_changes_nothin
     assert rig.lifecycle.phase is Phase.ROLLOUT
     rig.lifecycle.restore()
     assert rig.lifecycle.phase is Phase.TRAIN
+
+
+def test_a_fault_after_the_action_ended_lands_after_the_transition() -> None:
+    """Between the action's end and `fire` returning, the listeners run (the phase has changed):
+    a fault raised there is not the action's, so the rollout stands and FAULTED follows it."""
+    rig = make_rig()
+    to_dropped(rig)
+
+    class FaultsOnRollout(Listener):
+        def on_transition(self, record: TransitionRecord) -> None:
+            if record.event is Event.ROLLOUT:
+                rig.lifecycle.fault(Watchdog("rank 3 died just after the rollout"))
+
+    rig.lifecycle.listeners.listeners.append(FaultsOnRollout())
+    rig.lifecycle.rollout()  # the rollout itself succeeded: no ActionFailed
+    assert rig.lifecycle.phase is Phase.FAULTED
+    assert isinstance(rig.lifecycle.fault_cause, Watchdog)
+    rig.lifecycle.listeners.listeners.pop()
+    rig.lifecycle.recover()
+    cycle(rig)

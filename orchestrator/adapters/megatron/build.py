@@ -105,6 +105,17 @@ def destroy_process_group() -> None:
     torch.distributed.destroy_process_group()
 
 
+# TransformerConfig flags off: fusions need apex/TE or CUDA kernels; unfused is also what HF computes.
+UNFUSED: dict[str, bool] = dict(
+    bias_activation_fusion=False,
+    bias_dropout_fusion=False,
+    masked_softmax_fusion=False,
+    apply_rope_fusion=False,
+    gradient_accumulation_fusion=False,
+    persist_layer_norm=False,
+)
+
+
 def _transformer_config(cfg: TinyGPTConfig) -> TransformerConfig:
     moe: dict[str, Any] = {}
     if cfg.num_experts > 0:
@@ -136,13 +147,7 @@ def _transformer_config(cfg: TinyGPTConfig) -> TransformerConfig:
         params_dtype=torch.bfloat16,
         pipeline_dtype=torch.bfloat16,
         use_cpu_initialization=not torch.cuda.is_available(),
-        # Fusions need apex/TE or CUDA kernels; unfused is also what HF computes.
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
+        **UNFUSED,
         **moe,
     )
 
