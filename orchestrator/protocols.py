@@ -192,7 +192,11 @@ class WeightUpdateSessions(Protocol):
     /end_weight_update). The lifecycle holds one open from the update's start until its last
     bucket and the flush; the session closes on failure too."""
 
-    def weight_update_session(self) -> AbstractContextManager[None]: ...
+    def weight_update_session(self, version: int | None = None) -> AbstractContextManager[None]:
+        """The session around an update. The engine serves `version` once the body returned and
+        the session closed, and never after a body that raised: the buckets it takes inside
+        carry no version. None leaves the version served as it is."""
+        ...
 
 
 @runtime_checkable

@@ -48,6 +48,9 @@ CLASSES: dict[str, str] = {
     "GenerateReqInput": "/generate",
     "BeginWeightUpdateReqInput": "/begin_weight_update",
     "EndWeightUpdateReqInput": "/end_weight_update",
+    "UpdateWeightVersionReqInput": "/update_weight_version",
+    "DestroyWeightsUpdateGroupReqInput": "/destroy_weights_update_group",
+    "AbortReq": "/abort_request",
 }
 
 

@@ -96,6 +96,7 @@ class EngineSpec:
     name: str = ""  # how spans and errors name it; "" is the kind's own name
     urls: tuple[str, ...] = ()
     timeout_s: float = 120.0  # how long a served engine may take to answer a call
+    pause: str = "retract"  # how a served engine holds generation around an update (`EnginePause`)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -126,7 +127,7 @@ def _sglang(spec: EngineSpec) -> Iterator[JobEngine]:
         from orchestrator.adapters.engines.sglang import SGLangGroup
     except ImportError as exc:
         raise ConfigError([f"the sglang engine needs the sglang extra (pip install -e '.[sglang]'): {exc}"]) from exc
-    group = SGLangGroup(spec.urls, read_timeout_s=spec.timeout_s)
+    group = SGLangGroup(spec.urls, pause=spec.pause, read_timeout_s=spec.timeout_s)  # type: ignore[arg-type]
     with contextlib.closing(group):
         group.connect()  # an unreachable server fails here, by its URL
         yield group

@@ -10,7 +10,7 @@ import typer
 from rich.console import Console
 
 from orchestrator.core import diagram
-from orchestrator.core.config import Device, DigestMethod, EngineKind, WeightSync
+from orchestrator.core.config import Device, DigestMethod, EngineKind, EnginePause, WeightSync
 from orchestrator.errors import ConfigError, TraceError
 from orchestrator.plan.command import PLAN_HELP, plan_command
 from states import Mode, Offload
@@ -108,6 +108,13 @@ def run_command(
         WeightSync,
         typer.Option(help="SGLang: tensor (CUDA IPC, servers on the trainer's GPUs) or broadcast (servers off them)."),
     ] = WeightSync.TENSOR,
+    engine_pause: Annotated[
+        EnginePause | None,
+        typer.Option(
+            help="SGLang: how generation is held around each weight update (retract: requeue; abort; in_place; none).",
+            show_default="retract",
+        ),
+    ] = None,
     ray_address: Annotated[
         str | None,
         typer.Option(
@@ -153,6 +160,7 @@ def run_command(
             engine=engine,
             engine_urls=tuple(engine_url or ()),
             weight_sync=weight_sync,
+            engine_pause=engine_pause,
             ray_address=ray_address or None,
         )
     except ConfigError as exc:

@@ -175,7 +175,7 @@ class Actions:
         self.observed.engine_resume(WEIGHTS)
         self.known.cache_flushed = False
         session: AbstractContextManager[None] = (
-            engine.weight_update_session() if isinstance(engine, WeightUpdateSessions) else nullcontext()
+            engine.weight_update_session(version) if isinstance(engine, WeightUpdateSessions) else nullcontext()
         )
         with session:  # closed after the last bucket and the flush, or on a failure between
             report = transport.push(version)

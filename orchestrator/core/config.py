@@ -69,6 +69,16 @@ class WeightSync(StrEnum):
     BROADCAST = "broadcast"  # /update_weights_from_distributed: a NCCL group, servers off them
 
 
+class EnginePause(StrEnum):
+    """How `colocate run` holds an SGLang server's generation around a weight update
+    (`SGLangEngine.pause_generation` says what each mode does there)."""
+
+    RETRACT = "retract"  # requests requeued, their KV cache freed; recomputed under the new weights
+    ABORT = "abort"  # requests aborted (returned to their callers) until the server is idle
+    IN_PLACE = "in_place"  # requests and their KV cache kept; SGLang then refuses /flush_cache
+    NONE = "none"  # nothing sent: the lifecycle's idle checks alone
+
+
 class Device(StrEnum):
     """Where the trainer ranks of `colocate run` train."""
 

@@ -34,7 +34,7 @@ from opentelemetry import trace
 
 from orchestrator.adapters.engines.sglang.group import url_problems
 from orchestrator.adapters.registry import ENGINES, EngineSpec
-from orchestrator.core.config import Device, DigestMethod, EngineKind, LifecycleConfig, WeightSync
+from orchestrator.core.config import Device, DigestMethod, EngineKind, EnginePause, LifecycleConfig, WeightSync
 from orchestrator.core.lifecycle import Lifecycle
 from orchestrator.demo.grpo import GRPOConfig, SyntheticTask, group_advantages
 from orchestrator.demo.memory import MeasuredMemory
@@ -71,6 +71,9 @@ class RunConfig:
     engine: EngineKind = EngineKind.TRANSFORMERS
     engine_urls: tuple[str, ...] = ()
     weight_sync: WeightSync = WeightSync.TENSOR
+    # How SGLang servers hold generation around an update; None: retract (the RL frameworks'
+    # default), and for the transformers engine, which generates only inside the step, nothing.
+    engine_pause: EnginePause | None = None
     # A running Ray cluster's GCS address (HOST:PORT) to run the ranks on; None: a private cluster
     # of the job's own, on loopback (`orchestrator.demo.ray_cluster`).
     ray_address: str | None = None
@@ -86,6 +89,11 @@ class RunConfig:
             )
         elif self.engine_urls:
             problems.append(f"--engine-url is for --engine sglang; the {self.engine} engine runs in this job")
+        if self.engine_pause not in (None, EnginePause.NONE) and not served:
+            problems.append(
+                f"--engine-pause {self.engine_pause} is for --engine sglang; the {self.engine} engine generates "
+                "only inside the step, never during an update"
+            )
         if self.weight_sync is WeightSync.BROADCAST and not served:
             problems.append("--weight-sync broadcast is for --engine sglang, to servers off the trainer's GPUs")
         if self.device is Device.CUDA and not torch.cuda.is_available():
@@ -198,6 +206,7 @@ class ColocatedJob:
         spec = EngineSpec(
             model=grpo.model, max_batch=grpo.prompts_per_step * grpo.group_size, max_len=grpo.max_len,
             device=cfg.device.value, urls=cfg.engine_urls, timeout_s=cfg.rank_timeout_s,
+            pause=(cfg.engine_pause or EnginePause.RETRACT).value,
         )  # fmt: skip
         # Before any rank starts: an unreachable server fails the run at once, by its URL.
         served = self._started.enter_context(adapter.build(spec)) if adapter.served else None

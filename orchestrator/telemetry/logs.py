@@ -106,3 +106,9 @@ def note_noop(component: str, call: str, why: str) -> None:
     released memory): logged as a warning line, not raised. After a call that took effect and
     then failed, recover makes such calls on purpose; each one leaves this note."""
     structlog.get_logger("colocate").warning("noop", component=component, call=call, why=why)
+
+
+def note_leftover(component: str, found: str, done: str) -> None:
+    """State an earlier run left on a server (an open weight-update session, a weight-update group
+    of the name this run uses) and what this run did about it: a warning line, not raised."""
+    structlog.get_logger("colocate").warning("leftover", component=component, found=found, done=done)

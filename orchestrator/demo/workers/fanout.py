@@ -17,7 +17,7 @@ from orchestrator.adapters.registry import Registry
 from orchestrator.demo.workers.engine_replica import EngineReplica
 from orchestrator.demo.workers.pool import WorkerPool
 from orchestrator.demo.workers.staging import Slot
-from orchestrator.demo.workers.trainer_rank import Batch, TrainerRank
+from orchestrator.demo.workers.trainer_rank import WEIGHT_GROUP, Batch, TrainerRank
 from orchestrator.errors import ConfigError
 from orchestrator.protocols import BucketSink, JobEngine, Named, TransferReport, WeightTransport
 from states import EngineMemory, Mode, TrainerLayout, TrainingSetup
@@ -244,6 +244,7 @@ def broadcast_push(ranks: WorkerPool[TrainerRank], engine: JobEngine, bucket_byt
     if not isinstance(engine, SGLangGroup):
         raise ConfigError([f"weight sync by broadcast needs SGLang servers; the engine is {engine.name}"])
     servers = engine.engines
+    engine.destroy_at_close(WEIGHT_GROUP)
     ranks.one(0, TrainerRank.join_weight_group, [e.name for e in servers], [e.tp_size for e in servers], _free_port())
     return BroadcastPush(ranks, bucket_bytes)
 

@@ -18,9 +18,14 @@ from orchestrator.telemetry import semconv
 from states import Mode, TrainerLayout, TrainingSetup
 
 if TYPE_CHECKING:
+    from orchestrator.adapters.engines.sglang import WeightBroadcaster
     from orchestrator.adapters.registry import OwnedRegions
     from orchestrator.demo.workers.fanout import ReplicaSet
     from orchestrator.demo.workers.staging import StagingBuffer
+
+
+# The name of the weight-update group rank 0 hosts for SGLang servers off its GPUs (`--weight-sync broadcast`).
+WEIGHT_GROUP = "colocate_weights"
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +90,7 @@ class TrainerRank(Traced):
         self.device = device
         self.world_size, self.model, self.clip_eps = world_size, model, clip_eps
         self._staging: StagingBuffer | None = None
+        self.broadcaster: WeightBroadcaster | None = None
         # The driver holds the rendezvous store, bound before any rank starts: no port to race for.
         store = torch.distributed.TCPStore(store_host, port, is_master=False, timeout=timedelta(minutes=5))
         init_process_group(rank, world_size, port, _backend(device), seed=model.seed, store=store)
@@ -100,6 +106,8 @@ class TrainerRank(Traced):
         from orchestrator.adapters.megatron.build import destroy_process_group
 
         self.regions.close()  # the host arenas are unpinned and freed
+        if self.broadcaster is not None:
+            self.broadcaster.close()
         if torch.distributed.is_initialized():
             destroy_process_group()
 
@@ -219,8 +227,12 @@ class TrainerRank(Traced):
         from orchestrator.adapters.engines.sglang import SGLangEngine, WeightBroadcaster
 
         engines = [SGLangEngine(url, tp_size=tp) for url, tp in zip(urls, tp_sizes, strict=True)]
-        self.broadcaster = WeightBroadcaster(engines, master_port=port, backend=_backend(self.device))
+        self.broadcaster = WeightBroadcaster(
+            engines, master_port=port, backend=_backend(self.device), group_name=WEIGHT_GROUP
+        )
 
     def broadcast_weights(self, version: int, bucket_bytes: int) -> TransferReport:
         """Rank 0 broadcasts every (converted) weight over the group `join_weight_group` made."""
+        if self.broadcaster is None:
+            raise RuntimeError(f"rank {self.rank}: broadcast_weights before join_weight_group")
         return push_in_buckets(self.converted(), self.broadcaster, version, bucket_bytes=bucket_bytes)

@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from orchestrator.adapters.engines.sglang.client import SGLangEngine
+from orchestrator.adapters.engines.sglang.weights import _destroy_group_quietly
 from orchestrator.adapters.engines.sglang.wire import flattened_bucket
 from orchestrator.errors import EngineError
 from orchestrator.protocols import Named
+from orchestrator.telemetry.logs import note_leftover
+
+T = TypeVar("T")
 
 
 def weight_update_group(
@@ -53,11 +58,21 @@ class WeightBroadcaster:
     bucket is announced by /update_weights_from_distributed while this process broadcasts it as
     one flattened uint8 tensor; SGLang answers once it has received it.
 
+    Start-up:
+    - A group of `group_name` that a server still holds (left by a run that was killed) is
+      destroyed first, with a `leftover` warning line: SGLang refuses to make a group under a
+      name it has.
+    - A server that refuses to join fails the start at once, with SGLang's answer; the group is
+      not waited for (its rendezvous would wait `timeout_s` for the server that will never come).
+      The servers that had joined are left waiting in their own rendezvous until their timeout.
+
     A server that refuses an announcement never receives. The broadcast is started
     asynchronously, so the refusal is raised at once (an `EngineError` naming the server); the
     group is aborted, which cancels NCCL's pending work, while gloo's ends at the group's
     `timeout_s` (this process may wait that long to exit). The broadcaster then refuses any
     further use: the group is out of step.
+
+    `close()` destroys the group on every server and here, whatever state it is in.
     """
 
     def __init__(
@@ -72,35 +87,47 @@ class WeightBroadcaster:
     ) -> None:
         self.engines, self.group_name = list(engines), group_name
         self._broken: str | None = None
+        self._group: Any = None
+        for engine in self.engines:
+            if engine.destroy_weights_update_group(group_name):
+                note_leftover(engine.name, f"a weight-update group named {group_name!r}", "destroyed it")
         offsets = list(itertools.accumulate([1] + [e.tp_size for e in self.engines[:-1]]))
         world_size = 1 + sum(e.tp_size for e in self.engines)
-        with ThreadPoolExecutor(len(self.engines), thread_name_prefix="sglang-join") as pool:
-            joins = [
-                pool.submit(
-                    e.init_weights_update_group,
-                    master_address,
-                    master_port,
-                    offset,
-                    world_size,
-                    group_name=group_name,
-                    backend=backend,
-                )
-                for e, offset in zip(self.engines, offsets, strict=True)
-            ]
-            self._group = weight_update_group(
-                backend=backend,
-                master_address=master_address,
-                master_port=master_port,
-                world_size=world_size,
-                rank=0,
+        # Daemon threads, not a pool: a server that refuses to join leaves the others (and this
+        # process's rendezvous) waiting until their timeouts, which must not hold this process.
+        ours = _in_thread(
+            weight_update_group,
+            backend=backend,
+            master_address=master_address,
+            master_port=master_port,
+            world_size=world_size,
+            rank=0,
+            group_name=group_name,
+            timeout_s=timeout_s,
+        )
+        joins = [
+            _in_thread(
+                e.init_weights_update_group,
+                master_address,
+                master_port,
+                offset,
+                world_size,
                 group_name=group_name,
-                timeout_s=timeout_s,
+                backend=backend,
             )
-            for join in joins:
-                join.result()
+            for e, offset in zip(self.engines, offsets, strict=True)
+        ]
+        wait([ours, *joins], return_when=FIRST_EXCEPTION)
+        refused = [join.exception() for join in joins if join.done() and join.exception() is not None]
+        if refused:
+            raise refused[0]  # SGLang's own answer, naming the server
+        self._group = ours.result()
+        for join in joins:
+            join.result()
 
     def update_weights(self, named: Sequence[Named], version: int) -> int:
-        """Broadcast one bucket to every server, tagged `version`; returns the bytes broadcast."""
+        """Broadcast one bucket to every server; returns the bytes broadcast. `version` is not sent
+        (see `SGLangWeightUpdates.update_weights_from_distributed`)."""
         if self._broken is not None:
             raise EngineError(self._broken, "an earlier broadcast was refused: the weight-update group is out of step")
         bucket = flattened_bucket(named)
@@ -125,4 +152,22 @@ class WeightBroadcaster:
         return int(bucket["flattened_tensor"].numel())
 
     def close(self) -> None:
-        torch.distributed.destroy_process_group(self._group)
+        """Destroy the group on every server (one that fails to is a warning line), then here."""
+        _destroy_group_quietly(self.engines, self.group_name)
+        if self._group is not None:
+            torch.distributed.destroy_process_group(self._group)
+            self._group = None
+
+
+def _in_thread(call: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
+    """`call(*args, **kwargs)` in a daemon thread of its own; its outcome, as a future."""
+    future: Future[T] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(call(*args, **kwargs))
+        except BaseException as exc:
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name=f"sglang-{getattr(call, '__name__', 'call')}", daemon=True).start()
+    return future

@@ -47,9 +47,15 @@ Routes, as sglang 0.5.23's `sglang/srt/entrypoints/http_server.py` defines them:
 - `begin_weight_update`/`end_weight_update`: POST /begin_weight_update, /end_weight_update {}.
   0.5.23's scheduler (`SchedulerWeightUpdaterManager`) refuses any update outside this session;
   the lifecycle holds one open over its update window (`SGLangGroup.weight_update_session`).
-- `update_weights`: one flattened bucket per POST /update_weights_from_tensor (see `_payload`).
+- `set_weight_version`: POST /update_weight_version {new_version, abort_all_requests: false},
+  once per update, after its session closed cleanly; no bucket carries a `weight_version`.
+- `pause_generation`/`continue_generation`: POST /pause_generation {mode}, /continue_generation
+  {}, around an update; `abort` also sends /abort_request {abort_all: true} until idle.
+- `update_weights`: one flattened bucket per POST /update_weights_from_tensor, one payload per
+  TP rank (`update_weights_from_payloads`: each serialized where that rank's GPU holds it).
 - `update_weights_from_distributed`: metadata only; the tensors travel by NCCL broadcast from the
-  trainer over a group made by `init_weights_update_group` (engines off the trainer's GPUs).
+  trainer over a group made by `init_weights_update_group` and ended by
+  `destroy_weights_update_group` (engines off the trainer's GPUs).
 - `generate`: POST /generate with `input_ids`, `sampling_params`, `return_logprob`. Never
   `min_new_tokens`: `SamplingParams.normalize` refuses it under `--skip-tokenizer-init`.
 """
@@ -58,16 +64,22 @@ from __future__ import annotations
 
 import re
 import time
+import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from orchestrator.adapters.engines.sglang.http import _message
 from orchestrator.adapters.engines.sglang.memory import SGLangMemory
 from orchestrator.adapters.engines.sglang.weights import SGLangWeightUpdates
 from orchestrator.errors import EngineError
 
-_NO_VERSION = (None, "", "default")  # what SGLang reports before any versioned update
+_NO_VERSION = (None, "", "default")
+
+# How generation is held around a weight update (`SGLangEngine.pause_generation`): SGLang's three
+# modes, or none (`orchestrator.core.config.EnginePause` names the same four for `colocate run`).
+EnginePause = Literal["retract", "abort", "in_place", "none"]
+ENGINE_PAUSES: tuple[EnginePause, ...] = typing.get_args(EnginePause)  # what SGLang reports before any versioned update
 
 # The SGLang releases colocate speaks to: the weight-update session (/begin_weight_update,
 # /end_weight_update) that 0.5.23's scheduler requires, /model_info's weight_version, no
@@ -160,13 +172,36 @@ class SGLangEngine(SGLangMemory, SGLangWeightUpdates):
 
     # ---- serving control -------------------------------------------------------------------
 
-    def pause_generation(self, mode: str = "abort") -> None:
-        """SGLang's modes: `abort` (return running requests), `retract` (requeue them, KV flushable),
-        `in_place` (keep them and their KV; /flush_cache then fails while they exist)."""
-        self._call("POST", "/pause_generation", {"mode": mode})
+    def pause_generation(self, mode: EnginePause = "retract") -> None:
+        """Hold generation for a weight update (`colocate run --engine-pause`), by SGLang 0.5.23's modes:
 
-    def continue_generation(self) -> None:
-        self._call("POST", "/continue_generation", {})
+        - `retract`: running requests go back to the waiting queue, their KV cache freed; they
+          are recomputed under the new weights after `continue_generation`. The scheduler is
+          paused, so /flush_cache and a release ignore the waiting queue
+          (`Scheduler.flush_cache`: `is_fully_idle(ignore_waiting=self._engine_paused)`).
+        - `in_place`: running requests keep their place and their KV cache, computed with the
+          old weights; /flush_cache is refused while they exist.
+        - `abort`: the tokenizer manager aborts every request in flight and holds new ones; the
+          scheduler is not paused, so this also repeats /abort_request until /v1/loads shows
+          the server idle, up to `flush_max_wait_s`.
+        - `none`: nothing is sent; the lifecycle's own idle checks stand alone.
+        """
+        if mode == "none":
+            return
+        self._call("POST", "/pause_generation", {"mode": mode})
+        if mode != "abort":
+            return
+        deadline = time.monotonic() + self.flush_max_wait_s
+        while not self.is_idle():
+            if time.monotonic() + self.flush_poll_s > deadline:
+                raise EngineError(self.name, f"requests still in flight {self.flush_max_wait_s:g} s after aborting all")
+            self._call("POST", "/abort_request", {"abort_all": True})
+            time.sleep(self.flush_poll_s)
+
+    def continue_generation(self, mode: EnginePause = "retract") -> None:
+        """Let generation go on after `pause_generation(mode)`; nothing for `none`."""
+        if mode != "none":
+            self._call("POST", "/continue_generation", {})
 
     def server_info(self) -> dict[str, Any]:
         """The server's resolved arguments (`tp_size`, `enable_memory_saver`, ...) and version."""

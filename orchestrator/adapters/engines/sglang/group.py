@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from orchestrator.adapters.engines.sglang.client import SGLangEngine, version_problem
-from orchestrator.adapters.engines.sglang.weights import _close_quietly
+from orchestrator.adapters.engines.sglang.client import ENGINE_PAUSES, EnginePause, SGLangEngine, version_problem
+from orchestrator.adapters.engines.sglang.weights import _close_quietly, _destroy_group_quietly
 from orchestrator.errors import ConfigError, EngineError
 from orchestrator.protocols import Named
 from states import EngineMemory
@@ -42,7 +42,8 @@ class SGLangGroup:
     """Several SGLang servers (data-parallel replicas, one URL each) as one `RolloutEngine`.
 
     Memory calls, flushes and weight buckets go to every server, concurrently (each server sends
-    only the memory calls that change something, see memory.py); the version is
+    only the memory calls that change something, see memory.py). Generation is held around each
+    update by `pause` (`SGLangEngine.pause_generation`: SGLang's mode, or "none"). The version is
     the one they all serve (servers that disagree are an `EngineError` naming each one's). The
     rollout splits the prompts into contiguous shares, one per server.
 
@@ -51,10 +52,14 @@ class SGLangGroup:
     weight back.
     """
 
-    def __init__(self, urls: Sequence[str], **engine_options: Any) -> None:
+    def __init__(self, urls: Sequence[str], *, pause: EnginePause = "retract", **engine_options: Any) -> None:
         problems = url_problems(urls)
+        if pause not in ENGINE_PAUSES:
+            problems.append(f"engine pause {pause!r}: not one of {', '.join(ENGINE_PAUSES)}")
         if problems:
             raise ConfigError(problems)
+        self.pause: EnginePause = pause
+        self._weight_groups: set[str] = set()
         names = [url.rstrip("/") for url in urls]
         self.engines = [SGLangEngine(url, **engine_options) for url in urls]
         self.name = self.engines[0].name if len(self.engines) == 1 else f"sglang[{', '.join(names)}]"
@@ -97,7 +102,15 @@ class SGLangGroup:
         self._each(check)
         self.weight_version()
 
+    def destroy_at_close(self, group_name: str) -> None:
+        """Destroy the weight-update group `group_name` on every server at `close`: the trainer's
+        end (`WeightBroadcaster`) may be in a process that is gone by then (a Ray actor the job
+        killed), and a group left on a server makes the next run's join fail."""
+        self._weight_groups.add(group_name)
+
     def close(self) -> None:
+        for group_name in sorted(self._weight_groups):
+            _destroy_group_quietly(self.engines, group_name)
         for engine in self.engines:
             engine.close()
 
@@ -127,12 +140,19 @@ class SGLangGroup:
         return all(self._each(SGLangEngine.is_idle))
 
     @contextmanager
-    def weight_update_session(self) -> Iterator[None]:
-        """Every server's weight-update session around the body: opened first, closed after it,
-        whether the body returned or raised (the body's error is then the one raised).
+    def weight_update_session(self, version: int | None = None) -> Iterator[None]:
+        """Generation held on every server (`pause`), then every server's weight-update session
+        around the body.
 
-        A server that refuses to open it closes the sessions the others opened, then raises.
+        - The body returned: every session is closed, then every server serves `version`
+          (`set_weight_version`, once per update: no bucket carries a version), then generation
+          goes on.
+        - The body raised: the sessions are closed (the body's error is the one raised), the
+          version served stays the old one, and generation stays held: no server serves a
+          part-updated model. The next update that succeeds lets it go on.
+        - A server that refuses to open its session closes the sessions the others opened.
         """
+        self._each(lambda e: e.pause_generation(self.pause))
         opened: list[SGLangEngine] = []
 
         def begin(engine: SGLangEngine) -> None:
@@ -150,6 +170,9 @@ class SGLangGroup:
             _close_quietly(opened, exc)
             raise
         self._each(SGLangEngine.end_weight_update)
+        if version is not None:
+            self._each(lambda e: e.set_weight_version(version))
+        self._each(lambda e: e.continue_generation(self.pause))
 
     # ---- the job's engine ------------------------------------------------------------------
 

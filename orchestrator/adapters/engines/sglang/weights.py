@@ -12,61 +12,55 @@ from orchestrator.adapters.engines.sglang.http import SGLangHTTP
 from orchestrator.adapters.engines.sglang.wire import flattened_bucket, serialize
 from orchestrator.errors import EngineError
 from orchestrator.protocols import Named
+from orchestrator.telemetry.logs import note_leftover
+
+# sglang 0.5.23's answer to a /begin_weight_update while a session is open (SchedulerWeightUpdaterManager).
+_ALREADY_OPEN = "a weight-update session is already open"
+# Its answer to /destroy_weights_update_group for a name it has no group of (model runner's weight_updater.py).
+_NO_GROUP = "The group to be destroyed does not exist"
 
 
 class SGLangWeightUpdates(SGLangHTTP):
     """The weight-update routes of one server; `tp_size` payloads per bucket (one per TP rank)."""
 
     tp_size: int
-    # Which bucket carries `weight_version` (see `_version_tag`): the model's weight names, learned
-    # from the first update whose session closed cleanly, and the names arrived at `_arriving`.
-    _weight_names: frozenset[str] | None = None
-    _arriving: int | None = None
-    _arrived: frozenset[str] = frozenset()
 
     def begin_weight_update(self) -> None:
         """Open SGLang's weight-update session; 0.5.23's scheduler refuses every
-        /update_weights_from_tensor and /update_weights_from_distributed outside one."""
-        self._call("POST", "/begin_weight_update", {})
+        /update_weights_from_tensor and /update_weights_from_distributed outside one.
+
+        A session already open was left by a run that ended inside its update (a killed
+        trainer; a live one closes its session on every failure): it is closed and opened
+        afresh, with a `leftover` warning line, since this update replaces every weight."""
+        try:
+            self._call("POST", "/begin_weight_update", {})
+        except EngineError as exc:
+            if _ALREADY_OPEN not in exc.reason:
+                raise
+            self.end_weight_update()
+            note_leftover(self.name, "a weight-update session left open", "closed it and opened a new one")
+            self._call("POST", "/begin_weight_update", {})
 
     def end_weight_update(self) -> None:
-        """Close the session (SGLang finalizes the loaded weights here). The first session that
-        closes with weights loaded names the model's weights (see `_version_tag`)."""
+        """Close the session (SGLang finalizes the loaded weights here)."""
         self._call("POST", "/end_weight_update", {})
-        if self._weight_names is None and self._arrived:
-            self._weight_names = self._arrived
 
-    def _version_tag(self, names: Sequence[str], version: int) -> str | None:
-        """The `weight_version` this bucket carries: `str(version)` on the bucket that completes the
-        model's weights at `version`, None (SGLang keeps the version it serves) on the others.
+    def set_weight_version(self, version: int) -> None:
+        """Serve `version` from now on: POST /update_weight_version. `abort_all_requests` is false
+        (SGLang's default, true, would abort every request in flight): generation is paused or
+        idle around an update, and a request that runs on is the caller's choice (`--engine-pause`).
 
-        SGLang 0.5.23 moves the version it serves on any successful update that carries one, and
-        only then: `TokenizerControlMixin.update_weights_from_tensor` and
-        `update_weights_from_distributed` (sglang/srt/managers/tokenizer_control_mixin.py, the value
-        /model_info reports) call `_update_weight_version_if_provided` only when the update
-        succeeded and its `weight_version` is not None; the scheduler's
-        `Scheduler.record_weight_version_change` (scheduler.py) returns on None; io_struct.py's
-        `UpdateWeightsFromTensorReqInput` and `UpdateWeightsFromDistributedReqInput` default it to
-        None. Tagging only the completing bucket keeps `LoadsWeights`' promise: an update that stops
-        early leaves the old version served.
-
-        Until the model's weight names are known (the first update after construction), every
-        bucket carries the version: the engine serves nothing colocate synced before it.
-        """
-        if version != self._arriving:
-            self._arriving, self._arrived = version, frozenset()
-        self._arrived = self._arrived.union(names)
-        if self._weight_names is None or self._arrived >= self._weight_names:
-            return str(version)
-        return None
-
-    def _abandon_update(self) -> None:
-        """Forget the names arrived so far: the update failed, and its retry starts over."""
-        self._arriving, self._arrived = None, frozenset()
+        SGLang 0.5.23 records the version in the tokenizer manager (what /model_info and each
+        answer's `meta_info.weight_version` report) and in the scheduler
+        (`Scheduler.handle_update_weight_version`), whatever it was before: it never checks that
+        versions go up, so colocate sends it once per update, after the update succeeded."""
+        self._call("POST", "/update_weight_version", {"new_version": str(version), "abort_all_requests": False})
 
     @contextmanager
-    def weight_update_session(self) -> Iterator[None]:
-        """The session around the body; closed whether the body returned or raised."""
+    def weight_update_session(self, version: int | None = None) -> Iterator[None]:
+        """The session around the body: on a clean exit it is closed and then, if `version` is
+        given, the server serves it (`set_weight_version`); if the body raised, it is closed and
+        the version served stays the old one. None leaves the version as it is."""
         self.begin_weight_update()
         try:
             yield
@@ -74,10 +68,15 @@ class SGLangWeightUpdates(SGLangHTTP):
             _close_quietly([self], exc)
             raise
         self.end_weight_update()
+        if version is not None:
+            self.set_weight_version(version)
 
     def update_weights(self, named: Sequence[Named], version: int) -> int:
-        """Send one bucket of HF-named tensors at `version`; returns the bytes sent. SGLang serves
-        `version` once the bucket that completes the model's weights arrived (`_version_tag`).
+        """Send one bucket of HF-named tensors; returns the bytes sent. The bucket carries no
+        `weight_version`: SGLang would serve it from this bucket on, with the model part-updated
+        (0.5.23 records the version of every successful update that carries one), so the version
+        moves once, at the session's clean close (`weight_update_session`). `version` is the
+        `BucketSink` signature's; it is not sent.
 
         The flattened tensor stays referenced until SGLang answers: its CUDA IPC handle is only
         valid while this process holds the memory. The cache is not flushed here (`flush_cache=False`):
@@ -92,7 +91,6 @@ class SGLangWeightUpdates(SGLangHTTP):
                 "serialized_named_tensors": payloads,
                 "load_format": "flattened_bucket",
                 "flush_cache": False,
-                "weight_version": self._version_tag([name for name, _ in named], version),
             },
         )
         return int(bucket["flattened_tensor"].numel())
@@ -118,6 +116,17 @@ class SGLangWeightUpdates(SGLangHTTP):
         }
         self._call("POST", "/init_weights_update_group", body)
 
+    def destroy_weights_update_group(self, group_name: str) -> bool:
+        """End the server's end of the group `group_name`: True if it had one, False if it had
+        none (sglang 0.5.23 answers 400, "The group to be destroyed does not exist.")."""
+        try:
+            self._call("POST", "/destroy_weights_update_group", {"group_name": group_name})
+        except EngineError as exc:
+            if _NO_GROUP in exc.reason:
+                return False
+            raise
+        return True
+
     def update_weights_from_distributed(
         self,
         names: Sequence[str],
@@ -129,8 +138,8 @@ class SGLangWeightUpdates(SGLangHTTP):
         flattened: bool = False,
     ) -> None:
         """Announce tensors the trainer broadcasts over `group_name`; returns once SGLang received
-        them. `flattened`: one uint8 broadcast laid out as `flattened_bucket` lays it out. SGLang
-        serves `version` once the announcement that completes the model's weights succeeded."""
+        them. `flattened`: one uint8 broadcast laid out as `flattened_bucket` lays it out. Like a
+        bucket (`update_weights`), it carries no `weight_version`; `version` is not sent."""
         if not len(names) == len(dtypes) == len(shapes):
             raise ValueError(f"{len(names)} names, {len(dtypes)} dtypes, {len(shapes)} shapes")
         body = {
@@ -139,7 +148,6 @@ class SGLangWeightUpdates(SGLangHTTP):
             "shapes": [list(s) for s in shapes],
             "group_name": group_name,
             "flush_cache": False,
-            "weight_version": self._version_tag(names, version),
         }
         if flattened:
             body["load_format"] = "flattened_bucket"
@@ -150,8 +158,17 @@ def _close_quietly(engines: Sequence[SGLangWeightUpdates], error: BaseException)
     """End each server's session while `error` is on its way out: it stays the one raised, and
     a server that also refused to close is a note on it."""
     for engine in engines:
-        engine._abandon_update()
         try:
             engine.end_weight_update()
         except EngineError as exc:
             error.add_note(f"and the weight-update session stayed open: {exc}")
+
+
+def _destroy_group_quietly(engines: Sequence[SGLangWeightUpdates], group_name: str) -> None:
+    """Destroy the weight-update group `group_name` on each server that has one; a server that
+    fails to is a `leftover` warning line, not raised (the next start clears what it left)."""
+    for engine in engines:
+        try:
+            engine.destroy_weights_update_group(group_name)
+        except EngineError as exc:
+            note_leftover(engine.name, f"the weight-update group {group_name!r}", f"not destroyed: {exc.reason}")
