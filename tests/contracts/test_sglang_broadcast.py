@@ -33,11 +33,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def sender(*urls: str, versions: int = 2, timeout_s: float = 30) -> list[str]:
+    """The trainer's end in a process of its own, under the group name `colocate run` uses."""
+    command = [sys.executable, "-m", "tests.support.broadcast_sender", *urls, "--port", str(free_port())]
+    return [*command, "--versions", str(versions), "--timeout", str(timeout_s)]
+
+
 def send(*urls: str, versions: int = 2, timeout_s: float = 30) -> subprocess.CompletedProcess[str]:
-    port = free_port()  # a group name per call: this process's in-process stand-ins join each once
-    command = [sys.executable, "-m", "tests.support.broadcast_sender", *urls, "--port", str(port)]
-    command += ["--versions", str(versions), "--group", f"colocate_weights_{port}", "--timeout", str(timeout_s)]
-    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=80)
+    return subprocess.run(
+        sender(*urls, versions=versions, timeout_s=timeout_s), cwd=ROOT, capture_output=True, text=True, timeout=80
+    )
 
 
 @pytest.fixture
@@ -49,7 +54,7 @@ def server() -> Iterator[SGLangStandIn]:
 def test_the_server_receives_every_bucket_by_broadcast(server: SGLangStandIn) -> None:
     done = send(server.url)
     assert done.returncode == 0, done.stderr
-    reports = [json.loads(line) for line in done.stdout.splitlines()]
+    reports = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert [r["buckets"] for r in reports] == [3, 3]
     assert server.state.weight_version == "2" and len(server.state.buckets) == 6
     for name, tensor in tensors(seed=2):
@@ -86,3 +91,50 @@ def test_two_servers_each_take_their_ranks_and_receive_everything() -> None:
         for p in procs:
             p.kill()
             p.wait()
+
+
+def test_the_group_is_destroyed_at_close_and_a_second_run_joins_again(server: SGLangStandIn) -> None:
+    for _ in range(2):  # the same servers, the same group name
+        done = send(server.url, versions=1)
+        assert done.returncode == 0, done.stderr[-2000:]
+    assert server.state.destroyed == ["colocate_weights"] * 2 and not server.state.groups
+    assert server.state.weight_version == "1"
+
+
+def test_a_group_left_by_a_killed_trainer_is_destroyed_at_the_next_start(server: SGLangStandIn) -> None:
+    killed = subprocess.Popen([*sender(server.url, versions=1), "--hold"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert killed.stdout is not None and json.loads(killed.stdout.readline())["version"] == 1
+    finally:
+        killed.kill()  # SIGKILL between updates: nothing closes the group
+        killed.wait()
+    assert list(server.state.groups) == ["colocate_weights"]
+    done = send(server.url, versions=1)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "leftover" in done.stdout and "a weight-update group named 'colocate_weights'" in done.stdout
+    assert server.state.destroyed == ["colocate_weights"] * 2  # the leftover, then this run's own at its close
+
+
+def test_a_refused_join_fails_the_start_at_once_with_sglangs_words(server: SGLangStandIn) -> None:
+    """The server's process has a group of that name outside SGLang's registry, so the destroy
+    finds none and torch refuses the join, after the rendezvous: the trainer must not wait out
+    its group's timeout (30 s here) for a server that will never join."""
+    from orchestrator.adapters.engines.sglang import weight_update_group
+
+    squatter = weight_update_group(
+        backend="gloo",
+        master_address="127.0.0.1",
+        master_port=free_port(),
+        world_size=1,
+        rank=0,
+        group_name="colocate_weights",
+        timeout_s=10,
+    )
+    try:
+        start = time.monotonic()
+        done = send(server.url, versions=1, timeout_s=30)
+        took = time.monotonic() - start
+    finally:
+        torch.distributed.destroy_process_group(squatter)
+    assert done.returncode != 0 and took < 20, (took, done.stderr[-2000:])
+    assert server.url in done.stderr and "The specified group name has already been created" in done.stderr

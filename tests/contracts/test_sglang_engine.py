@@ -77,25 +77,31 @@ def test_engine_is_a_rollout_engine_named_by_its_url(engine: SGLangEngine, serve
 def test_every_request_matches_its_sglang_class(engine: SGLangEngine, server: SGLangStandIn) -> None:
     engine.release(ALL)
     engine.resume(frozenset({EngineMemory.WEIGHTS}))
-    with engine.weight_update_session():
+    with engine.weight_update_session(1):
         engine.update_weights(tensors(), version=1)
     engine.init_weights_update_group("127.0.0.1", 29500, rank_offset=1, world_size=2)
-    with engine.weight_update_session():
+    with engine.weight_update_session(2):
         engine.update_weights_from_distributed(
             ["lm_head.weight"], [torch.bfloat16], [(32, 8)], "weight_update_group", 2
         )
+    assert engine.destroy_weights_update_group("weight_update_group")
     engine.resume(frozenset({EngineMemory.KV_CACHE, EngineMemory.CUDA_GRAPH}))
-    engine.pause_generation("retract")
-    engine.continue_generation()
+    for mode in ("retract", "abort", "in_place"):
+        engine.pause_generation(mode)  # type: ignore[arg-type]
+        engine.continue_generation(mode)  # type: ignore[arg-type]
     engine.generate([[1, 2, 3]], {"max_new_tokens": 2, "temperature": 1.0})
     # The stand-in answered 400 to any unknown or missing field: every call above passed validation.
     assert sent(server, "/release_memory_occupation") == [{"tags": ["cuda_graph", "kv_cache", "weights"]}]
     (update,) = sent(server, "/update_weights_from_tensor")
     assert update["load_format"] == "flattened_bucket"
-    assert update["flush_cache"] is False and update["weight_version"] == "1"
+    assert update["flush_cache"] is False and "weight_version" not in update  # the version moves at the close
     (dist,) = sent(server, "/update_weights_from_distributed")
-    assert dist["dtypes"] == ["bfloat16"] and dist["shapes"] == [[32, 8]]
-    assert dist["weight_version"] is None, "one weight of several: version 2 is not complete"
+    assert dist["dtypes"] == ["bfloat16"] and dist["shapes"] == [[32, 8]] and "weight_version" not in dist
+    assert sent(server, "/update_weight_version") == [
+        {"new_version": v, "abort_all_requests": False} for v in ("1", "2")
+    ]
+    assert sent(server, "/destroy_weights_update_group") == [{"group_name": "weight_update_group"}]
+    assert [b["mode"] for b in sent(server, "/pause_generation")] == ["retract", "abort", "in_place"]
     assert sent(server, "/generate")[0]["return_logprob"] is True
     assert server.state.paused is None
 
@@ -115,7 +121,7 @@ def test_the_stand_in_refuses_what_sglangs_schema_does_not_define(
 
 def test_bucket_arrives_with_names_shapes_dtypes_and_values(engine: SGLangEngine, server: SGLangStandIn) -> None:
     named = tensors(seed=3)
-    with engine.weight_update_session():
+    with engine.weight_update_session(7):
         sent_bytes = engine.update_weights(named, version=7)
     assert sent_bytes == sum(t.numel() * t.element_size() for _, t in named)
     assert sorted(server.state.buckets[0]) == sorted((n, tuple(t.shape), t.dtype) for n, t in named)
@@ -125,61 +131,10 @@ def test_bucket_arrives_with_names_shapes_dtypes_and_values(engine: SGLangEngine
     assert engine.weight_version() == 7
 
 
-def test_only_the_bucket_that_completes_the_weights_carries_the_version(
-    engine: SGLangEngine, server: SGLangStandIn
-) -> None:
-    """SGLang serves any weight_version a successful update carries: colocate sends it with the
-    bucket that completes the model's weights (learned from the first update), so an update that
-    fails partway leaves the old version served, and its retry starts over."""
-    named = tensors()
-    first, rest = named[:1], named[1:]
-
-    def versions() -> list[str | None]:
-        return [body["weight_version"] for body in sent(server, "/update_weights_from_tensor")]
-
-    with engine.weight_update_session():  # the first update names the model's weights
-        engine.update_weights(first, version=1)
-        engine.update_weights(rest, version=1)
-    assert versions() == ["1", "1"] and engine.weight_version() == 1
-
-    with engine.weight_update_session():
-        engine.update_weights(first, version=2)
-        assert engine.weight_version() == 1, "one bucket of two arrived"
-        engine.update_weights(rest, version=2)
-    assert versions()[2:] == [None, "2"] and engine.weight_version() == 2
-
-    server.state.fail_next_update = "Failed to load weights: out of memory"
-    with pytest.raises(EngineError, match="out of memory"), engine.weight_update_session():
-        engine.update_weights(rest, version=3)
-        engine.update_weights(first, version=3)
-    assert versions()[4:] == [None] and engine.weight_version() == 2, "the failed update is not served"
-    assert not server.state.session_open
-
-    with engine.weight_update_session():  # the retry resends every bucket: the last one completes it
-        engine.update_weights(first, version=3)
-        assert engine.weight_version() == 2, "the failed attempt's bucket does not count"
-        engine.update_weights(rest, version=3)
-    assert versions()[5:] == [None, "3"] and engine.weight_version() == 3
-
-
-def test_a_first_update_that_fails_teaches_no_weight_names(engine: SGLangEngine, server: SGLangStandIn) -> None:
-    named = tensors()
-    server.state.fail_next_update = "Failed to load weights: out of memory"
-    with pytest.raises(EngineError, match="out of memory"), engine.weight_update_session():
-        engine.update_weights(named[:1], version=1)
-    with engine.weight_update_session():  # still the first update: every bucket carries its version
-        engine.update_weights(named[:1], version=1)
-        engine.update_weights(named[1:], version=1)
-    assert [b["weight_version"] for b in sent(server, "/update_weights_from_tensor")] == ["1", "1", "1"]
-    with engine.weight_update_session():
-        engine.update_weights(named[1:], version=2)
-    assert engine.weight_version() == 1, "learned from the whole first update, not its failed attempt"
-
-
 def test_one_payload_per_tp_rank() -> None:
     with SGLangStandIn(tp_size=2, weights=WEIGHTS) as server:
         engine = SGLangEngine(server.url, tp_size=2)
-        with engine.weight_update_session():
+        with engine.weight_update_session(1):
             engine.update_weights(tensors()[:2], version=1)
         assert len(sent(server, "/update_weights_from_tensor")[0]["serialized_named_tensors"]) == 2
         engine.close()
@@ -273,7 +228,7 @@ def test_lifecycle_sequence(engine: SGLangEngine, server: SGLangStandIn) -> None
         engine.resume(frozenset({EngineMemory.WEIGHTS}))  # trainer params still resident: weights only
         with pytest.raises(EngineError, match=r"released|no weights"):
             engine.generate([[1]], {"max_new_tokens": 1})
-        with engine.weight_update_session():
+        with engine.weight_update_session(version):
             report = push_in_buckets(tensors(seed=version), engine, version, bucket_bytes=600)
         assert report.buckets == 3 and report.tensors == len(WEIGHTS)
         engine.resume(frozenset({EngineMemory.KV_CACHE, EngineMemory.CUDA_GRAPH}))  # trainer params dropped
@@ -333,7 +288,7 @@ def test_group_fans_memory_weights_and_flushes_out_to_every_server(pair: tuple[S
     group.connect()
     group.release(ALL)
     group.resume(frozenset({EngineMemory.WEIGHTS}))
-    with group.weight_update_session():
+    with group.weight_update_session(1):
         sent_bytes = group.update_weights(tensors(), version=1)
     group.resume(frozenset({EngineMemory.KV_CACHE, EngineMemory.CUDA_GRAPH}))
     pair[1].hold(requests=1, polls=2)  # one server still busy: the group's flush waits for it
@@ -350,7 +305,7 @@ def test_connect_takes_each_servers_tp_size_and_refuses_one_without_memory_saver
         group = SGLangGroup([a.url, b.url])
         group.connect()
         assert [e.tp_size for e in group.engines] == [2, 1]
-        with group.weight_update_session():
+        with group.weight_update_session(1):
             group.update_weights(tensors(), version=1)  # two payloads to a, one to b: both accept
         b.state.memory_saver = False
         with pytest.raises(EngineError, match="--enable-memory-saver") as info:
@@ -360,7 +315,7 @@ def test_connect_takes_each_servers_tp_size_and_refuses_one_without_memory_saver
 
 def test_group_refuses_servers_that_disagree_on_the_version(pair: tuple[SGLangStandIn, ...]) -> None:
     first = SGLangEngine(pair[0].url)
-    with first.weight_update_session():
+    with first.weight_update_session(3):
         first.update_weights(tensors(), version=3)
     group = SGLangGroup([s.url for s in pair])
     with pytest.raises(EngineError, match="different weight versions") as info:
@@ -370,7 +325,7 @@ def test_group_refuses_servers_that_disagree_on_the_version(pair: tuple[SGLangSt
 
 def test_group_generate_splits_rows_in_order_with_a_seed_per_row(pair: tuple[SGLangStandIn, ...]) -> None:
     group = SGLangGroup([s.url for s in pair])
-    with group.weight_update_session():
+    with group.weight_update_session(1):
         group.update_weights(tensors(), version=1)
     prompts = torch.arange(15).reshape(5, 3)
     completions, logprobs = group.generate(prompts, max_new_tokens=4, temperature=1.0, seed=100)
@@ -388,7 +343,7 @@ def test_group_generate_splits_rows_in_order_with_a_seed_per_row(pair: tuple[SGL
 def test_a_short_completion_is_an_engine_error(pair: tuple[SGLangStandIn, ...]) -> None:
     """SGLang ends a row early at a stop string or a length limit; the trainer's batch cannot take it."""
     group = SGLangGroup([pair[0].url])
-    with group.weight_update_session():
+    with group.weight_update_session(1):
         group.update_weights(tensors(), version=1)
     original = group.engines[0].generate
     group.engines[0].generate = (
@@ -401,7 +356,7 @@ def test_a_short_completion_is_an_engine_error(pair: tuple[SGLangStandIn, ...]) 
 
 
 def test_sampling_params_are_checked_against_sglangs_fields(engine: SGLangEngine) -> None:
-    with engine.weight_update_session():
+    with engine.weight_update_session(1):
         engine.update_weights(tensors(), version=1)
     with pytest.raises(EngineError, match=r"unexpected keyword argument\(s\) \['max_tokens'\]"):
         engine.generate([[1, 2]], {"max_tokens": 2})  # the OpenAI name, not SGLang's
@@ -472,10 +427,16 @@ def test_the_group_session_closes_on_a_failure_and_opens_again(pair: tuple[SGLan
         assert all(s.state.session_open for s in pair)
         raise RuntimeError("the trainer failed between buckets")
     assert [s.state.session_open for s in pair] == [False, False] and [s.state.sessions for s in pair] == [1, 1]
-    pair[1].state.session_open = True  # a server that refuses to open: the other one's is closed again
-    with pytest.raises(EngineError, match="already open"), group.weight_update_session():
+    pair[1].state.session_open = True  # left open by a run that was killed mid-update: closed, opened anew
+    with group.weight_update_session(1):
+        group.update_weights(tensors(), version=1)
+    assert [s.state.sessions for s in pair] == [2, 3] and [s.state.weight_version for s in pair] == ["1", "1"]
+    pair[1].state.dead = "killed"  # a server that cannot open: the session the other one opened is closed
+    unpaused = SGLangGroup([s.url for s in pair], pause="none")  # (a pause would meet the dead server first)
+    with pytest.raises(EngineError, match=pair[1].url), unpaused.weight_update_session(2):
         pass
-    assert not pair[0].state.session_open and pair[0].state.sessions == 2
+    assert not pair[0].state.session_open and pair[0].state.sessions == 3
+    assert pair[0].state.weight_version == "1"
 
 
 def test_serialize_sends_storages_by_name_from_threads_whatever_the_process_strategy() -> None:
@@ -494,7 +455,7 @@ def test_serialize_sends_storages_by_name_from_threads_whatever_the_process_stra
 
 
 def test_the_stand_in_refuses_min_new_tokens_as_sglang_does_under_skip_tokenizer_init(engine: SGLangEngine) -> None:
-    with engine.weight_update_session():
+    with engine.weight_update_session(1):
         engine.update_weights(tensors(), version=1)
     with pytest.raises(EngineError, match=r"min_new_tokens=4 is unavailable when skip_tokenizer_init=True"):
         engine.generate([[1, 2]], {"max_new_tokens": 4, "min_new_tokens": 4, "ignore_eos": True})

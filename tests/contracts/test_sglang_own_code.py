@@ -101,7 +101,7 @@ def test_a_full_update_window_passes_sglangs_session_and_loads_every_tensor(
     group.connect()
     group.release(ALL)
     group.resume(frozenset({EngineMemory.WEIGHTS}))
-    with group.weight_update_session():
+    with group.weight_update_session(1):
         group.update_weights(named[:2], version=1)
         group.update_weights(named[2:], version=1)
         group.flush_cache()
@@ -110,25 +110,58 @@ def test_a_full_update_window_passes_sglangs_session_and_loads_every_tensor(
     assert served.runner.sessions == ["begin", "end"]
     for name, tensor in named:  # SGLang's deserializer and FlattenedTensorBucket rebuilt each bit for bit
         assert torch.equal(served.runner.loaded[name], tensor), name
-    assert served.scheduler.weight_versions == ["1", "1"]
+    assert served.scheduler.weight_versions == [None, None, "1"]  # the buckets', then the session's close
 
 
-def test_only_the_completing_bucket_carries_the_version_through_sglangs_parsing(
-    group: SGLangGroup, served: tier.Served
+@pytest.mark.parametrize("path", ["in process", "by value", "fresh adapter"])
+def test_the_version_moves_once_after_the_last_bucket_and_never_for_a_failed_update(
+    group: SGLangGroup, served: tier.Served, path: str
 ) -> None:
-    """Buckets before the last send `weight_version: null`: SGLang's request parsing takes it, and
-    its weight updater hands None on (which its scheduler and tokenizer manager ignore)."""
-    named = trainer_tensors(served)
-    group.connect()
-    with group.weight_update_session():  # the first update names the model's weights
-        group.update_weights(named[:2], version=1)
-        group.update_weights(named[2:], version=1)
-    with group.weight_update_session():
-        group.update_weights(named[:2], version=2)
-        assert group.weight_version() == 1, "two weights of three arrived"
-        group.update_weights(named[2:], version=2)
-    assert group.weight_version() == 2
-    assert served.scheduler.weight_versions == ["1", "1", None, "2"]
+    """The served version, after each request of an update, as SGLang's own request handling and
+    scheduler record it. "by value": the buckets go through a copy of the engine, as the rank-0 Ray
+    actor of a two-rank run gets it (a pickle round trip stands for Ray's). "fresh adapter": a new
+    client meets a server an earlier one updated to version 7."""
+    import pickle
+
+    if path == "fresh adapter":
+        with group.weight_update_session(7):
+            group.update_weights(trainer_tensors(served), version=7)
+        group = SGLangGroup([served.url])
+    served.tokenizer.served.clear()
+    old = served.tokenizer.weight_version
+    sink = pickle.loads(pickle.dumps(group)) if path == "by value" else group
+    lc = lifecycle_on(group, sink=sink)
+    lc.pause_grads()
+    lc.update_weights()
+    version = str(group.weight_version())
+    sent = [route for route, _ in served.tokenizer.served].count("/update_weights_from_tensor")
+    assert sent >= 2  # one tensor per bucket
+    buckets = [("/update_weights_from_tensor", old)] * sent
+    assert served.tokenizer.served == [
+        ("/begin_weight_update", old),
+        *buckets,
+        ("/end_weight_update", old),
+        ("/update_weight_version", version),
+    ]
+    assert served.scheduler.weight_versions[-1] == version and version != old
+
+    failing = lifecycle_on(group, sink=sink, fail_after_buckets=1)
+    served.tokenizer.served.clear()
+    failing.pause_grads()
+    with pytest.raises(Exception, match="the trainer failed between buckets"):
+        failing.update_weights()
+    assert served.tokenizer.served == [
+        ("/begin_weight_update", version),
+        ("/update_weights_from_tensor", version),
+        ("/end_weight_update", version),
+    ]
+
+
+def test_weight_update_groups_are_destroyed_through_sglangs_app(group: SGLangGroup, served: tier.Served) -> None:
+    engine = group.engines[0]
+    engine.init_weights_update_group("127.0.0.1", 29500, rank_offset=1, world_size=2, group_name="colocate_weights")
+    assert engine.destroy_weights_update_group("colocate_weights") is True
+    assert engine.destroy_weights_update_group("colocate_weights") is False  # SGLang: "does not exist"
 
 
 def test_an_update_outside_the_session_is_refused_by_sglangs_scheduler(group: SGLangGroup, served: tier.Served) -> None:
@@ -152,7 +185,7 @@ def test_a_failure_inside_the_session_still_closes_it(group: SGLangGroup, served
 def test_broadcast_announcements_and_group_join_pass_sglangs_checks(group: SGLangGroup, served: tier.Served) -> None:
     engine = group.engines[0]
     engine.init_weights_update_group("127.0.0.1", 29500, rank_offset=1, world_size=2, group_name="colocate_weights")
-    with group.weight_update_session():
+    with group.weight_update_session(3):
         engine.update_weights_from_distributed(
             ["lm_head.weight", "model.norm.weight"],
             [torch.bfloat16, torch.float32],
@@ -231,9 +264,10 @@ def test_pause_and_continue_parse_as_sglangs_requests(group: SGLangGroup, served
 # ---- the lifecycle's update window, through SGLang's app -----------------------------------------
 
 
-def lifecycle_on(group: SGLangGroup, *, fail_after_buckets: int | None = None) -> Any:
-    """A real Lifecycle whose engine is colocate's SGLang client. The trainer side is the in-memory
-    one (orchestrator/testing.py): what is judged here is the engine side, by SGLang."""
+def lifecycle_on(group: SGLangGroup, *, sink: Any = None, fail_after_buckets: int | None = None) -> Any:
+    """A real Lifecycle whose engine is colocate's SGLang client; its buckets go through `sink`
+    (the group itself by default). The trainer side is the in-memory one (orchestrator/testing.py):
+    what is judged here is the engine side, by SGLang."""
     from orchestrator import Lifecycle, LifecycleConfig
     from orchestrator.adapters.transport.bucketed import push_in_buckets
     from orchestrator.protocols import TransferReport
@@ -241,15 +275,16 @@ def lifecycle_on(group: SGLangGroup, *, fail_after_buckets: int | None = None) -
     from states import Mode, Region
 
     trainer = InMemoryTrainer()
+    buckets_to = group if sink is None else sink
 
     class Transport:  # one bucket per tensor, into SGLang; optionally the trainer fails between them
         def push(self, version: int) -> TransferReport:
             named = list(trainer.sync_tensors())
             if fail_after_buckets is not None:
                 for pair in named[:fail_after_buckets]:
-                    group.update_weights([pair], version)
+                    buckets_to.update_weights([pair], version)
                 raise RuntimeError("the trainer failed between buckets")
-            return push_in_buckets(named, group, version, bucket_bytes=1)
+            return push_in_buckets(named, buckets_to, version, bucket_bytes=1)
 
     return Lifecycle(
         config=LifecycleConfig(mode=Mode.REMATERIALIZE),

@@ -20,7 +20,10 @@ behaviours colocate relies on (sglang 0.5.23, design §4):
 - `weight_version` sent with a successful update is what /model_info reports afterwards ("default"
   before); an update without one leaves it unchanged, as SGLang's `TokenizerControlMixin`
   (tokenizer_control_mixin.py: `update_weights_from_tensor`, `update_weights_from_distributed`) sets
-  it only when the update succeeded and `weight_version` is not None.
+  it only when the update succeeded and `weight_version` is not None. /update_weight_version sets
+  it whatever it was (and aborts every request unless `abort_all_requests` is false).
+  `state.versions` records, after every weight-update request, the version served then.
+- `state.fail_at_bucket = n` fails the n-th update of the next session (an update that fails halfway).
 - Weight updates only inside a session, as 0.5.23's `SchedulerWeightUpdaterManager` requires:
   /update_weights_from_tensor and /update_weights_from_distributed between /begin_weight_update
   and /end_weight_update; opening an open session or closing a closed one fails.
@@ -37,12 +40,22 @@ behaviours colocate relies on (sglang 0.5.23, design §4):
   index as SGLang's patched `rebuild_cuda_tensor` does.
 - `sampling_params` keys are checked against SGLang's `SamplingParams` fields: SGLang builds
   `SamplingParams(**sampling_params)`, which refuses any other.
-- With `join_groups=True`, /init_weights_update_group really joins the trainer's group (as one TP
-  rank) and /update_weights_from_distributed really receives the broadcast, laid out as SGLang's
-  `FlattenedTensorBucket.empty` lays it out (refusing an unaligned offset, as it does).
-  Otherwise both only record what they were sent.
+- Weight-update groups by name, as SGLang's model runner keeps them: /init_weights_update_group
+  refuses a name the server has, with torch's words ("The specified group name has already been
+  created"), and /destroy_weights_update_group of a name it has none of with SGLang's ("The group
+  to be destroyed does not exist."). With `join_groups=True`, the init really joins the trainer's
+  group (as one TP rank: a rendezvous first, then torch's check, as SGLang's
+  `init_custom_process_group` does) and /update_weights_from_distributed really receives the
+  broadcast, laid out as SGLang's `FlattenedTensorBucket.empty` lays it out (refusing an unaligned
+  offset, as it does). Otherwise the announcements are only recorded.
+- /pause_generation's modes: `abort` drops the requests in flight; `retract` requeues them, and a
+  flush or release then ignores them (SGLang's `is_fully_idle(ignore_waiting=...)` while paused);
+  `in_place` keeps them. /generate while paused is refused (SGLang would hold it until
+  /continue_generation). /abort_request {abort_all} drops every request in flight.
 - /server_info reports `tp_size` and `enable_memory_saver`; /weights_checker's `checksum` hashes
   what was loaded as SGLang hashes CPU tensors.
+
+GET /_stand_in/state (no SGLang route) shows a test what a stand-in in its own process recorded.
 
 By default it has no model: /generate answers with made-up tokens. Given a `TransformersEngine`
 (`model=`, or `--model-path` when run as a process), it is a server that really serves: the
@@ -110,6 +123,13 @@ class _Died(Exception):
 
 
 _MEMORY_ROUTES = ("/release_memory_occupation", "/resume_memory_occupation")
+_VERSIONED_ROUTES = (
+    "/begin_weight_update",
+    "/update_weights_from_tensor",
+    "/update_weights_from_distributed",
+    "/end_weight_update",
+    "/update_weight_version",
+)
 
 
 class _Refused(Exception):
@@ -183,6 +203,11 @@ class StandInState:
     sessions: int = 0  # sessions closed
     fault: tuple[str, float] | None = None  # the next memory call's lost answer (see the module docstring)
     dead: str | None = None  # why the server ended, as SGLang's would
+    fail_at_bucket: int | None = None  # the session's n-th weight update (1-based) fails, as fail_next_update
+    session_buckets: int = 0  # weight updates taken in the open session
+    # (route, the version served after it): every weight-update request, in order, as SGLang records them
+    versions: list[tuple[str, str]] = field(default_factory=list)
+    destroyed: list[str] = field(default_factory=list)  # group names destroyed, in order
 
 
 class SGLangStandIn:
@@ -224,6 +249,10 @@ class SGLangStandIn:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join()
+        for group in self.state.groups.values():  # a server's process ends with its groups
+            if group is not None:
+                torch.distributed.destroy_process_group(group)
+        self.state.groups.clear()
 
     # ---- validation ------------------------------------------------------------------------
 
@@ -270,6 +299,8 @@ class SGLangStandIn:
             if handler is None:
                 return 404, {"detail": "Not Found"}
             answer = handler(self, self.state, body)
+            if route in _VERSIONED_ROUTES:
+                self.state.versions.append((route, self.state.weight_version))
         if fault is not None and fault[0] == "drop":
             raise _Died("the connection dropped after the call was applied")
         if fault is not None and fault[0] == "late":
@@ -278,7 +309,7 @@ class SGLangStandIn:
 
 
 def _idle_required(state: StandInState, call: str) -> None:
-    if state.in_flight:
+    if state.in_flight and state.paused != "retract":
         raise _Refused(f"{call} should be called only when server is idle ({state.in_flight} in flight)")
 
 
@@ -310,7 +341,7 @@ def _resume(server: SGLangStandIn, state: StandInState, body: dict[str, Any]) ->
 
 
 def _flush(server: SGLangStandIn, state: StandInState, body: Any) -> tuple[int, Any]:
-    if state.in_flight:
+    if state.in_flight and state.paused != "retract":  # a retract pause requeued them: ignored, as SGLang does
         state.polls_until_idle -= 1
         if state.polls_until_idle <= 0:
             state.in_flight = 0
@@ -321,9 +352,16 @@ def _flush(server: SGLangStandIn, state: StandInState, body: Any) -> tuple[int, 
 
 
 def _session_required(state: StandInState, call: str) -> tuple[int, Any] | None:
-    if state.session_open:
-        return None
-    return 400, {"success": False, "message": f"{call} must run between begin_weight_update() and end_weight_update()"}
+    """SGLang's refusal outside a session; else None, and the injected failure of this bucket, if any."""
+    if not state.session_open:
+        return 400, {
+            "success": False,
+            "message": f"{call} must run between begin_weight_update() and end_weight_update()",
+        }
+    state.session_buckets += 1
+    if state.session_buckets == state.fail_at_bucket:
+        state.fail_at_bucket, state.fail_next_update = None, f"Failed to load bucket {state.session_buckets}"
+    return None
 
 
 def _begin(server: SGLangStandIn, state: StandInState, body: dict[str, Any]) -> tuple[int, Any]:
@@ -332,7 +370,7 @@ def _begin(server: SGLangStandIn, state: StandInState, body: dict[str, Any]) -> 
             "success": False,
             "message": "a weight-update session is already open; call end_weight_update() first",
         }
-    state.session_open = True
+    state.session_open, state.session_buckets = True, 0
     return 200, {"success": True, "message": "Success"}
 
 
@@ -376,19 +414,60 @@ def _update_from_tensor(server: SGLangStandIn, state: StandInState, body: dict[s
 
 
 def _init_group(server: SGLangStandIn, state: StandInState, body: dict[str, Any]) -> tuple[int, Any]:
-    if state.join_groups:
-        from orchestrator.adapters.engines.sglang import weight_update_group
+    """SGLang's model runner: `init_custom_process_group` (a rendezvous, then torch's
+    `_new_process_group_helper`, which refuses a group name this process has); any failure is
+    answered 400 with its words. Without `join_groups`, the name is only registered, and a name
+    the server has is refused with torch's words, at once."""
+    name = body["group_name"]
+    try:
+        if state.join_groups:
+            from orchestrator.adapters.engines.sglang import weight_update_group
 
-        state.groups[body["group_name"]] = weight_update_group(
-            backend=body.get("backend", "nccl"),
-            master_address=body["master_address"],
-            master_port=body["master_port"],
-            world_size=body["world_size"],
-            rank=body["rank_offset"],  # the stand-in is one TP rank
-            group_name=body["group_name"],
-            timeout_s=60,
-        )
+            state.groups[name] = weight_update_group(
+                backend=body.get("backend", "nccl"),
+                master_address=body["master_address"],
+                master_port=body["master_port"],
+                world_size=body["world_size"],
+                rank=body["rank_offset"],  # the stand-in is one TP rank
+                group_name=name,
+                timeout_s=60,
+            )
+        elif name in state.groups:
+            raise ValueError(_GROUP_EXISTS)
+        else:
+            state.groups[name] = None
+    except Exception as exc:
+        return 400, {"success": False, "message": f"Failed to initialize custom process group: {exc}."}
     return 200, {"success": True, "message": "Succeeded to initialize custom process group."}
+
+
+# torch's `_new_process_group_helper`, given a name its process already has a group of.
+_GROUP_EXISTS = "The specified group name has already been created, please use a different group name"
+
+
+def _destroy_group(server: SGLangStandIn, state: StandInState, body: dict[str, Any]) -> tuple[int, Any]:
+    name = body.get("group_name", "weight_update_group")
+    if name not in state.groups:
+        return 400, {"success": False, "message": "The group to be destroyed does not exist."}
+    group = state.groups.pop(name)
+    if group is not None:
+        torch.distributed.destroy_process_group(group)
+    state.destroyed.append(name)
+    return 200, {"success": True, "message": "Succeeded to destroy custom process group."}
+
+
+def _update_version(server: SGLangStandIn, state: StandInState, body: dict[str, Any]) -> tuple[int, Any]:
+    """SGLang's /update_weight_version: aborts every request first unless `abort_all_requests` is false."""
+    if body.get("abort_all_requests", True):
+        state.in_flight = 0
+    state.weight_version = body["new_version"]
+    return 200, {"success": True, "message": f"Weight version updated to {body['new_version']}"}
+
+
+def _abort(server: SGLangStandIn, state: StandInState, body: dict[str, Any]) -> tuple[int, Any]:
+    if body.get("abort_all"):
+        state.in_flight = 0
+    return 200, None
 
 
 def _empty_bucket(names: list[str], dtypes: list[str], shapes: list[list[int]]) -> dict[str, Any]:
@@ -448,6 +527,8 @@ def _generate(server: SGLangStandIn, state: StandInState, body: dict[str, Any]) 
     released = sorted(state.released & {"weights", "kv_cache"})
     if released:
         return 400, {"error": {"message": f"memory released: {released}"}}
+    if state.paused is not None:  # SGLang would hold the request until /continue_generation
+        return 400, {"error": {"message": f"generation is paused ({state.paused}): the request would wait"}}
     sampling = body.get("sampling_params") or {}
     per_row = sampling if isinstance(sampling, list) else [sampling] * len(body["input_ids"])
     if state.model is not None:
@@ -500,6 +581,10 @@ def tensor_checksum(tensor: torch.Tensor) -> str:
 
 def _pause(server: SGLangStandIn, state: StandInState, body: dict[str, Any]) -> tuple[int, Any]:
     state.paused = body.get("mode", "abort")
+    if state.paused not in ("abort", "retract", "in_place"):
+        raise _Refused(f"pause_generation mode {state.paused!r}: not abort, retract or in_place")
+    if state.paused == "abort":  # SGLang's tokenizer manager aborts every request in flight
+        state.in_flight = 0
     return 200, {"message": "Generation paused successfully.", "status": "ok"}
 
 
@@ -516,12 +601,16 @@ _ROUTES = {
     ("POST", "/begin_weight_update"): _begin,
     ("POST", "/end_weight_update"): _end,
     ("POST", "/init_weights_update_group"): _init_group,
+    ("POST", "/destroy_weights_update_group"): _destroy_group,
+    ("POST", "/update_weight_version"): _update_version,
+    ("POST", "/abort_request"): _abort,
     ("POST", "/update_weights_from_distributed"): _update_from_distributed,
     ("POST", "/generate"): _generate,
     ("POST", "/pause_generation"): _pause,
     ("POST", "/weights_checker"): _checksums,
     ("POST", "/continue_generation"): _continue,
     ("GET", "/health"): lambda server, state, body: (200, None),
+    ("GET", "/_stand_in/state"): lambda server, state, body: (200, _observed(state)),
     ("GET", "/model_info"): lambda server, state, body: (200, {"weight_version": state.weight_version}),
     ("GET", "/server_info"): lambda server, state, body: (
         200,
@@ -535,6 +624,18 @@ _ROUTES = {
         {"loads": [{"dp_rank": 0, "num_running_reqs": state.in_flight, "num_waiting_reqs": 0}]},
     ),
 }
+
+
+def _observed(state: StandInState) -> dict[str, Any]:
+    """What a test reads of a stand-in in a process of its own (not an SGLang route)."""
+    return {
+        "versions": state.versions,
+        "groups": sorted(state.groups),
+        "destroyed": state.destroyed,
+        "paused": state.paused,
+        "session_open": state.session_open,
+        "routes": [path for path, _ in state.requests],
+    }
 
 
 def _handler(server: SGLangStandIn) -> type[BaseHTTPRequestHandler]:

@@ -23,7 +23,9 @@ What is replaced, at the seam where the model runner would start (a GPU, CUDA ke
 - the TokenizerManager↔scheduler hop (ZMQ between processes) is a direct call, `TokenizerSide`;
 - the tensor-parallel worker and its model runner: `Runner` records the tensors SGLang's code
   handed it instead of loading them into a model; `receive_weights_from_distributed` (an NCCL
-  broadcast) is not run, only announced and recorded;
+  broadcast) is not run, only announced and recorded; the weight-update groups are a registry by
+  name with the model runner's answers (`TpWorker`), joined by no rendezvous;
+- the tokenizer manager's own version record and `abort_request` (`TokenizerSide`);
 - the scheduler's batches: `busy` stands for running or waiting requests;
 - torch_memory_saver: SGLang's own no-op adapter (`TorchMemorySaverAdapter.create(enable=False)`);
 - /generate's tokens: made up, in SGLang's output format (no model ran).
@@ -133,7 +135,7 @@ class TpWorker:
     def __init__(self, runner: Runner) -> None:
         self.runner = runner
         self.model_runner = types.SimpleNamespace(weight_updater=runner, model=torch.nn.Linear(1, 1))
-        self.groups: list[Any] = []
+        self.groups: dict[str, Any] = {}
 
     def weight_update_runners(self) -> list[tuple[str, Runner]]:
         return [("target", self.runner)]
@@ -144,8 +146,16 @@ class TpWorker:
         return MultiprocessingSerializer.deserialize(serialized_named_tensors[0])
 
     def init_weights_update_group(self, recv_req: Any) -> tuple[bool, str]:
-        self.groups.append(recv_req)
+        """The model runner's registry of groups by name (no rendezvous: no trainer joins here)."""
+        if recv_req.group_name in self.groups:
+            return False, "Failed to initialize custom process group: the name is taken."
+        self.groups[recv_req.group_name] = recv_req
         return True, "Succeeded to initialize custom process group."
+
+    def destroy_weights_update_group(self, recv_req: Any) -> tuple[bool, str]:
+        if self.groups.pop(recv_req.group_name, None) is None:
+            return False, "The group to be destroyed does not exist."
+        return True, "Succeeded to destroy custom process group."
 
 
 class Pools:
@@ -218,6 +228,7 @@ class TokenizerSide:
         self.startup_time = time.time()
         self.paused: str | None = None
         self.requests: list[tuple[str, Any]] = []  # (route, the io_struct object SGLang parsed)
+        self.served: list[tuple[str, str]] = []  # (route, the version served after it), per weight request
 
     def config_value(self, name: str) -> Any:
         if name == "weight_version":
@@ -228,10 +239,28 @@ class TokenizerSide:
         return True
 
     def _versioned(self, route: str, obj: Any, output: Any) -> tuple[bool, str]:
+        """TokenizerControlMixin's `_update_weight_version_if_provided` after a successful update."""
         self.requests.append((route, obj))
         if output.success and getattr(obj, "weight_version", None) is not None:
             self.weight_version = obj.weight_version
+        self.served.append((route, self.weight_version))
         return output.success, output.message
+
+    async def update_weight_version(self, obj: Any) -> None:
+        """TokenizerControlMixin.update_weight_version: the scheduler's handler (SGLang's own),
+        then the tokenizer manager's record."""
+        self.requests.append(("/update_weight_version", obj))
+        Scheduler.handle_update_weight_version(self.scheduler, obj)  # type: ignore[arg-type]
+        self.weight_version = obj.new_version
+        self.served.append(("/update_weight_version", self.weight_version))
+
+    async def destroy_weights_update_group(self, obj: Any, request: Any = None) -> tuple[bool, str]:
+        return self._versioned("/destroy_weights_update_group", obj, self.manager.destroy_weights_update_group(obj))
+
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        self.requests.append(("/abort_request", abort_all))
+        if abort_all:
+            self.scheduler.busy = 0
 
     async def begin_weight_update(self, obj: Any, request: Any = None) -> tuple[bool, str]:
         return self._versioned("/begin_weight_update", obj, self.manager.begin_weight_update(obj))
