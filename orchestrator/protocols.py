@@ -203,7 +203,8 @@ class WeightUpdateSessions(Protocol):
 class LoadsWeights(Protocol):
     """An engine that takes weights bucket by bucket (SGLang's `/update_weights_from_tensor`,
     the transformers engine): engine names and layouts, one bucket per call. It serves
-    `version` once every weight has arrived at that version."""
+    `version` once every weight has arrived at that version; an engine with sessions
+    (`WeightUpdateSessions`) once the session around them closed cleanly."""
 
     def update_weights(self, named: Sequence[tuple[str, torch.Tensor]], version: int) -> int:
         """Load one bucket; returns the bytes written. Reads the tensors, never writes them."""

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.support.cli import CYCLE, run, sglang_stand_ins
+from tests.support.cli import CYCLE, moved_once_at_the_end, run, served_versions, sglang_stand_ins
 
 pytest.importorskip("megatron.core")
 pytest.importorskip("transformers")
@@ -45,6 +45,10 @@ def test_server_lists_are_checked_before_anything_starts() -> None:
     assert "--engine-url 'localhost:30000': not an http:// or https:// URL" in done.stderr
     done = run("run", "--engine-url", "http://a:1")
     assert done.returncode == 2 and "--engine-url is for --engine sglang" in done.stderr
+    done = run("run", "--engine-pause", "abort")
+    assert done.returncode == 2 and "--engine-pause abort is for --engine sglang" in done.stderr
+    done = run("run", "--engine", "sglang", "--engine-url", "http://a:1", "--engine-pause", "hold")
+    assert done.returncode == 2 and "'hold' is not one of" in done.stderr
 
 
 def test_engine_config_writes_the_trained_models_llama_config_and_never_overwrites(tmp_path: Path) -> None:
@@ -72,7 +76,8 @@ def test_engine_config_writes_the_trained_models_llama_config_and_never_overwrit
 def test_a_run_against_two_servers_learns_through_sglangs_wire_format(servers: list[str], tmp_path: Path) -> None:
     report_path = tmp_path / "report.json"
     urls = [arg for url in servers for arg in ("--engine-url", url)]
-    done = run("run", "--engine", "sglang", *urls, "--steps", "6", "--ranks", "1", "--report", str(report_path))
+    # Two ranks: the buckets go out from Ray actors, through copies of the driver's engine.
+    done = run("run", "--engine", "sglang", *urls, "--steps", "6", "--ranks", "2", "--report", str(report_path))
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(report_path.read_text())
     steps = report["steps"]
@@ -82,8 +87,14 @@ def test_a_run_against_two_servers_learns_through_sglangs_wire_format(servers: l
     assert [s["restore_verified"] for s in steps[:2]] == [True, True]
     assert report["engine_matches_trainer"] is None  # SGLang cannot report its weights: not compared
     assert "not checked" in done.stdout
-    for url in servers:  # both servers got every version
+    for url in servers:  # both servers got every version, each once, after its update's last bucket
         assert requests.get(f"{url}/model_info", timeout=5).json()["weight_version"] == str(versions[-1])
+        updates = served_versions(url)
+        assert len(updates) == 6 and all(moved_once_at_the_end(u) for u in updates), updates
+        assert (
+            all(state == "default" for _, state in updates[0][:-1])
+            and updates[0][1][0] == "/update_weights_from_tensor"
+        )
     rewards = [s["reward_mean"] for s in steps]
     assert sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2 + 0.03, rewards  # the policy learns: the weights arrive
 
@@ -99,6 +110,16 @@ def test_a_run_by_broadcast_to_servers_off_the_trainers_device(tmp_path: Path) -
         assert done.returncode == 0, done.stdout + done.stderr
         for url in urls:
             assert requests.get(f"{url}/model_info", timeout=5).json()["weight_version"] == "6"
+            assert all(moved_once_at_the_end(u) for u in served_versions(url))
+        # A second run against the same servers: the first destroyed its group at its end.
+        again = run("run", "--engine", "sglang", *args[: 2 * len(urls)], "--weight-sync", "broadcast", "--steps", "1")
+        assert again.returncode == 0, again.stdout + again.stderr
+        for url in urls:
+            state = requests.get(f"{url}/_stand_in/state", timeout=5).json()
+            assert state["destroyed"] == ["colocate_weights"] * 2 and state["groups"] == []
+            # The versions go on from the one the servers serve: never back, so never stale.
+            assert requests.get(f"{url}/model_info", timeout=5).json()["weight_version"] == "7"
+            assert moved_once_at_the_end(served_versions(url)[-1])
     steps = json.loads(report_path.read_text())["steps"]
     assert all(s["phases"] == CYCLE for s in steps)
     rewards = [s["reward_mean"] for s in steps]

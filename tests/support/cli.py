@@ -41,3 +41,23 @@ def sglang_stand_ins(
         for p in procs:
             p.kill()
             p.wait()
+
+
+def served_versions(url: str) -> list[list[tuple[str, str]]]:
+    """A process stand-in's record (GET /_stand_in/state): per weight update, the version served
+    after each of its requests, the update's /begin_weight_update first."""
+    import requests
+
+    updates: list[list[tuple[str, str]]] = []
+    for route, version in requests.get(f"{url}/_stand_in/state", timeout=10).json()["versions"]:
+        if route == "/begin_weight_update":
+            updates.append([])
+        updates[-1].append((route, version))
+    return updates
+
+
+def moved_once_at_the_end(update: list[tuple[str, str]]) -> bool:
+    """True where the version served stayed the old one up to the session's close and moved only
+    by the /update_weight_version after it."""
+    *before, (last_route, new) = update
+    return last_route == "/update_weight_version" and len({v for _, v in before}) == 1 and before[0][1] != new

@@ -135,13 +135,13 @@ class EngineCase:
     truth: Callable[[], frozenset[EngineMemory]] | None = None
     fault: Callable[[str, float], None] | None = None
 
-    def session(self) -> AbstractContextManager[None]:
+    def session(self, version: int) -> AbstractContextManager[None]:
         engine = self.engine
-        return engine.weight_update_session() if isinstance(engine, WeightUpdateSessions) else nullcontext()
+        return engine.weight_update_session(version) if isinstance(engine, WeightUpdateSessions) else nullcontext()
 
     def load(self, version: int) -> None:
         """A complete sync, as the lifecycle's update makes it: inside the engine's session."""
-        with self.session():
+        with self.session(version):
             self.transport.push(version)
             self.engine.flush_cache()
 

@@ -7,6 +7,7 @@ case, and a case that must live in a process of its own (a Megatron trainer) run
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -345,7 +346,7 @@ def loads_bucket_by_bucket_and_reports_bytes_written(case: EngineCase) -> None:
     counters = [t._version for _, t in weights]
     copies = [t.clone() for _, t in weights]
     half = len(weights) // 2
-    with case.session():
+    with case.session(2):
         written = [engine.update_weights(weights[:half], 2), engine.update_weights(weights[half:], 2)]
     bucket_bytes = [sum(nbytes(t) for _, t in weights[:half]), sum(nbytes(t) for _, t in weights[half:])]
     assert written == [case.replicas * b for b in bucket_bytes]
@@ -358,19 +359,25 @@ def loads_bucket_by_bucket_and_reports_bytes_written(case: EngineCase) -> None:
 
         assert digests == sha256_digests(dict(weights))
     engine.release(WEIGHTS)
-    with pytest.raises(case.refusal), case.session():
+    with pytest.raises(case.refusal), case.session(3):
         engine.update_weights(weights, 3)
     assert engine.weight_version() == 2
 
 
+class _Stopped(Exception):
+    """The update stopped (the trainer failed between buckets)."""
+
+
 def a_partial_load_does_not_serve_the_new_version(case: EngineCase) -> None:
-    """protocols.LoadsWeights: "It serves `version` once every weight has arrived at that version":
-    an update that stops after its first bucket leaves the engine on the version it had."""
+    """protocols.LoadsWeights: "It serves `version` once every weight has arrived at that version",
+    and WeightUpdateSessions: never after a session whose body raised. An update that stops after
+    its first bucket leaves the engine on the version it had."""
     engine, weights = case.engine, list(case.weights)
     assert isinstance(engine, LoadsWeights)
     case.load(1)
-    with case.session():
+    with contextlib.suppress(_Stopped), case.session(2):
         engine.update_weights(weights[: len(weights) // 2], 2)
+        raise _Stopped
     assert engine.weight_version() == 1, "half the weights arrived, and the new version is served"
 
 
@@ -438,7 +445,7 @@ REMOTE_ENGINES: dict[str, Callable[[EngineCase], None]] = {
 
 def _push(case: TransportCase, version: int) -> Any:
     case.forget()
-    with case.session():
+    with case.session(version):
         return case.transport.push(version)
 
 

@@ -31,7 +31,7 @@ class TransportCase:
     refuse: Callable[[], None]  # make the engine refuse the next push
     refusal: type[Exception]
     calls: Callable[[], int] | None = None  # sink calls (buckets) since `forget`, where countable
-    session: Callable[[], AbstractContextManager[None]] = nullcontext
+    session: Callable[[int], AbstractContextManager[None]] = nullcontext
 
 
 @dataclass

@@ -19,6 +19,7 @@ from orchestrator.adapters.engines.sglang.client import ENGINE_PAUSES, EnginePau
 from orchestrator.adapters.engines.sglang.weights import _close_quietly, _destroy_group_quietly
 from orchestrator.errors import ConfigError, EngineError
 from orchestrator.protocols import Named
+from orchestrator.telemetry.logs import note_leftover
 from states import EngineMemory
 
 
@@ -109,9 +110,22 @@ class SGLangGroup:
         self._weight_groups.add(group_name)
 
     def close(self) -> None:
+        """Hand the servers back as a new client expects to find them: no weight-update group of
+        this job's (`destroy_at_close`), and every memory tag resident. SGLang reports no released
+        memory, so a new client (the next run's) must believe it all resident, and its first
+        release of memory this run left released would end the server (client.py). A server that
+        cannot take a call is a `leftover` warning line. Generation stays paused where the last
+        update failed: its weights are part-updated.
+
+        Not covered: a driver killed with SIGKILL closes nothing, and leaves its servers released;
+        restart them before the next run."""
         for group_name in sorted(self._weight_groups):
             _destroy_group_quietly(self.engines, group_name)
         for engine in self.engines:
+            try:
+                engine.resume(engine.released())
+            except EngineError as exc:
+                note_leftover(engine.name, "memory this run released", f"not resumed: {exc.reason}")
             engine.close()
 
     # ---- the RolloutEngine Protocol --------------------------------------------------------
