@@ -409,6 +409,16 @@ def test_actions_are_client_spans_and_every_request_carries_the_trace(
     assert all(tp is not None and tp.split("-")[1] == trace_id for tp in server.state.traceparents)
 
 
+def test_with_tracing_off_no_request_carries_a_trace_context(engine: SGLangEngine, server: SGLangStandIn) -> None:
+    """The README's condition: `traceparent` travels only while tracing is on (no span, no context)."""
+    from opentelemetry import trace
+
+    with patch("orchestrator.adapters.engines.sglang.http.trace.get_tracer", return_value=trace.NoOpTracer()):
+        engine.release(ALL)  # an action
+        engine.weight_version()  # a query
+    assert server.state.traceparents == [None, None]
+
+
 @pytest.mark.parametrize("version", ["0.5.22", "0.6.0", "0.4.9.post1", None])
 def test_connect_refuses_an_sglang_outside_the_supported_range_naming_it(version: str | None) -> None:
     with SGLangStandIn() as server:

@@ -11,8 +11,9 @@ dropped after sending) raises its subclass `Unanswered`: the server may have app
 
 Every POST is a client span `sglang POST <path>` with OpenTelemetry's HTTP client attributes,
 `server.address` (the host), `server.port`, `url.full`, `http.response.status_code` (GETs are
-queries the lifecycle makes around every transition, and have none), and every request carries the W3C
-`traceparent` header (SGLang started with `--enable-trace` continues the trace).
+queries the lifecycle makes around every transition, and have none). While tracing is on, every
+request, GETs included, carries the W3C `traceparent` header of the current span (SGLang started
+with `--enable-trace` continues the trace); with tracing off there is no context and no header.
 """
 
 from __future__ import annotations
