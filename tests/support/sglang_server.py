@@ -55,7 +55,8 @@ behaviours colocate relies on (sglang 0.5.23, design §4):
 - /server_info reports `tp_size` and `enable_memory_saver`; /weights_checker's `checksum` hashes
   what was loaded as SGLang hashes CPU tensors.
 
-GET /_stand_in/state (no SGLang route) shows a test what a stand-in in its own process recorded.
+GET /_stand_in/state and POST /_stand_in/inject (no SGLang routes) let a test read what a
+stand-in in a process of its own recorded, and set its failures.
 
 By default it has no model: /generate answers with made-up tokens. Given a `TransformersEngine`
 (`model=`, or `--model-path` when run as a process), it is a server that really serves: the
@@ -204,6 +205,7 @@ class StandInState:
     fault: tuple[str, float] | None = None  # the next memory call's lost answer (see the module docstring)
     dead: str | None = None  # why the server ended, as SGLang's would
     fail_at_bucket: int | None = None  # the session's n-th weight update (1-based) fails, as fail_next_update
+    fail_in_session: int | None = None  # ... in the session of this number (1-based); None: the next one
     session_buckets: int = 0  # weight updates taken in the open session
     # (route, the version served after it): every weight-update request, in order, as SGLang records them
     versions: list[tuple[str, str]] = field(default_factory=list)
@@ -359,7 +361,8 @@ def _session_required(state: StandInState, call: str) -> tuple[int, Any] | None:
             "message": f"{call} must run between begin_weight_update() and end_weight_update()",
         }
     state.session_buckets += 1
-    if state.session_buckets == state.fail_at_bucket:
+    session = state.sessions + 1
+    if state.session_buckets == state.fail_at_bucket and state.fail_in_session in (None, session):
         state.fail_at_bucket, state.fail_next_update = None, f"Failed to load bucket {state.session_buckets}"
     return None
 
@@ -611,6 +614,7 @@ _ROUTES = {
     ("POST", "/continue_generation"): _continue,
     ("GET", "/health"): lambda server, state, body: (200, None),
     ("GET", "/_stand_in/state"): lambda server, state, body: (200, _observed(state)),
+    ("POST", "/_stand_in/inject"): lambda server, state, body: _inject(server, state, body),
     ("GET", "/model_info"): lambda server, state, body: (200, {"weight_version": state.weight_version}),
     ("GET", "/server_info"): lambda server, state, body: (
         200,
@@ -634,8 +638,22 @@ def _observed(state: StandInState) -> dict[str, Any]:
         "destroyed": state.destroyed,
         "paused": state.paused,
         "session_open": state.session_open,
+        "released": sorted(state.released),
         "routes": [path for path, _ in state.requests],
     }
+
+
+_INJECTABLE = ("fail_at_bucket", "fail_in_session", "fail_next_update")
+
+
+def _inject(server: SGLangStandIn, state: StandInState, body: dict[str, Any]) -> tuple[int, Any]:
+    """POST /_stand_in/inject {field: value}: a failure for a stand-in in a process of its own."""
+    unknown = sorted(set(body) - set(_INJECTABLE))
+    if unknown:
+        raise _Refused(f"cannot inject {unknown}; injectable: {', '.join(_INJECTABLE)}")
+    for name, value in body.items():
+        setattr(state, name, value)
+    return 200, None
 
 
 def _handler(server: SGLangStandIn) -> type[BaseHTTPRequestHandler]:
