@@ -38,6 +38,8 @@ behaviours colocate relies on (sglang 0.5.23, design §4):
   `FlattenedTensorBucket.reconstruct_tensors` does, and names, shapes, dtypes and values recorded.
   CUDA tensors travel as CUDA IPC handles whose device is a UUID, mapped back to a local device
   index as SGLang's patched `rebuild_cuda_tensor` does.
+  Where each payload's memory lives (the process that shared it, or the GPU) is recorded per
+  bucket in `state.payload_origins` (`payload_origin`).
 - `sampling_params` keys are checked against SGLang's `SamplingParams` fields: SGLang builds
   `SamplingParams(**sampling_params)`, which refuses any other.
 - Weight-update groups by name, as SGLang's model runner keeps them: /init_weights_update_group
@@ -77,6 +79,7 @@ import hashlib
 import io
 import json
 import pickle
+import re
 import sys
 import threading
 import time
@@ -157,6 +160,42 @@ def deserialize(data: str) -> Any:
     return _SafeUnpickler(io.BytesIO(raw)).load()
 
 
+_REDUCTIONS = "torch.multiprocessing.reductions"
+_SHM_CREATOR = re.compile(rb"/torch_(\d+)_")  # torch's shared-memory file name: /torch_<creator pid>_<random>_<n>
+
+
+def payload_origin(data: str) -> str:
+    """Where one /update_weights_from_tensor payload's memory lives, read from the payload alone:
+    its pickle is walked with torch's rebuild functions replaced by a recorder, so nothing is
+    mapped and no shared-memory or CUDA IPC refcount moves.
+
+    - A CPU storage travels by shared-memory file name (`rebuild_storage_filename`'s `handle`),
+      which torch makes `/torch_<pid>_<random>_<n>`, pid being the process that shared it: "pid <pid>".
+    - A CUDA tensor travels by IPC handle (`rebuild_cuda_tensor`); its `device` argument is the
+      device UUID on SGLang's wire: "cuda <uuid>". (Not run here: no GPU.)
+
+    Several storages in one payload: their origins, sorted, joined by ", "."""
+    origins: set[str] = set()
+
+    def recorder(name: str) -> Any:
+        def record(*args: Any) -> None:
+            if name == "rebuild_storage_filename":
+                creator = _SHM_CREATOR.match(args[2])
+                origins.add(f"pid {creator.group(1).decode()}" if creator else f"file {args[2]!r}")
+            elif name == "rebuild_cuda_tensor":
+                origins.add(f"cuda {args[_CUDA_DEVICE_ARG]}")
+
+        return record
+
+    class Reader(_SafeUnpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            found = super().find_class(module, name)  # what SGLang would refuse is refused here too
+            return recorder(name) if module == _REDUCTIONS else found
+
+    Reader(io.BytesIO(base64.b64decode(data))).load()
+    return ", ".join(sorted(origins))
+
+
 def reconstruct(payload: Any) -> list[tuple[str, torch.Tensor]]:
     """`FlattenedTensorBucket(flattened_tensor=..., metadata=...).reconstruct_tensors()`."""
     if not isinstance(payload, dict) or set(payload) != {"flattened_tensor", "metadata"}:
@@ -190,6 +229,7 @@ class StandInState:
     weight_version: str = "default"
     loaded: dict[str, torch.Tensor] = field(default_factory=dict)
     buckets: list[list[tuple[str, tuple[int, ...], torch.dtype]]] = field(default_factory=list)
+    payload_origins: list[list[str]] = field(default_factory=list)  # per bucket, per TP rank: `payload_origin`
     distributed: list[dict[str, Any]] = field(default_factory=list)
     requests: list[tuple[str, Any]] = field(default_factory=list)
     traceparents: list[str | None] = field(default_factory=list)  # one per request
@@ -399,6 +439,7 @@ def _update_from_tensor(server: SGLangStandIn, state: StandInState, body: dict[s
     if body.get("load_format") != "flattened_bucket":
         raise _Refused("the stand-in checks load_format='flattened_bucket' payloads only")
     per_rank = [reconstruct(deserialize(p)) for p in payloads]  # every rank unpickles its own copy
+    state.payload_origins.append([payload_origin(p) for p in payloads])
     named = per_rank[0]
     for name, tensor in named:
         if state.weights is not None:

@@ -12,4 +12,6 @@
   device the process has); `RayPlacement`, Ray, the placement group (a bundle per GPU, shared by a
   rank and its replica), and the actors in it, each given its own environment.
 - `staging`: the buffer a rank's weights cross to its replica by CUDA IPC.
+- `payloads`: a rank's side of the SGLang push with one payload per TP rank (`PayloadSource`),
+  each serialized from the rank's own memory; `fanout.PerTpRankPush` is the driver's.
 """

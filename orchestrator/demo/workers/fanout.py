@@ -7,20 +7,27 @@ params, and no rank rebuilds before every replica has released.
 
 from __future__ import annotations
 
+import itertools
 import socket
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
+from typing import TYPE_CHECKING
 
 import torch
 
 from orchestrator.adapters.registry import Registry
 from orchestrator.demo.workers.engine_replica import EngineReplica
+from orchestrator.demo.workers.payloads import SerializedBucket
 from orchestrator.demo.workers.pool import WorkerPool
 from orchestrator.demo.workers.staging import Slot
 from orchestrator.demo.workers.trainer_rank import WEIGHT_GROUP, Batch, TrainerRank
-from orchestrator.errors import ConfigError
+from orchestrator.errors import ConfigError, RankFailed
 from orchestrator.protocols import BucketSink, JobEngine, Named, TransferReport, WeightTransport
 from states import EngineMemory, Mode, TrainerLayout, TrainingSetup
+
+if TYPE_CHECKING:
+    from orchestrator.adapters.engines.sglang import SGLangGroup
 
 
 class DistributedTrainer:
@@ -218,6 +225,79 @@ class BroadcastPush:
         return self.ranks.one(0, TrainerRank.broadcast_weights, version, self.bucket_bytes)
 
 
+class PerTpRankPush:
+    """WeightTransport: SGLang servers on the trainer's GPUs, each TP rank fed by the trainer
+    rank on its GPU. Server s (in `--engine-url` order) with TP size t_s sits on ranks
+    [offset_s, offset_s + t_s), offsets cumulative from 0; ranks past the last server's stay idle.
+
+    For each bucket, every rank in use serializes it from its own memory (`PayloadSource`:
+    every rank holds every weight and cuts the same buckets), each server gets its ranks'
+    payloads in TP-rank order (`update_weights_from_payloads`, servers at once), and only then
+    do the ranks let the bucket go. Ranks that cut different buckets fail the push before it is
+    posted (`RankFailed`, naming the rank). The report counts, as `RankZeroPush` into an
+    `SGLangGroup` does, each bucket's tensors once and its bytes once per server (what each
+    server loaded; its TP ranks all read the same bucket)."""
+
+    def __init__(self, ranks: WorkerPool[TrainerRank], group: SGLangGroup, bucket_bytes: int) -> None:
+        tp_sizes = [e.tp_size for e in group.engines]
+        needed, sizes = sum(tp_sizes), " + ".join(map(str, tp_sizes))
+        if needed > len(ranks):
+            problem = f"the SGLang servers have {needed} TP ranks ({sizes}) and the trainer {len(ranks)} ranks"
+            raise ConfigError([f"{problem}: servers on the trainer's GPUs need one trainer rank per TP rank"])
+        self.ranks, self.servers, self.bucket_bytes = ranks, group.engines, bucket_bytes
+        self.used = list(range(needed))
+        offsets = list(itertools.accumulate(tp_sizes, initial=0))
+        self.shares = [slice(a, b) for a, b in itertools.pairwise(offsets)]  # each server's ranks
+
+    def push(self, version: int) -> TransferReport:
+        """Every bucket to every server; `version` is not sent (the servers' weight-update
+        session sets it once, at its clean close: `SGLangGroup.weight_update_session`)."""
+        ranks, used = self.ranks, self.used
+        sent: list[SerializedBucket] = []  # rank 0's of each bucket posted
+        ranks.some(used, TrainerRank.start_payloads, self.bucket_bytes)
+        try:
+            with ThreadPoolExecutor(len(self.servers), thread_name_prefix="sglang") as pool:
+                while (bucket := _one_bucket(ranks.some(used, TrainerRank.next_payload), len(sent))) is not None:
+                    self._post(pool, [s.payload for s in bucket])
+                    sent.append(bucket[0])
+        except BaseException as exc:
+            try:
+                ranks.some(used, TrainerRank.end_payloads)
+            except Exception as also:
+                exc.add_note(f"and the ranks may still hold their last bucket: {also}")
+            raise
+        ranks.some(used, TrainerRank.end_payloads)
+        total = sum(b.bytes for b in sent) * len(self.servers)
+        return TransferReport(tensors=sum(b.tensors for b in sent), bytes=total, buckets=len(sent))
+
+    def _post(self, pool: ThreadPoolExecutor, payloads: list[str]) -> None:
+        """Each server its ranks' payloads, at once; the first failure is raised, once every
+        server has answered: the ranks must hold the bucket until then."""
+        posts = [
+            pool.submit(server.update_weights_from_payloads, payloads[share])
+            for server, share in zip(self.servers, self.shares, strict=True)
+        ]
+        wait(posts)
+        for post in posts:
+            post.result()
+
+
+def _one_bucket(serialized: Sequence[SerializedBucket | None], index: int) -> list[SerializedBucket] | None:
+    """Bucket `index` as every rank in use serialized it; None once every rank is past its last.
+    A rank whose bucket is not rank 0's (other tensors, or one bucket more or fewer) fails the
+    push: `RankFailed`, naming it."""
+
+    def cut(s: SerializedBucket | None) -> str:
+        return "none (past its last)" if s is None else f"{s.tensors} tensors, {s.bytes} bytes"
+
+    for rank, other in enumerate(serialized):
+        if cut(other) != cut(serialized[0]):
+            reason = f"its bucket {index} is {cut(other)}; rank 0's is {cut(serialized[0])}"
+            raise RankFailed(f"rank {rank}", "next_payload", RuntimeError(reason))
+    bucket = [s for s in serialized if s is not None]
+    return bucket or None
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -225,11 +305,16 @@ def _free_port() -> int:
 
 
 def tensor_push(ranks: WorkerPool[TrainerRank], engine: JobEngine, bucket_bytes: int) -> WeightTransport:
-    """Weights into the engine's own memory: each replica's from the rank on its GPU (CUDA IPC),
-    or a single engine's (a replica, or SGLang servers on the trainer's GPUs) from rank 0; in one
-    copy where the engine shares the rank's process."""
+    """Weights into the engine's own memory: each replica's from the rank on its GPU (CUDA IPC);
+    each SGLang server's TP rank from the trainer rank on its GPU, where the trainer has several
+    (`PerTpRankPush`); else a single engine's (a replica, or every SGLang server) from rank 0,
+    which holds every weight; in one copy where the engine shares the rank's process."""
+    from orchestrator.adapters.engines.sglang import SGLangGroup
+
     if isinstance(engine, ReplicaSet) and len(engine.replicas) > 1:
         return ReplicaIpcPush(ranks, engine, bucket_bytes)
+    if isinstance(engine, SGLangGroup) and len(ranks) > 1:
+        return PerTpRankPush(ranks, engine, bucket_bytes)
     if isinstance(engine, ReplicaSet) and not (engine.replicas.remote or ranks.remote):
         # Rank and engine in this process: the engine is handed views of the params, so a bucket
         # holds no copy of its own, and one bucket carries the model in one multi-tensor copy.

@@ -3,6 +3,7 @@
     ranks = WorkerPool(actors, label="rank", remote=True)
     freed = ranks.all(TrainerRank.pause, "param_buffer")     # list[int], in worker order
     report = ranks.one(0, TrainerRank.push_weights, ...)     # rank 0 only
+    ranks.some([0, 1], TrainerRank.end_payloads)             # ranks 0 and 1 only
 
 The method is a reference to the worker class's own function, so mypy checks its arguments and
 result; the wire carries its name to `Traced.invoke` in the worker's process.
@@ -94,6 +95,12 @@ class WorkerPool(Generic[W]):
     def one(self, index: int, method: Callable[Concatenate[W, P], R], *args: P.args, **kwargs: P.kwargs) -> R:
         """`method(*args, **kwargs)` on worker `index` alone."""
         return self._call([index], method.__name__, args, kwargs)[0]
+
+    def some(
+        self, indices: Sequence[int], method: Callable[Concatenate[W, P], R], *args: P.args, **kwargs: P.kwargs
+    ) -> list[R]:
+        """`method(*args, **kwargs)` on the workers `indices` at once; their results in that order."""
+        return self._call(list(indices), method.__name__, args, kwargs)
 
     def _call(self, targets: list[int], method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         from orchestrator.telemetry.tracing import carrier

@@ -12,6 +12,7 @@ import torch
 
 from orchestrator.adapters.transport.bucketed import push_in_buckets
 from orchestrator.core.config import DigestMethod
+from orchestrator.demo.workers.payloads import PayloadSource
 from orchestrator.demo.workers.traced import Traced
 from orchestrator.protocols import BucketSink, Named, TransferReport
 from orchestrator.telemetry import semconv
@@ -47,8 +48,10 @@ def _backend(device: str) -> str:
     return str(torch.distributed.Backend.default_device_backend_map[device])
 
 
-class TrainerRank(Traced):
+class TrainerRank(Traced, PayloadSource):
     """One trainer rank: Megatron-core DDP + DistributedOptimizer, its memory regions, its shard.
+    Its converted weights reach SGLang servers on the trainer's GPUs as payloads serialized here
+    (`PayloadSource`: `start_payloads`, `next_payload`, `end_payloads`).
 
     On the CPU: gloo and `StorageRegions`. On a GPU (`device="cuda"`): NCCL and
     torch_memory_saver regions, which return the device memory and keep the addresses. As a Ray

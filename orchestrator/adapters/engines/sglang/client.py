@@ -51,8 +51,11 @@ Routes, as sglang 0.5.23's `sglang/srt/entrypoints/http_server.py` defines them:
   once per update, after its session closed cleanly; no bucket carries a `weight_version`.
 - `pause_generation`/`continue_generation`: POST /pause_generation {mode}, /continue_generation
   {}, around an update; `abort` also sends /abort_request {abort_all: true} until idle.
-- `update_weights`: one flattened bucket per POST /update_weights_from_tensor, one payload per
-  TP rank (`update_weights_from_payloads`: each serialized where that rank's GPU holds it).
+- `update_weights`, `update_weights_from_payloads`: one flattened bucket per POST
+  /update_weights_from_tensor, one payload per TP rank (TP rank i unpickles entry i alone).
+  `update_weights` serializes every entry in this process, which holds every weight;
+  `update_weights_from_payloads` posts entries each serialized by the trainer rank on that TP
+  rank's GPU, from its own memory.
 - `update_weights_from_distributed`: metadata only; the tensors travel by NCCL broadcast from the
   trainer over a group made by `init_weights_update_group` and ended by
   `destroy_weights_update_group` (engines off the trainer's GPUs).

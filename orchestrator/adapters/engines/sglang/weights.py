@@ -21,7 +21,7 @@ _NO_GROUP = "The group to be destroyed does not exist"
 
 
 class SGLangWeightUpdates(SGLangHTTP):
-    """The weight-update routes of one server; `tp_size` payloads per bucket (one per TP rank)."""
+    """The weight-update routes of one server; a bucket is `tp_size` payloads (one per TP rank)."""
 
     tp_size: int
 
@@ -72,28 +72,43 @@ class SGLangWeightUpdates(SGLangHTTP):
             self.set_weight_version(version)
 
     def update_weights(self, named: Sequence[Named], version: int) -> int:
-        """Send one bucket of HF-named tensors; returns the bytes sent. The bucket carries no
-        `weight_version`: SGLang would serve it from this bucket on, with the model part-updated
-        (0.5.23 records the version of every successful update that carries one), so the version
-        moves once, at the session's clean close (`weight_update_session`). `version` is the
-        `BucketSink` signature's; it is not sent.
+        """Send one bucket of HF-named tensors, every TP rank's payload serialized here; returns
+        the bucket's bytes (once, whatever `tp_size`). For one process that holds every weight
+        and feeds every TP rank (a trainer of one rank, a test): each TP rank maps this process's
+        memory. Trainer ranks on the server's GPUs each serialize the bucket from their own memory
+        and post with `update_weights_from_payloads` instead (`demo.workers.fanout.PerTpRankPush`).
+
+        The bucket carries no `weight_version`: SGLang would serve it from this bucket on, with
+        the model part-updated (0.5.23 records the version of every successful update that
+        carries one), so the version moves once, at the session's clean close
+        (`weight_update_session`). `version` is the `BucketSink` signature's; it is not sent.
 
         The flattened tensor stays referenced until SGLang answers: its CUDA IPC handle is only
-        valid while this process holds the memory. The cache is not flushed here (`flush_cache=False`):
-        colocate flushes once after the last bucket, under the `cache_flushed` guard.
+        valid while this process holds the memory.
         """
         bucket = flattened_bucket(named)
-        payloads = [serialize(bucket) for _ in range(self.tp_size)]
+        self.update_weights_from_payloads([serialize(bucket) for _ in range(self.tp_size)])
+        return int(bucket["flattened_tensor"].numel())
+
+    def update_weights_from_payloads(self, payloads: Sequence[str]) -> None:
+        """Post one flattened bucket as `payloads`, one per TP rank in rank order: SGLang's TP
+        rank i unpickles entry i alone (0.5.23's `TpModelWorker`), so each entry may come from the
+        process whose GPU that rank shares (`wire.serialize` of `wire.flattened_bucket`).
+        Whoever serialized an entry holds its memory until this returns (a CUDA IPC handle or a
+        shared-memory file is only valid while held). No `weight_version` (see `update_weights`),
+        and the cache is not flushed here (`flush_cache=False`): colocate flushes once after the
+        last bucket, under the `cache_flushed` guard."""
+        if len(payloads) != self.tp_size:
+            raise ValueError(f"{self.name}: {len(payloads)} payloads for {self.tp_size} TP ranks (one per rank)")
         self._call(
             "POST",
             "/update_weights_from_tensor",
             {
-                "serialized_named_tensors": payloads,
+                "serialized_named_tensors": list(payloads),
                 "load_format": "flattened_bucket",
                 "flush_cache": False,
             },
         )
-        return int(bucket["flattened_tensor"].numel())
 
     def init_weights_update_group(
         self,

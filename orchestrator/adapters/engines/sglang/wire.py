@@ -2,8 +2,9 @@
 
 Serialization is SGLang's `MultiprocessingSerializer` wire format, reimplemented here without
 importing sglang: `ForkingPickler` (torch's tensor reductions: CUDA IPC handles on GPU, shared
-memory files on CPU), then standard base64, one copy per TP rank (each rank unpickles only its
-own, which keeps CUDA IPC refcounts right). CPU storages go by shared-memory file *name*
+memory files on CPU), then standard base64, one payload per TP rank (each rank unpickles only
+its own, which keeps CUDA IPC refcounts right; a payload names the memory of the process that
+serialized it). CPU storages go by shared-memory file *name*
 (what torch's `file_system` strategy sends), chosen by the pickler, never by the process-wide
 strategy: torch's default passes a file descriptor through multiprocessing's resource sharer,
 which answers only processes holding the sender's authkey, and a server is no child of the
