@@ -10,7 +10,11 @@ colocate's own client, `SGLangGroup`, makes every request below, over HTTP, to S
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import json
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +29,7 @@ from orchestrator.adapters.engines.sglang import SGLangGroup
 from orchestrator.errors import EngineError
 from states import EngineMemory
 from tests.support import sglang_tier as tier
+from tests.support.cli import ROOT
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -157,11 +162,8 @@ def test_the_version_moves_once_after_the_last_bucket_and_never_for_a_failed_upd
     ]
 
 
-def test_weight_update_groups_are_destroyed_through_sglangs_app(group: SGLangGroup, served: tier.Served) -> None:
-    engine = group.engines[0]
-    engine.init_weights_update_group("127.0.0.1", 29500, rank_offset=1, world_size=2, group_name="colocate_weights")
-    assert engine.destroy_weights_update_group("colocate_weights") is True
-    assert engine.destroy_weights_update_group("colocate_weights") is False  # SGLang: "does not exist"
+def test_destroying_a_group_the_server_lacks_is_sglangs_false_not_an_error(group: SGLangGroup) -> None:
+    assert group.engines[0].destroy_weights_update_group("colocate_weights") is False  # "does not exist"
 
 
 def test_an_update_outside_the_session_is_refused_by_sglangs_scheduler(group: SGLangGroup, served: tier.Served) -> None:
@@ -182,22 +184,48 @@ def test_a_failure_inside_the_session_still_closes_it(group: SGLangGroup, served
     assert served.runner.sessions == ["begin", "end", "begin", "end"]
 
 
-def test_broadcast_announcements_and_group_join_pass_sglangs_checks(group: SGLangGroup, served: tier.Served) -> None:
-    engine = group.engines[0]
-    engine.init_weights_update_group("127.0.0.1", 29500, rank_offset=1, world_size=2, group_name="colocate_weights")
-    with group.weight_update_session(3):
-        engine.update_weights_from_distributed(
-            ["lm_head.weight", "model.norm.weight"],
-            [torch.bfloat16, torch.float32],
-            [(10, 8), (8,)],
-            "colocate_weights",
-            3,
-            flattened=True,
-        )
-    (announced,) = served.runner.announced
-    assert announced["names"] == ["lm_head.weight", "model.norm.weight"]
-    assert announced["dtypes"] == ["bfloat16", "float32"] and announced["load_format"] == "flattened_bucket"
-    assert group.weight_version() == 3
+def send(url: str, *args: str) -> list[str]:
+    """The trainer's end of a broadcast (`WeightBroadcaster`), in a process of its own."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    return [sys.executable, "-m", "tests.support.broadcast_sender", url, "--port", port, "--timeout", "20", *args]
+
+
+def test_the_broadcaster_joins_sends_and_tears_down_through_sglangs_own_group_code(served: tier.Served) -> None:
+    """SGLang's model runner joins the group (`init_custom_process_group`), receives each bucket
+    (`FlattenedTensorBucket.empty` and a gloo broadcast) and destroys the group; its app and
+    scheduler record the version after every request. A trainer killed between updates leaves
+    its group behind: the next one destroys it, and a second run goes on."""
+    from tests.support.sglang_weights import tensors
+
+    weight_routes = ("/begin_weight_update", "/update_weights_from_distributed", "/end_weight_update")
+    run = functools.partial(subprocess.run, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = run(send(served.url, "--versions", "2"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    for name, tensor in tensors(seed=2):
+        assert torch.equal(served.runner.loaded[name], tensor), name
+    versions = [(r, v) for r, v in served.tokenizer.served if r in (*weight_routes, "/update_weight_version")]
+    announce = [("/update_weights_from_distributed", "default")] * 3
+    first = [("/begin_weight_update", "default"), *announce, ("/end_weight_update", "default")]
+    assert versions[:5] == first and versions[5] == ("/update_weight_version", "1")
+    assert versions[6:11] == [(r, "1") for r, _ in first] and versions[11:] == [("/update_weight_version", "2")]
+    assert served.runner._model_update_group == {}  # destroyed by SGLang's own destroy at the close
+
+    killed = subprocess.Popen([*send(served.url, "--versions", "1", "--first", "3"), "--hold"], cwd=ROOT,
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        assert killed.stdout is not None and json.loads(killed.stdout.readline())["version"] == 3
+    finally:
+        killed.kill()
+        killed.wait()
+    assert list(served.runner._model_update_group) == ["colocate_weights"]  # left behind
+    done = run(send(served.url, "--versions", "1", "--first", "4"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "leftover" in done.stdout and served.tokenizer.weight_version == "4"
+    assert served.runner._model_update_group == {}
 
 
 def test_flush_while_busy_is_retried_until_sglang_flushes(group: SGLangGroup, served: tier.Served) -> None:

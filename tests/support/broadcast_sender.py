@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("urls", nargs="+")
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--versions", type=int, default=2)
+    parser.add_argument("--first", type=int, default=1, help="the first version pushed")
     parser.add_argument("--group", default="colocate_weights")
     parser.add_argument("--timeout", type=float, default=30.0, help="the group's timeout, seconds")
     parser.add_argument("--hold", action="store_true", help="after the last version, wait to be killed; never close")
@@ -33,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     broadcaster = WeightBroadcaster(
         engines, master_port=args.port, backend="gloo", group_name=args.group, timeout_s=args.timeout
     )
-    for version in range(1, args.versions + 1):
+    for version in range(args.first, args.first + args.versions):
         with ExitStack() as sessions:  # every server's weight-update session around the version's buckets
             for engine in engines:
                 sessions.enter_context(engine.weight_update_session(version))

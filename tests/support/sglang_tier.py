@@ -22,9 +22,8 @@ What is replaced, at the seam where the model runner would start (a GPU, CUDA ke
 
 - the TokenizerManager↔scheduler hop (ZMQ between processes) is a direct call, `TokenizerSide`;
 - the tensor-parallel worker and its model runner: `Runner` records the tensors SGLang's code
-  handed it instead of loading them into a model; `receive_weights_from_distributed` (an NCCL
-  broadcast) is not run, only announced and recorded; the weight-update groups are a registry by
-  name with the model runner's answers (`TpWorker`), joined by no rendezvous;
+  handed it instead of loading them into a model. Its weight-update groups, their join and the
+  receive of a broadcast are SGLang's model-runner methods run on it (over gloo, not NCCL);
 - the tokenizer manager's own version record and `abort_request` (`TokenizerSide`);
 - the scheduler's batches: `busy` stands for running or waiting requests;
 - torch_memory_saver: SGLang's own no-op adapter (`TorchMemorySaverAdapter.create(enable=False)`);
@@ -60,6 +59,7 @@ from sglang.srt.managers import io_struct
 from sglang.srt.managers.load_snapshot import LoadSnapshot
 from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.managers.scheduler_components import weight_updater
+from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater as ModelWeightUpdater
 from sglang.srt.runtime_context import publish
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs
@@ -96,11 +96,20 @@ def resolve_model_class(config: ModelConfig) -> Any:
 
 @dataclass
 class Runner:
-    """Where SGLang's model runner would load weights: records what SGLang's code handed it."""
+    """Where SGLang's model runner would load weights: records what SGLang's code handed it.
+
+    Its weight-update groups are SGLang's own: the model runner's `init_weights_update_group`,
+    `destroy_weights_update_group` and `receive_weights_from_distributed` (its
+    model_runner_components/weight_updater.py) run with this object as theirs, so a group is
+    joined by SGLang's `init_custom_process_group` and a broadcast received into SGLang's
+    `FlattenedTensorBucket.empty` over gloo, from a trainer in another process."""
 
     loaded: dict[str, torch.Tensor] = field(default_factory=dict)
     sessions: list[str] = field(default_factory=list)  # "begin"/"end", in order
     announced: list[dict[str, Any]] = field(default_factory=list)
+    tp_rank: int = 0
+    device: str = "cpu"
+    _model_update_group: dict[str, Any] = field(default_factory=dict)  # SGLang's own field
 
     @property
     def weight_updater(self) -> Runner:
@@ -121,11 +130,22 @@ class Runner:
             self.loaded[name] = tensor.clone()
         return True, "Success"
 
+    def init_weights_update_group(self, *args: Any) -> tuple[bool, str]:
+        return ModelWeightUpdater.init_weights_update_group(self, *args)  # type: ignore[arg-type]
+
+    def destroy_weights_update_group(self, group_name: str) -> tuple[bool, str]:
+        return ModelWeightUpdater.destroy_weights_update_group(self, group_name)  # type: ignore[arg-type]
+
     def receive_weights_from_distributed(self, **announced: Any) -> list[Any]:
         self.announced.append(announced)
-        return []
+        return ModelWeightUpdater.receive_weights_from_distributed(self, **announced)  # type: ignore[arg-type]
+
+    def _receive_bucketed_weights_from_distributed(self, **announced: Any) -> list[Any]:
+        return ModelWeightUpdater._receive_bucketed_weights_from_distributed(self, **announced)  # type: ignore[arg-type]
 
     def load_weights_from_distributed(self, weights: Any) -> tuple[bool, str]:
+        for name, tensor in weights:
+            self.loaded[name] = tensor.clone()
         return True, "Succeeded to update parameter online."
 
 
@@ -135,7 +155,6 @@ class TpWorker:
     def __init__(self, runner: Runner) -> None:
         self.runner = runner
         self.model_runner = types.SimpleNamespace(weight_updater=runner, model=torch.nn.Linear(1, 1))
-        self.groups: dict[str, Any] = {}
 
     def weight_update_runners(self) -> list[tuple[str, Runner]]:
         return [("target", self.runner)]
@@ -146,16 +165,14 @@ class TpWorker:
         return MultiprocessingSerializer.deserialize(serialized_named_tensors[0])
 
     def init_weights_update_group(self, recv_req: Any) -> tuple[bool, str]:
-        """The model runner's registry of groups by name (no rendezvous: no trainer joins here)."""
-        if recv_req.group_name in self.groups:
-            return False, "Failed to initialize custom process group: the name is taken."
-        self.groups[recv_req.group_name] = recv_req
-        return True, "Succeeded to initialize custom process group."
+        """TpModelWorker's: the model runner's own method, with the request's fields."""
+        r = recv_req
+        return self.runner.init_weights_update_group(
+            r.master_address, r.master_port, r.rank_offset, r.world_size, r.group_name, r.backend
+        )
 
     def destroy_weights_update_group(self, recv_req: Any) -> tuple[bool, str]:
-        if self.groups.pop(recv_req.group_name, None) is None:
-            return False, "The group to be destroyed does not exist."
-        return True, "Succeeded to destroy custom process group."
+        return self.runner.destroy_weights_update_group(recv_req.group_name)
 
 
 class Pools:
