@@ -18,6 +18,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
+from orchestrator.core.config import EnginePause
 from orchestrator.errors import ConfigError
 from orchestrator.protocols import JobEngine, KeepsHostArena, MemoryRegions
 
@@ -96,7 +97,7 @@ class EngineSpec:
     name: str = ""  # how spans and errors name it; "" is the kind's own name
     urls: tuple[str, ...] = ()
     timeout_s: float = 120.0  # how long a served engine may take to answer a call
-    pause: str = "retract"  # how a served engine holds generation around an update (`EnginePause`)
+    pause: EnginePause = EnginePause.RETRACT  # how a served engine holds generation around an update
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -127,7 +128,7 @@ def _sglang(spec: EngineSpec) -> Iterator[JobEngine]:
         from orchestrator.adapters.engines.sglang import SGLangGroup
     except ImportError as exc:
         raise ConfigError([f"the sglang engine needs the sglang extra (pip install -e '.[sglang]'): {exc}"]) from exc
-    group = SGLangGroup(spec.urls, pause=spec.pause, read_timeout_s=spec.timeout_s)  # type: ignore[arg-type]
+    group = SGLangGroup(spec.urls, pause=spec.pause, read_timeout_s=spec.timeout_s)
     with contextlib.closing(group):
         group.connect()  # an unreachable server fails here, by its URL
         yield group

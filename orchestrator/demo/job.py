@@ -206,7 +206,7 @@ class ColocatedJob:
         spec = EngineSpec(
             model=grpo.model, max_batch=grpo.prompts_per_step * grpo.group_size, max_len=grpo.max_len,
             device=cfg.device.value, urls=cfg.engine_urls, timeout_s=cfg.rank_timeout_s,
-            pause=(cfg.engine_pause or EnginePause.RETRACT).value,
+            pause=cfg.engine_pause or EnginePause.RETRACT,
         )  # fmt: skip
         # Before any rank starts: an unreachable server fails the run at once, by its URL.
         served = self._started.enter_context(adapter.build(spec)) if adapter.served else None

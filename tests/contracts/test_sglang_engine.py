@@ -29,6 +29,7 @@ from orchestrator.adapters.engines.sglang import (
     url_problems,
 )
 from orchestrator.adapters.transport.bucketed import push_in_buckets
+from orchestrator.core.config import EnginePause
 from orchestrator.errors import ConfigError, EngineError
 from orchestrator.protocols import RolloutEngine
 from states import EngineMemory
@@ -87,8 +88,8 @@ def test_every_request_matches_its_sglang_class(engine: SGLangEngine, server: SG
     assert engine.destroy_weights_update_group("weight_update_group")
     engine.resume(frozenset({EngineMemory.KV_CACHE, EngineMemory.CUDA_GRAPH}))
     for mode in ("retract", "abort", "in_place"):
-        engine.pause_generation(mode)  # type: ignore[arg-type]
-        engine.continue_generation(mode)  # type: ignore[arg-type]
+        engine.pause_generation(EnginePause(mode))
+        engine.continue_generation(EnginePause(mode))
     engine.generate([[1, 2, 3]], {"max_new_tokens": 2, "temperature": 1.0})
     # The stand-in answered 400 to any unknown or missing field: every call above passed validation.
     assert sent(server, "/release_memory_occupation") == [{"tags": ["cuda_graph", "kv_cache", "weights"]}]

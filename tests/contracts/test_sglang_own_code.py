@@ -26,6 +26,7 @@ if importlib.util.find_spec("sglang") is None:
     pytest.skip("sglang is not installed: the contract tier, scripts/sglang-contract-tier.sh", allow_module_level=True)
 
 from orchestrator.adapters.engines.sglang import SGLangGroup
+from orchestrator.core.config import EnginePause
 from orchestrator.errors import EngineError
 from states import EngineMemory
 from tests.support import sglang_tier as tier
@@ -283,7 +284,7 @@ def test_sglang_itself_refuses_min_new_tokens_under_skip_tokenizer_init(group: S
 
 def test_pause_and_continue_parse_as_sglangs_requests(group: SGLangGroup, served: tier.Served) -> None:
     engine = group.engines[0]
-    engine.pause_generation("retract")
+    engine.pause_generation(EnginePause.RETRACT)
     assert served.tokenizer.paused == "retract"
     engine.continue_generation()
     assert served.tokenizer.paused is None

@@ -221,4 +221,4 @@ def test_an_unknown_pause_is_a_config_error() -> None:
     from orchestrator.errors import ConfigError
 
     with pytest.raises(ConfigError, match="engine pause 'hold': not one of retract, abort, in_place, none"):
-        SGLangGroup(["http://127.0.0.1:1"], pause="hold")  # type: ignore[arg-type]
+        SGLangGroup(["http://127.0.0.1:1"], pause="hold")

@@ -118,9 +118,10 @@ class WeightBroadcaster:
             for e, offset in zip(self.engines, offsets, strict=True)
         ]
         wait([ours, *joins], return_when=FIRST_EXCEPTION)
-        refused = [join.exception() for join in joins if join.done() and join.exception() is not None]
-        if refused:
-            raise refused[0]  # SGLang's own answer, naming the server
+        for join in joins:
+            refused = join.exception() if join.done() else None
+            if refused is not None:
+                raise refused  # SGLang's own answer, naming the server
         self._group = ours.result()
         for join in joins:
             join.result()

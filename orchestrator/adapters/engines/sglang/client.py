@@ -67,22 +67,17 @@ from __future__ import annotations
 
 import re
 import time
-import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from orchestrator.adapters.engines.sglang.http import _message
 from orchestrator.adapters.engines.sglang.memory import SGLangMemory
 from orchestrator.adapters.engines.sglang.weights import SGLangWeightUpdates
+from orchestrator.core.config import EnginePause
 from orchestrator.errors import EngineError
 
-_NO_VERSION = (None, "", "default")
-
-# How generation is held around a weight update (`SGLangEngine.pause_generation`): SGLang's three
-# modes, or none (`orchestrator.core.config.EnginePause` names the same four for `colocate run`).
-EnginePause = Literal["retract", "abort", "in_place", "none"]
-ENGINE_PAUSES: tuple[EnginePause, ...] = typing.get_args(EnginePause)  # what SGLang reports before any versioned update
+_NO_VERSION = (None, "", "default")  # what SGLang reports before any versioned update
 
 # The SGLang releases colocate speaks to: the weight-update session (/begin_weight_update,
 # /end_weight_update) that 0.5.23's scheduler requires, /model_info's weight_version, no
@@ -175,7 +170,7 @@ class SGLangEngine(SGLangMemory, SGLangWeightUpdates):
 
     # ---- serving control -------------------------------------------------------------------
 
-    def pause_generation(self, mode: EnginePause = "retract") -> None:
+    def pause_generation(self, mode: EnginePause = EnginePause.RETRACT) -> None:
         """Hold generation for a weight update (`colocate run --engine-pause`), by SGLang 0.5.23's modes:
 
         - `retract`: running requests go back to the waiting queue, their KV cache freed; they
@@ -189,10 +184,10 @@ class SGLangEngine(SGLangMemory, SGLangWeightUpdates):
           the server idle, up to `flush_max_wait_s`.
         - `none`: nothing is sent; the lifecycle's own idle checks stand alone.
         """
-        if mode == "none":
+        if mode is EnginePause.NONE:
             return
-        self._call("POST", "/pause_generation", {"mode": mode})
-        if mode != "abort":
+        self._call("POST", "/pause_generation", {"mode": mode.value})
+        if mode is not EnginePause.ABORT:
             return
         deadline = time.monotonic() + self.flush_max_wait_s
         while not self.is_idle():
@@ -201,9 +196,9 @@ class SGLangEngine(SGLangMemory, SGLangWeightUpdates):
             self._call("POST", "/abort_request", {"abort_all": True})
             time.sleep(self.flush_poll_s)
 
-    def continue_generation(self, mode: EnginePause = "retract") -> None:
+    def continue_generation(self, mode: EnginePause = EnginePause.RETRACT) -> None:
         """Let generation go on after `pause_generation(mode)`; nothing for `none`."""
-        if mode != "none":
+        if mode is not EnginePause.NONE:
             self._call("POST", "/continue_generation", {})
 
     def server_info(self) -> dict[str, Any]:

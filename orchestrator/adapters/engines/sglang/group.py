@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 
-from orchestrator.adapters.engines.sglang.client import ENGINE_PAUSES, EnginePause, SGLangEngine, version_problem
+from orchestrator.adapters.engines.sglang.client import SGLangEngine, version_problem
 from orchestrator.adapters.engines.sglang.weights import _close_quietly, _destroy_group_quietly
+from orchestrator.core.config import EnginePause
 from orchestrator.errors import ConfigError, EngineError
 from orchestrator.protocols import Named
 from orchestrator.telemetry.logs import note_leftover
@@ -53,13 +54,15 @@ class SGLangGroup:
     weight back.
     """
 
-    def __init__(self, urls: Sequence[str], *, pause: EnginePause = "retract", **engine_options: Any) -> None:
+    def __init__(
+        self, urls: Sequence[str], *, pause: EnginePause | str = EnginePause.RETRACT, **engine_options: Any
+    ) -> None:
         problems = url_problems(urls)
-        if pause not in ENGINE_PAUSES:
-            problems.append(f"engine pause {pause!r}: not one of {', '.join(ENGINE_PAUSES)}")
+        if pause not in EnginePause.__members__.values():
+            problems.append(f"engine pause {pause!r}: not one of {', '.join(EnginePause)}")
         if problems:
             raise ConfigError(problems)
-        self.pause: EnginePause = pause
+        self.pause = EnginePause(pause)
         self._weight_groups: set[str] = set()
         names = [url.rstrip("/") for url in urls]
         self.engines = [SGLangEngine(url, **engine_options) for url in urls]
