@@ -202,12 +202,24 @@ def test_an_in_place_pause_keeps_the_requests_and_sglang_refuses_the_flush(serve
 
 def test_an_abort_pause_aborts_until_the_server_is_idle(server: SGLangStandIn) -> None:
     server.hold(requests=3, polls=1000)
-    group = SGLangGroup([server.url], pause="abort", flush_max_wait_s=0.5, flush_poll_s=0.01)
+    server.state.aborts_needed = 3  # the pause's own abort, then two /abort_request
+    group = SGLangGroup([server.url], pause="abort", flush_max_wait_s=2.0, flush_poll_s=0.01)
     with group.weight_update_session(1):
         assert server.state.in_flight == 0
         push_in_buckets(tensors(seed=1), group, 1, bucket_bytes=BUCKET_BYTES)
         group.flush_cache()
     assert server.state.requests[0][1] == {"mode": "abort"} and server.state.weight_version == "1"
+    assert [body for path, body in server.state.requests if path == "/abort_request"] == [{"abort_all": True}] * 2
+
+
+def test_requests_that_outlast_every_abort_fail_the_update_before_it_starts(server: SGLangStandIn) -> None:
+    server.hold(requests=1, polls=1000)
+    server.state.aborts_needed = 10**6
+    group = SGLangGroup([server.url], pause="abort", flush_max_wait_s=0.3, flush_poll_s=0.01)
+    still = r"requests still in flight 0.3 s after aborting all"
+    with pytest.raises(EngineError, match=still), group.weight_update_session(1):
+        raise AssertionError("unreachable: the update must not start")
+    assert "/begin_weight_update" not in routes(server) and server.state.weight_version == "default"
 
 
 def test_no_pause_sends_nothing_around_the_update(server: SGLangStandIn) -> None:

@@ -53,7 +53,8 @@ behaviours colocate relies on (sglang 0.5.23, design §4):
 - /pause_generation's modes: `abort` drops the requests in flight; `retract` requeues them, and a
   flush or release then ignores them (SGLang's `is_fully_idle(ignore_waiting=...)` while paused);
   `in_place` keeps them. /generate while paused is refused (SGLang would hold it until
-  /continue_generation). /abort_request {abort_all} drops every request in flight.
+  /continue_generation). /abort_request {abort_all} drops every request in flight;
+  `state.aborts_needed` makes them outlast that many aborts, as /v1/loads may lag them.
 - /server_info reports `tp_size` and `enable_memory_saver`; /weights_checker's `checksum` hashes
   what was loaded as SGLang hashes CPU tensors.
 
@@ -250,6 +251,7 @@ class StandInState:
     # (route, the version served after it): every weight-update request, in order, as SGLang records them
     versions: list[tuple[str, str]] = field(default_factory=list)
     destroyed: list[str] = field(default_factory=list)  # group names destroyed, in order
+    aborts_needed: int = 1  # aborts (an abort pause, /abort_request) before the requests in flight end
 
 
 class SGLangStandIn:
@@ -510,8 +512,15 @@ def _update_version(server: SGLangStandIn, state: StandInState, body: dict[str, 
 
 def _abort(server: SGLangStandIn, state: StandInState, body: dict[str, Any]) -> tuple[int, Any]:
     if body.get("abort_all"):
-        state.in_flight = 0
+        _abort_all(state)
     return 200, None
+
+
+def _abort_all(state: StandInState) -> None:
+    """Requests in flight end after `aborts_needed` aborts (SGLang's /v1/loads can lag its aborts)."""
+    state.aborts_needed -= 1
+    if state.aborts_needed <= 0:
+        state.in_flight, state.aborts_needed = 0, 1
 
 
 def _empty_bucket(names: list[str], dtypes: list[str], shapes: list[list[int]]) -> dict[str, Any]:
@@ -628,7 +637,7 @@ def _pause(server: SGLangStandIn, state: StandInState, body: dict[str, Any]) -> 
     if state.paused not in ("abort", "retract", "in_place"):
         raise _Refused(f"pause_generation mode {state.paused!r}: not abort, retract or in_place")
     if state.paused == "abort":  # SGLang's tokenizer manager aborts every request in flight
-        state.in_flight = 0
+        _abort_all(state)
     return 200, {"message": "Generation paused successfully.", "status": "ok"}
 
 
