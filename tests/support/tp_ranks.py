@@ -24,9 +24,15 @@ class GivenWeightsRank(TrainerRank):
     """A `TrainerRank` whose `converted()` yields `named` (default: `sglang_weights.tensors()`):
     no model, no process group; only its weight pushes are meant to be called."""
 
-    def __init__(self, rank: int, named: Sequence[Named] | None = None) -> None:
+    def __init__(self, rank: int, named: Sequence[Named] | None = None, device: str = "cpu") -> None:
         self.rank = rank
         self.named = list(tensors() if named is None else named)
+        if device == "cuda":  # rank r on GPU r (of those visible), as a job's ranks are placed
+            import torch
+
+            index = rank % torch.cuda.device_count()
+            torch.cuda.set_device(index)
+            self.named = [(name, t.to(f"cuda:{index}")) for name, t in self.named]
 
     def converted(self) -> Iterator[Named]:
         yield from self.named
@@ -40,8 +46,8 @@ _Host.register("Rank", GivenWeightsRank, exposed=("invoke",))
 
 
 @contextlib.contextmanager
-def rank_processes(count: int) -> Iterator[WorkerPool[TrainerRank]]:
-    """`count` `GivenWeightsRank`s, rank r in a process of its own, as a pool the driver calls.
+def rank_processes(count: int, device: str = "cpu") -> Iterator[WorkerPool[TrainerRank]]:
+    """`count` `GivenWeightsRank`s, rank r in a process of its own (its weights on `device`), as a pool the driver calls.
     The pool holds proxies (`remote=False`: each call returns once the rank's process answered);
     `pids` holds each rank's process id."""
     hosts = [_Host(ctx=multiprocessing.get_context("spawn")) for _ in range(count)]
@@ -51,7 +57,7 @@ def rank_processes(count: int) -> Iterator[WorkerPool[TrainerRank]]:
         with ThreadPoolExecutor(count) as pool:  # each start waits out its process's imports: all at once
             for host in pool.map(_start, hosts):
                 started.append(host)
-        ranks.workers = [host.Rank(rank) for rank, host in enumerate(hosts)]  # type: ignore[attr-defined]
+        ranks.workers = [host.Rank(rank, device=device) for rank, host in enumerate(hosts)]  # type: ignore[attr-defined]
         ranks.start()
         yield ranks
     finally:
