@@ -79,6 +79,7 @@ import binascii
 import hashlib
 import io
 import json
+import os
 import pickle
 import re
 import sys
@@ -92,6 +93,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.multiprocessing import reductions
 
 from states import EngineMemory
 
@@ -149,7 +151,30 @@ class _SafeUnpickler(pickle.Unpickler):
             raise _Refused(f"Blocked unsafe global ({module}.{name}) during pickle deserialization")
         if (module, name) == ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"):
             return _rebuild_cuda_tensor
+        if (module, name) == ("torch.multiprocessing.reductions", "rebuild_storage_filename"):
+            return _rebuild_storage_filename
         return super().find_class(module, name)
+
+
+def _rebuild_storage_filename(cls: Any, manager: bytes, handle: bytes, size: int, dtype: Any = None) -> Any:
+    """torch's `rebuild_storage_filename`, except for memory another process shared: that is
+    copied from its file under /dev/shm, and this process never connects to that process's
+    torch_shm_manager. libshm allocates through the first manager a process connected to (its
+    `managers.begin()`), so once that other process and its manager are gone, this process could
+    share nothing again ("Broken pipe"), and a test process hosts stand-ins and later sends
+    buckets itself. The reference the sender took for the receiver is left to its manager, which
+    unlinks the file when that process ends. (SGLang, a process of its own, uses torch's.)"""
+    creator = _SHM_CREATOR.match(handle)
+    if creator is None or int(creator.group(1)) == os.getpid():
+        return reductions.rebuild_storage_filename(cls, manager, handle, size, dtype)
+    nbytes = size if dtype is None else size * torch._utils._element_size(dtype)
+    path = Path("/dev/shm") / handle.decode().lstrip("/")
+    header = path.stat().st_size - nbytes  # libshm's refcount block (64 bytes), then the data
+    with path.open("rb") as file:
+        file.seek(header)
+        data = bytearray(file.read(nbytes))
+    storage = torch.frombuffer(data, dtype=torch.uint8).untyped_storage() if data else torch.UntypedStorage(0)
+    return storage if dtype is None else torch.TypedStorage(wrap_storage=storage, dtype=dtype, _internal=True)
 
 
 def deserialize(data: str) -> Any:
