@@ -85,7 +85,8 @@ def test_the_lifecycle_moves_the_version_once_after_the_last_bucket_and_never_fo
     lc.update_weights()
     assert server.state.versions == served_across(server, "default", "1", buckets=3)
 
-    lc.drop_params(), lc.rollout(), lc.restore(), lc.train(), lc.pause_grads()
+    for event in (lc.drop_params, lc.rollout, lc.restore, lc.train, lc.pause_grads):  # the next step
+        event()
     server.state.versions.clear()
     server.state.fail_at_bucket = 2  # the second of three buckets fails
     with pytest.raises(ActionFailed, match="Failed to load bucket 2"):
@@ -234,3 +235,29 @@ def test_an_unknown_pause_is_a_config_error() -> None:
 
     with pytest.raises(ConfigError, match="engine pause 'hold': not one of retract, abort, in_place, none"):
         SGLangGroup(["http://127.0.0.1:1"], pause="hold")
+
+
+# ---- handing the servers back (`SGLangGroup.close`) ---------------------------------------------
+
+
+def test_close_hands_back_what_it_can_and_names_a_server_that_cannot_take_the_call() -> None:
+    """The promise: at close every server gets its memory back and loses this job's weight-update
+    group; a server that cannot take a call is a `leftover` warning line, not an error, and the
+    others are still handed back."""
+    import structlog
+
+    from states import EngineMemory
+
+    every = frozenset(EngineMemory)
+    with SGLangStandIn() as alive, SGLangStandIn() as dead:
+        group = SGLangGroup([alive.url, dead.url])
+        group.release(every)
+        group.engines[0].init_weights_update_group("127.0.0.1", 1, rank_offset=1, world_size=2, group_name="g")
+        group.destroy_at_close("g")
+        dead.state.dead = "killed"
+        with structlog.testing.capture_logs() as logs:
+            group.close()
+        assert alive.state.released == set() and alive.state.destroyed == ["g"] and not alive.state.groups
+    leftovers = [line for line in logs if line["event"] == "leftover"]
+    assert [line["component"] for line in leftovers] == [dead.url, dead.url]  # its group, then its memory
+    assert "not destroyed" in leftovers[0]["done"] and "not resumed" in leftovers[1]["done"]
