@@ -15,6 +15,7 @@ import re
 import time
 from collections.abc import Iterator
 from http import HTTPStatus
+from typing import Any
 from unittest.mock import patch
 
 import pytest
@@ -378,9 +379,9 @@ def test_bad_server_lists_are_config_errors(urls: list[str], problem: str) -> No
         SGLangGroup(urls)
 
 
-def test_actions_are_client_spans_and_every_request_carries_the_trace(
-    engine: SGLangEngine, server: SGLangStandIn
-) -> None:
+@pytest.fixture
+def client_spans() -> Iterator[Any]:
+    """The spans the engine's HTTP client makes, read back through the SDK's in-memory exporter."""
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -388,26 +389,63 @@ def test_actions_are_client_spans_and_every_request_carries_the_trace(
     exporter = InMemorySpanExporter()
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
-    tracer = provider.get_tracer("test")
-    with (
-        patch("orchestrator.adapters.engines.sglang.http.trace.get_tracer", return_value=tracer),
-        tracer.start_as_current_span("lifecycle.update_weights") as parent,
-    ):
+    exporter.tracer = provider.get_tracer("test")  # type: ignore[attr-defined]
+    with patch("orchestrator.adapters.engines.sglang.http.trace.get_tracer", return_value=exporter.tracer):
+        yield exporter
+    provider.shutdown()
+
+
+def test_actions_are_client_spans_and_every_request_carries_the_trace(
+    engine: SGLangEngine, server: SGLangStandIn, client_spans: Any
+) -> None:
+    from opentelemetry.trace import StatusCode
+
+    with client_spans.tracer.start_as_current_span("lifecycle.update_weights") as parent:
         engine.release(ALL)
         engine.weight_version()
-    spans = exporter.get_finished_spans()
-    assert [s.name for s in spans] == ["sglang POST /release_memory_occupation", "lifecycle.update_weights"]  # no GET
+    spans = client_spans.get_finished_spans()
+    assert [s.name for s in spans] == ["POST /release_memory_occupation", "lifecycle.update_weights"]  # no GET
     host, port = server.url.removeprefix("http://").split(":")
     assert dict(spans[0].attributes or {}) == {  # OpenTelemetry's HTTP client conventions
         "server.address": host,
         "server.port": int(port),
         "url.full": f"{server.url}/release_memory_occupation",
+        "url.template": "/release_memory_occupation",
         "http.request.method": "POST",
         "http.response.status_code": 200,
     }
+    assert spans[0].status.status_code is StatusCode.UNSET  # a 2xx leaves it to the caller
     trace_id = f"{parent.get_span_context().trace_id:032x}"
     assert len(server.state.traceparents) == 2
     assert all(tp is not None and tp.split("-")[1] == trace_id for tp in server.state.traceparents)
+
+
+def test_a_failed_call_is_an_error_span_with_its_error_type(
+    engine: SGLangEngine, server: SGLangStandIn, client_spans: Any
+) -> None:
+    """The HTTP conventions' error rules: a 4xx answer (here SGLang's refusal of a bad request),
+    a refused connection and SGLang's `success: false` each end the span as ERROR, with
+    `error.type` the status code or the qualified name of the exception."""
+    from opentelemetry.trace import StatusCode
+
+    with pytest.raises(EngineError):
+        engine._call("POST", "/release_memory_occupation", {"tags": ["kv_cache"], "no_such_field": 1})
+    server.state.fail_next_update = "Failed to load bucket 1"
+    with pytest.raises(EngineError):
+        engine._call("POST", "/update_weights_from_tensor", {"serialized_named_tensors": [], "flush_cache": False})
+    dead = SGLangEngine("http://127.0.0.1:9", flush_max_wait_s=0.1)  # the discard port: nothing listens
+    with pytest.raises(EngineError):
+        dead._call("POST", "/pause_generation", {"mode": "retract"})
+    dead.close()
+    spans = {s.name: s for s in client_spans.get_finished_spans()}
+    assert all(s.status.status_code is StatusCode.ERROR for s in spans.values()), spans
+    assert spans["POST /release_memory_occupation"].attributes["error.type"] == "400"
+    assert spans["POST /release_memory_occupation"].attributes["http.response.status_code"] == 400
+    assert spans["POST /update_weights_from_tensor"].attributes["error.type"] == "400"
+    refused = spans["POST /pause_generation"]
+    assert refused.attributes["error.type"] == "requests.exceptions.ConnectionError"
+    assert "http.response.status_code" not in refused.attributes
+    assert [e.name for e in refused.events] == ["exception"]
 
 
 def test_with_tracing_off_no_request_carries_a_trace_context(engine: SGLangEngine, server: SGLangStandIn) -> None:

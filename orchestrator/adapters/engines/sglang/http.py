@@ -9,9 +9,12 @@ A request that failed before the server got it (no connection: refused, unroutab
 timeout) raises `EngineError`; one that was sent and got no answer (a read timeout, the connection
 dropped after sending) raises its subclass `Unanswered`: the server may have applied it.
 
-Every POST is a client span `sglang POST <path>` with OpenTelemetry's HTTP client attributes,
-`server.address` (the host), `server.port`, `url.full`, `http.response.status_code` (GETs are
-queries the lifecycle makes around every transition, and have none). While tracing is on, every
+Every POST is a client span `POST <path>`, as OpenTelemetry's HTTP client conventions name it
+(`{method} {url.template}`), with their attributes: `server.address` (the host), `server.port`,
+`url.full`, `url.template`, `http.request.method` and `http.response.status_code`. A call that
+failed is an ERROR span with `error.type`: the status code of an HTTP error, else the qualified
+name of the exception (a refused connection, a timeout, SGLang's `success: false`). GETs are
+queries the lifecycle makes around every transition, and have no span. While tracing is on, every
 request, GETs included, carries the W3C `traceparent` header of the current span (SGLang started
 with `--enable-trace` continues the trace); with tracing off there is no context and no header.
 """
@@ -19,12 +22,14 @@ with `--enable-trace` continues the trace); with tracing off there is no context
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 from urllib.parse import urlsplit
 
 import requests
 from opentelemetry import propagate, trace
+from opentelemetry.trace import Span, Status, StatusCode
 from requests.adapters import HTTPAdapter
 from urllib3.exceptions import NewConnectionError
 from urllib3.util.retry import Retry
@@ -104,27 +109,57 @@ class SGLangHTTP:
     def close(self) -> None:
         self._session.close()
 
-    def _send(self, method: str, path: str, body: Mapping[str, Any] | None = None) -> requests.Response:
-        """One request. A POST (an action) is a client span; a GET (a query the lifecycle makes
-        around every transition) is not, as it would bury the work."""
+    @contextmanager
+    def _client_span(self, method: str, path: str) -> Iterator[Span]:
+        """A POST's client span (a GET, a query the lifecycle makes around every transition, has
+        none: it would bury the work). A call that raised ends it as an ERROR with `error.type`."""
         if method == "GET":
-            return self._request(method, path, body)
-        attributes = {**self._server_attributes, "url.full": self.name + path, "http.request.method": method}
+            yield trace.INVALID_SPAN
+            return
+        template = path.split("?", 1)[0]
+        attributes = {
+            **self._server_attributes,
+            "url.full": self.name + path,
+            "url.template": template,
+            "http.request.method": method,
+        }
         with trace.get_tracer(semconv.TRACER).start_as_current_span(
-            f"sglang {method} {path.split('?', 1)[0]}", kind=trace.SpanKind.CLIENT, attributes=attributes
+            f"{method} {template}",
+            kind=trace.SpanKind.CLIENT,
+            attributes=attributes,
+            record_exception=False,
+            set_status_on_exception=False,
         ) as span:
-            response = self._request(method, path, body)
-            span.set_attribute("http.response.status_code", response.status_code)
-            return response
+            try:
+                yield span
+            except Exception as exc:
+                if not (isinstance(exc, EngineError) and exc.status is not None):  # else: the status, set already
+                    cause = exc.__cause__ if isinstance(exc.__cause__, Exception) else exc
+                    span.set_attribute("error.type", f"{type(cause).__module__}.{type(cause).__qualname__}")
+                span.record_exception(exc)
+                span.set_status(Status(StatusCode.ERROR, str(exc)))
+                raise
 
-    def _request(self, method: str, path: str, body: Mapping[str, Any] | None) -> requests.Response:
+    def _send(self, method: str, path: str, body: Mapping[str, Any] | None = None) -> requests.Response:
+        """One request, in its client span; an HTTP error status marks the span, not raised."""
+        with self._client_span(method, path) as span:
+            return self._request(method, path, body, span)
+
+    def _request(self, method: str, path: str, body: Mapping[str, Any] | None, span: Span) -> requests.Response:
         headers: dict[str, str] = {}
         propagate.inject(headers)
         try:
-            return self._session.request(method, self.name + path, json=body, headers=headers, timeout=self._timeout)
+            response = self._session.request(
+                method, self.name + path, json=body, headers=headers, timeout=self._timeout
+            )
         except requests.RequestException as exc:
             error = Unanswered if _sent(exc) else EngineError
             raise error(self.name, f"{method} {path}: {self._unreachable(exc)}") from exc
+        span.set_attribute("http.response.status_code", response.status_code)
+        if response.status_code >= 400:  # the HTTP conventions: a 4xx or 5xx answer is a failed call
+            span.set_attribute("error.type", str(response.status_code))
+            span.set_status(Status(StatusCode.ERROR))
+        return response
 
     def _unreachable(self, exc: requests.RequestException) -> str:
         """Why no answer came, in a few words (urllib3's own text repeats the URL and the retries)."""
@@ -137,7 +172,10 @@ class SGLangHTTP:
 
     def _call(self, method: str, path: str, body: Mapping[str, Any] | None = None) -> Any:
         """Send; raise EngineError on an HTTP error or `success: false`; return the JSON body (or None)."""
-        response = self._send(method, path, body)
+        with self._client_span(method, path) as span:
+            return self._answer(path, self._request(method, path, body, span))
+
+    def _answer(self, path: str, response: requests.Response) -> Any:
         if response.status_code >= 400:
             raise EngineError(
                 self.name, f"{path}: HTTP {response.status_code}: {_message(response)}", response.status_code
