@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 from opentelemetry import context, propagate, trace
 from opentelemetry.sdk.resources import Resource
@@ -154,6 +155,12 @@ def exporters_requested(env: Mapping[str, str] | None = None) -> list[str]:
     return [name for name in names if name not in ("none", "")]
 
 
+def _env_resource(env: Mapping[str, str]) -> dict[str, str]:
+    """`OTEL_RESOURCE_ATTRIBUTES`: comma-separated `key=value` pairs, values percent-encoded."""
+    pairs = (item.split("=", 1) for item in env.get("OTEL_RESOURCE_ATTRIBUTES", "").split(",") if "=" in item)
+    return {key.strip(): unquote(value.strip()) for key, value in pairs}
+
+
 def configure_tracing(
     service_name: str = "colocate",
     rank: int | None = 0,
@@ -164,9 +171,10 @@ def configure_tracing(
     """A tracer provider exporting where `OTEL_*` says, or None if tracing is not asked for.
 
     Honoured: OTEL_SDK_DISABLED, OTEL_TRACES_EXPORTER (otlp, console, none), the
-    OTEL_EXPORTER_OTLP_* endpoint/protocol/header variables, OTEL_SERVICE_NAME and
-    OTEL_RESOURCE_ATTRIBUTES (the last two read by the SDK's Resource). `trace_file` adds an
-    OTLP-JSON file exporter.
+    OTEL_EXPORTER_OTLP_* endpoint/protocol/header variables, and the resource's. The service's
+    name is OpenTelemetry's order: OTEL_SERVICE_NAME, then `service.name` in
+    OTEL_RESOURCE_ATTRIBUTES, then `service_name`; `colocate.role` and `colocate.rank` are
+    colocate's to set. `trace_file` adds an OTLP-JSON file exporter.
     """
     env = os.environ if env is None else env
     exporters: list[SpanExporter] = []
@@ -182,9 +190,12 @@ def configure_tracing(
     if not exporters:
         return None
     attributes: dict[str, str | int] = {
-        "service.name": env.get("OTEL_SERVICE_NAME", service_name),
+        "service.name": service_name,
+        **_env_resource(env),
         semconv.ROLE: role,
     }
+    if env.get("OTEL_SERVICE_NAME"):
+        attributes["service.name"] = env["OTEL_SERVICE_NAME"]
     if rank is not None:  # the engine's process serves every rank: it has none of its own
         attributes[semconv.RANK] = rank
     provider = TracerProvider(resource=Resource.create(attributes))

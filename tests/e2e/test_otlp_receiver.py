@@ -33,6 +33,7 @@ EVENTS = ["pause_grads", "update_weights", "drop_params", "rollout", "restore", 
 class Collect(RequestHandler):
     def __init__(self) -> None:
         self.spans: list[dict[str, Any]] = []
+        self.services: set[tuple[str, str, str]] = set()
 
     def handle_logs(self, request: Any, headers: Any) -> None: ...
 
@@ -42,6 +43,9 @@ class Collect(RequestHandler):
         for resource in request.resource_spans:
             where = {a.key: a.value for a in resource.resource.attributes}
             role = where["colocate.role"].string_value
+            self.services.add(
+                (role, where["service.name"].string_value, where["deployment.environment.name"].string_value)
+            )
             rank = where["colocate.rank"].int_value if "colocate.rank" in where else None  # the engine has none
             for scope in resource.scope_spans:
                 for span in scope.spans:
@@ -66,7 +70,7 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def spans() -> list[dict[str, Any]]:
+def received() -> Collect:
     handler, port = Collect(), free_port()
     sink = HttpSink(handler, logging.getLogger("oteltest"), port=port)
     sink.start()
@@ -75,8 +79,10 @@ def spans() -> list[dict[str, Any]]:
     env = {
         **os.environ,
         "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
-        "OTEL_SERVICE_NAME": "colocate-test",
+        # The service named only here, as OpenTelemetry lets a deployment name it.
+        "OTEL_RESOURCE_ATTRIBUTES": "service.name=colocate-test,deployment.environment.name=ci%20run",
     }
+    env.pop("OTEL_SERVICE_NAME", None)
     done = subprocess.run(
         [*command, "run", "--steps", "2", "--ranks", "2"],
         cwd=ROOT,
@@ -87,11 +93,21 @@ def spans() -> list[dict[str, Any]]:
     )
     sink.stop()
     assert done.returncode == 0, done.stderr
-    return handler.spans
+    return handler
+
+
+@pytest.fixture(scope="module")
+def spans(received: Collect) -> list[dict[str, Any]]:
+    return received.spans
 
 
 def test_every_process_exported(spans: list[dict[str, Any]]) -> None:
     assert {(s["role"], s["rank"]) for s in spans} == {("driver", 0), ("rank", 0), ("rank", 1), ("engine", None)}
+
+
+def test_every_process_takes_its_service_from_the_resource_attributes(received: Collect) -> None:
+    """OpenTelemetry's order: OTEL_SERVICE_NAME (unset here), then OTEL_RESOURCE_ATTRIBUTES."""
+    assert received.services == {(role, "colocate-test", "ci run") for role in ("driver", "rank", "engine")}
 
 
 def test_each_step_is_one_trace_with_every_transition(spans: list[dict[str, Any]]) -> None:

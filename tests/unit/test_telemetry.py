@@ -116,6 +116,35 @@ def test_tracing_is_off_unless_configured() -> None:
     assert configure_tracing(env={"OTEL_TRACES_EXPORTER": "none"}) is None
 
 
+@pytest.mark.parametrize(
+    ("env", "service"),
+    [
+        ({}, "colocate"),
+        ({"OTEL_RESOURCE_ATTRIBUTES": "team=rl,service.name=from%20attributes"}, "from attributes"),
+        ({"OTEL_RESOURCE_ATTRIBUTES": "service.name=from-attributes", "OTEL_SERVICE_NAME": "named"}, "named"),
+    ],
+)
+def test_the_service_name_follows_opentelemetrys_order(env: dict[str, str], service: str) -> None:
+    """OTEL_SERVICE_NAME, then `service.name` in OTEL_RESOURCE_ATTRIBUTES, then colocate's default;
+    the role and rank are colocate's own, whatever the variables say."""
+    provider = configure_tracing(
+        rank=1,
+        env={
+            "OTEL_TRACES_EXPORTER": "console",
+            **env,
+            "OTEL_RESOURCE_ATTRIBUTES": env.get("OTEL_RESOURCE_ATTRIBUTES", "") + ",colocate.role=spoofed",
+        },
+        role="rank",
+    )
+    assert provider is not None
+    attributes = provider.resource.attributes
+    assert attributes["service.name"] == service
+    assert attributes["colocate.role"] == "rank" and attributes["colocate.rank"] == 1
+    if "team=rl" in env.get("OTEL_RESOURCE_ATTRIBUTES", ""):
+        assert attributes["team"] == "rl"
+    provider.shutdown()
+
+
 def test_tracing_configured_from_otel_variables() -> None:
     provider = configure_tracing(
         rank=1, env={"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318", "OTEL_SERVICE_NAME": "rl-job"}

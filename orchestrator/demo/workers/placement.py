@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -100,8 +101,13 @@ class RayPlacement:
         self.store_host = store_host  # where the ranks reach the driver's rendezvous store
         self.actors: list[Any] = []  # ranks, then the engine replicas
         # Each actor's own environment, never the driver's: on the CPU it is shown no GPU, so
-        # Megatron and the engine take the CPU whatever GPUs the host has.
-        self.env = {"TORCHDYNAMO_DISABLE": "1"} | ({} if cuda else {"CUDA_VISIBLE_DEVICES": ""})
+        # Megatron and the engine take the CPU whatever GPUs the host has. The driver's `OTEL_*`
+        # travel, so that on a cluster started elsewhere the ranks export where the driver does.
+        self.env = (
+            {key: value for key, value in os.environ.items() if key.startswith("OTEL_")}
+            | {"TORCHDYNAMO_DISABLE": "1"}
+            | ({} if cuda else {"CUDA_VISIBLE_DEVICES": ""})
+        )
         # The user's cluster at `address`, or a private one on loopback (`ray_cluster`).
         cluster = connect(address, cpus=ranks + 1, gpus=None if cuda else 0, runtime_env={"env_vars": self.env})
         self._shutdown = cluster.close
