@@ -87,9 +87,7 @@ class Lifecycle(CycleEvents):
         self._actions = actions = Actions(config, self._known, trainer, self._regions, engine, transport)
         self.fault_cause: BaseException | None = None
         self._latch = FaultLatch()
-        self._machine = PhaseMachine(
-            actions.by_name(), self.snapshot, lambda record: self.listeners.on_begin(record), self._latch.check
-        )
+        self._machine = PhaseMachine(actions.by_name(), self.snapshot, self._latch.check)
         actions.take_over_engine()
         # Chosen once the engine is released and every region resident: what is free then is
         # what the sleeps to come start from.
@@ -176,6 +174,7 @@ class Lifecycle(CycleEvents):
         src = self.phase
         row = self._machine.rows.get((src, event))
         record = self._record(event, row.dest if row else src)
+        self.listeners.on_begin(record)  # before the table and the guards judge it: they are part of it
         if row is None:
             self._reject(record, IllegalTransition(src, event, self.legal_events(src)))
         if event is Event.FAULT:
@@ -195,7 +194,6 @@ class Lifecycle(CycleEvents):
 
     def _reject(self, record: TransitionRecord, error: LifecycleError) -> None:
         record.ended_ns = time.perf_counter_ns()
-        record.dst = record.src  # refused: it stays where it was
         self.listeners.on_rejected(record, error)
         raise error
 
@@ -242,8 +240,10 @@ class Lifecycle(CycleEvents):
             if self.fault_cause is not None:
                 self.fault_cause.add_note(f"a later fault: {type(error).__name__}: {error}")
             if refuse:
+                self.listeners.on_begin(record)
                 self._reject(record, IllegalTransition(self.phase, Event.FAULT, self.legal_events()))
             return
+        self.listeners.on_begin(record)
         self.fault_cause = error
         self._machine.trigger(Event.FAULT, Firing(record))
         record.ended_ns = time.perf_counter_ns()

@@ -41,19 +41,18 @@ class _Model:
 class PhaseMachine:
     """One rank's phase, moved only along the rows of `states.TABLE`.
 
-    `snapshot` is what the guards of a row judge; `begin` is told of an admitted event before its
-    action runs, `end` after it returned, before the phase changes (it may raise to stop the
-    change); `actions` maps the names the table gives to what they do.
+    `snapshot` is what the guards of a row judge; `end` is told after an admitted event's action
+    returned, before the phase changes (it may raise to stop the change); `actions` maps the names
+    the table gives to what they do.
     """
 
     def __init__(
         self,
         actions: Mapping[str, Action],
         snapshot: Callable[[], Snapshot],
-        begin: Callable[[TransitionRecord], None],
         end: Callable[[], None] = lambda: None,
     ) -> None:
-        self._actions, self._snapshot, self._begin, self._end = actions, snapshot, begin, end
+        self._actions, self._snapshot, self._end = actions, snapshot, end
         self.rows = {(row.source, row.event): row for row in TABLE}
         self._model = _Model()
         self._machine = Machine(
@@ -101,7 +100,6 @@ class PhaseMachine:
     def _act(self, row: Transition, event: EventData) -> None:
         firing: Firing
         (firing,) = event.args
-        self._begin(firing.record)
         if row.action is not None:
             firing.result = self._actions[row.action](firing.record, firing.work)
             self._end()

@@ -20,7 +20,11 @@ _log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class TransitionRecord:
-    """One attempted transition, filled in as it runs. Times are `time.perf_counter_ns()`."""
+    """One attempted transition, filled in as it runs. Times are `time.perf_counter_ns()`.
+
+    `dst` is where the table's row leads (for an event with no row, `src`); the event entered it
+    only if it ends in `on_transition`. A refused or failed one entered none.
+    """
 
     event: Event
     src: Phase
@@ -52,7 +56,8 @@ class Listener:
     def on_step_end(self, step: int, rank: int, error: BaseException | None) -> None: ...
 
     def on_begin(self, record: TransitionRecord) -> None:
-        """An admitted event's action is about to run."""
+        """An event was fired: the table and its guards are about to judge it, then its action
+        runs. Exactly one of the three hooks below follows, in the same thread."""
 
     def on_transition(self, record: TransitionRecord) -> None:
         """The event completed and the phase is now `record.dst`."""

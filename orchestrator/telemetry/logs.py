@@ -2,7 +2,9 @@
 
 Keys: `event` (the lifecycle event), `src`, `dst`, `step`, `rank`, `mode`, `seconds`,
 `trace_id`, `span_id`, then the action's own attributes without their `colocate.` prefix.
-Refusals log at warning with `refused`; faults at error with `cause`.
+Refusals log at warning with `refused`; failed actions at error with `cause`. Both have `dst`
+null: the event entered no phase (a failed one's FAULTED is the `fault` line that follows).
+`trace_id` and `span_id` are those of the transition's own span.
 """
 
 from __future__ import annotations
@@ -25,10 +27,10 @@ def _ids() -> dict[str, str | None]:
     return {"trace_id": format(ctx.trace_id, "032x"), "span_id": format(ctx.span_id, "016x")}
 
 
-def _keys(record: TransitionRecord) -> dict[str, Any]:
+def _keys(record: TransitionRecord, *, entered: bool = True) -> dict[str, Any]:
     return {
         "src": record.src.value,
-        "dst": record.dst.value,
+        "dst": record.dst.value if entered else None,
         "step": record.step,
         "rank": record.rank,
         "mode": record.mode.value,
@@ -93,11 +95,11 @@ class LoggingListener(Listener):
 
     def on_rejected(self, record: TransitionRecord, error: LifecycleError) -> None:
         refused = [str(v) for v in error.verdicts] if isinstance(error, GuardRejected) else [str(error)]
-        self._log.warning(record.event.value, **_keys(record), refused=refused)
+        self._log.warning(record.event.value, **_keys(record, entered=False), refused=refused)
 
     def on_fault(self, record: TransitionRecord, error: LifecycleError) -> None:
         cause = error.cause if isinstance(error, ActionFailed) else error
-        self._log.error(record.event.value, **_keys(record), cause=f"{type(cause).__name__}: {cause}")
+        self._log.error(record.event.value, **_keys(record, entered=False), cause=f"{type(cause).__name__}: {cause}")
         self._flush()
 
 

@@ -63,6 +63,8 @@ DIGEST_SPAN: Final = "rank.digest"
 
 GUARD_REJECTED_EVENT: Final = "guard.rejected"
 """On a refused transition's span, one per guard that said no (`colocate.guard`, `colocate.reason`)."""
+TABLE_REJECTED_EVENT: Final = "table.rejected"
+"""On the span of an event the table has no row for in its phase (`colocate.reason`, `colocate.legal_events`)."""
 
 # --- attributes of every lifecycle span -----------------------------------------------------------
 
@@ -71,7 +73,7 @@ EVENT: Final = "colocate.event"
 SOURCE: Final = "colocate.source"
 """The phase the event left, as `states.Phase` names it (str)."""
 DESTINATION: Final = "colocate.destination"
-"""The phase the event entered (str); absent on a refused event, which entered none."""
+"""The phase the event entered (str), set once entered: absent on a refused or failed event, which entered none."""
 STEP: Final = "colocate.step"
 """The training step, from 1 (int); on `colocate.step` spans too."""
 RANK: Final = "colocate.rank"
@@ -83,7 +85,9 @@ REFUSED: Final = "colocate.refused"
 GUARD: Final = "colocate.guard"
 """On a `guard.rejected` event: the name of the guard that said no (str)."""
 REASON: Final = "colocate.reason"
-"""On a `guard.rejected` event: why the guard said no (str)."""
+"""On a `guard.rejected` or `table.rejected` event: why the event was refused (str)."""
+LEGAL_EVENTS: Final = "colocate.legal_events"
+"""On a `table.rejected` event: the events the table allows in that phase (list of str)."""
 CAUSE: Final = "colocate.cause"
 """On the fault transition's span: the error's type and message (str)."""
 

@@ -21,7 +21,7 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter, SpanExportResult
 from opentelemetry.trace import Span, Status, StatusCode
 
-from orchestrator.errors import GuardRejected, LifecycleError
+from orchestrator.errors import GuardRejected, IllegalTransition, LifecycleError
 from orchestrator.telemetry import semconv
 from orchestrator.telemetry.listeners import AttributeValue, Listener, TransitionRecord
 
@@ -207,9 +207,13 @@ def configure_tracing(
 class TracingListener(Listener):
     """Spans `colocate.step` and `lifecycle.<event>` with fixed `colocate.*` attributes.
 
-    Each span belongs to the record (or step) it traces, so a hook that arrives without its
-    opening one (a fault raised while an event was being admitted) still gets a span of its own,
-    and no other span is ended early.
+    A transition's span opens when its event is fired, so the table's and the guards' judgement
+    (with the engine queries of the snapshot they judge) lies inside it, and it is current for
+    every listener that reports the outcome: a refusal's log line carries the refusal's span id.
+    It names a destination only once the event entered it. Each span belongs to the record (or
+    step) it traces, so a hook that arrives without its opening one still gets a span of its own,
+    and no other span is ended early; one opened in a thread without a current span (a fault
+    from a watchdog) is still a child of its step.
     """
 
     def __init__(self, provider: trace.TracerProvider | None = None) -> None:
@@ -227,12 +231,16 @@ class TracingListener(Listener):
         context.detach(token)  # type: ignore[arg-type]
         return span
 
+    def _start(self, record: TransitionRecord) -> Span:
+        parent = None
+        if not trace.get_current_span().get_span_context().is_valid and record.step in self._steps:
+            parent = trace.set_span_in_context(self._steps[record.step][0])
+        return self._tracer.start_span(semconv.lifecycle_span(record.event), parent, attributes=_attributes(record))
+
     def _span_of(self, record: TransitionRecord) -> Span:
         """The span `on_begin` opened for `record`, or a new one if it never began."""
         opened = self._spans.pop(id(record), None)
-        if opened is None:
-            return self._tracer.start_span(semconv.lifecycle_span(record.event), attributes=_attributes(record))
-        return self._close(opened)
+        return self._start(record) if opened is None else self._close(opened)
 
     def on_step_start(self, step: int, rank: int) -> None:
         span = self._tracer.start_span(semconv.STEP_SPAN, attributes={semconv.STEP: step, semconv.RANK: rank})
@@ -248,25 +256,28 @@ class TracingListener(Listener):
         span.end()
 
     def on_begin(self, record: TransitionRecord) -> None:
-        span = self._tracer.start_span(semconv.lifecycle_span(record.event), attributes=_attributes(record))
-        self._spans[id(record)] = self._open(span)
+        self._spans[id(record)] = self._open(self._start(record))
 
     def on_transition(self, record: TransitionRecord) -> None:
         span = self._span_of(record)
-        span.set_attributes(record.attributes)  # the fixed keys were set when the span started
+        span.set_attribute(semconv.DESTINATION, record.dst.value)
+        span.set_attributes(record.attributes)
         if record.cause is not None:  # the fault transition: its span carries the cause
             span.record_exception(record.cause)
             span.set_status(Status(StatusCode.ERROR, f"{type(record.cause).__name__}: {record.cause}"))
         span.end()
 
     def on_rejected(self, record: TransitionRecord, error: LifecycleError) -> None:
-        # A refused event never reached a destination: its span names none.
-        span = self._tracer.start_span(
-            semconv.lifecycle_span(record.event), attributes=_attributes(record, reached=False)
-        )
+        span = self._span_of(record)
         span.set_attributes(record.attributes)
-        for verdict in error.verdicts if isinstance(error, GuardRejected) else ():
-            span.add_event(semconv.GUARD_REJECTED_EVENT, {semconv.GUARD: verdict.guard, semconv.REASON: verdict.reason})
+        if isinstance(error, GuardRejected):
+            for verdict in error.verdicts:
+                span.add_event(
+                    semconv.GUARD_REJECTED_EVENT, {semconv.GUARD: verdict.guard, semconv.REASON: verdict.reason}
+                )
+        elif isinstance(error, IllegalTransition):
+            legal = tuple(event.value for event in error.legal)
+            span.add_event(semconv.TABLE_REJECTED_EVENT, {semconv.REASON: str(error), semconv.LEGAL_EVENTS: legal})
         span.set_attribute(semconv.REFUSED, True)
         span.set_status(Status(StatusCode.ERROR, str(error)))
         span.end()
@@ -283,15 +294,13 @@ class TracingListener(Listener):
             flush()  # a faulted run may not live to its next batch
 
 
-def _attributes(record: TransitionRecord, *, reached: bool = True) -> dict[str, str | bool | int | float]:
-    attributes: dict[str, str | bool | int | float] = {
+def _attributes(record: TransitionRecord) -> dict[str, str | int]:
+    """The fixed keys of a lifecycle span, known when its event is fired (its destination is
+    not: it is set once reached)."""
+    return {
         semconv.EVENT: record.event.value,
         semconv.SOURCE: record.src.value,
-        semconv.DESTINATION: record.dst.value,
         semconv.STEP: record.step,
         semconv.RANK: record.rank,
         semconv.MODE: record.mode.value,
     }
-    if not reached:
-        del attributes[semconv.DESTINATION]
-    return attributes

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
+import structlog
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
-from orchestrator import ActionFailed, GuardRejected
+from orchestrator import ActionFailed, GuardRejected, IllegalTransition
 from orchestrator.telemetry.logs import LoggingListener
 from orchestrator.telemetry.tracing import TracingListener
 from tests.support.rig import Rig, make_rig
@@ -86,3 +90,97 @@ def test_a_snapshot_that_fails_during_admission_leaves_the_step_span_whole(
     assert all(s.parent is not None and s.parent.span_id == step.context.span_id for s in spans[:-1])
     assert step.status.status_code is StatusCode.ERROR
     assert rig.lifecycle.phase.value == "FAULTED"
+
+
+# ---- each line and span says what happened, and nothing it did not reach (issue 26 items 2, 3, 5, 9) ----
+
+
+def _ids(span: ReadableSpan) -> tuple[str, str]:
+    return format(span.context.trace_id, "032x"), format(span.context.span_id, "016x")
+
+
+def test_a_refused_events_log_line_carries_the_refusals_own_span(traced: tuple[Rig, InMemorySpanExporter]) -> None:
+    rig, exporter = traced
+    with structlog.testing.capture_logs() as logs, rig.lifecycle.step():
+        rig.lifecycle.pause_grads()
+        with pytest.raises(GuardRejected):
+            rig.lifecycle.skip_update()
+    refused = next(s for s in exporter.get_finished_spans() if s.name == "lifecycle.skip_update")
+    line = next(line for line in logs if line["event"] == "skip_update")
+    assert (line["trace_id"], line["span_id"]) == _ids(refused)
+    assert line["dst"] is None, "a refused event entered no phase"
+
+
+def test_a_failed_action_claims_no_destination_and_the_fault_does(traced: tuple[Rig, InMemorySpanExporter]) -> None:
+    """update_weights fails: its span and line name no destination, and carry their own ids; the
+    `fault` transition that follows is the one that entered FAULTED."""
+    rig, exporter = traced
+    rig.transport.fail = True
+    with structlog.testing.capture_logs() as logs, pytest.raises(ActionFailed), rig.lifecycle.step():
+        rig.lifecycle.pause_grads()
+        rig.lifecycle.update_weights()
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    failed, fault = spans["lifecycle.update_weights"], spans["lifecycle.fault"]
+    assert "colocate.destination" not in (failed.attributes or {})
+    assert failed.status.status_code is StatusCode.ERROR
+    assert (fault.attributes or {})["colocate.destination"] == "FAULTED"
+    lines = {line["event"]: line for line in logs}
+    assert lines["update_weights"]["dst"] is None and lines["fault"]["dst"] == "FAULTED"
+    assert (lines["update_weights"]["trace_id"], lines["update_weights"]["span_id"]) == _ids(failed)
+    assert (lines["fault"]["trace_id"], lines["fault"]["span_id"]) == _ids(fault)
+
+
+def test_a_fault_from_another_thread_is_a_child_of_the_step_with_its_own_ids(
+    traced: tuple[Rig, InMemorySpanExporter],
+) -> None:
+    """A watchdog's thread has no current span: the fault it lands is still its step's child."""
+    rig, exporter = traced
+    with structlog.testing.capture_logs() as logs, rig.lifecycle.step():
+        rig.lifecycle.pause_grads()
+        watchdog = threading.Thread(target=rig.lifecycle.fault, args=("rank 1 died",))
+        watchdog.start()
+        watchdog.join()
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    fault, step = spans["lifecycle.fault"], spans["colocate.step"]
+    assert fault.parent is not None and fault.parent.span_id == step.context.span_id
+    line = next(line for line in logs if line["event"] == "fault")
+    assert (line["trace_id"], line["span_id"]) == _ids(fault)
+
+
+def test_the_guards_judgement_lies_inside_the_transitions_span(traced: tuple[Rig, InMemorySpanExporter]) -> None:
+    """The snapshot the guards judge asks the engine whether it is idle: 50 ms here. The span and
+    the log line time the same thing, and a span the query makes is the transition's child."""
+    rig, exporter = traced
+    tracer = rig.lifecycle.listeners.listeners[0]._tracer  # type: ignore[attr-defined]
+    idle = rig.engine.is_idle
+
+    def slow_idle() -> bool:
+        with tracer.start_as_current_span("engine.is_idle"):
+            time.sleep(0.05)
+            return idle()
+
+    rig.engine.is_idle = slow_idle  # type: ignore[method-assign]
+    with structlog.testing.capture_logs() as logs:
+        rig.lifecycle.pause_grads()
+        rig.lifecycle.update_weights()
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    update = spans["lifecycle.update_weights"]
+    assert update.end_time is not None and update.start_time is not None
+    seconds = next(line["seconds"] for line in logs if line["event"] == "update_weights")
+    assert seconds >= 0.05
+    assert abs((update.end_time - update.start_time) / 1e9 - seconds) < 0.02
+    queries = [s for s in exporter.get_finished_spans() if s.name == "engine.is_idle"]
+    assert queries and all(q.parent is not None for q in queries)
+    assert update.context.span_id in {q.parent.span_id for q in queries if q.parent is not None}
+
+
+def test_an_illegal_event_says_why_in_a_span_event(traced: tuple[Rig, InMemorySpanExporter]) -> None:
+    rig, exporter = traced
+    with pytest.raises(IllegalTransition):
+        rig.lifecycle.restore()
+    (span,) = exporter.get_finished_spans()
+    (event,) = [e for e in span.events if e.name == "table.rejected"]
+    attributes = dict(event.attributes or {})
+    assert "restore is not legal in TRAIN" in str(attributes["colocate.reason"])
+    assert tuple(attributes["colocate.legal_events"]) == tuple(e.value for e in rig.lifecycle.legal_events())
+    assert (span.attributes or {})["colocate.refused"] is True
