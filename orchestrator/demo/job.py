@@ -28,6 +28,7 @@ import socket
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from opentelemetry import trace
@@ -50,6 +51,10 @@ from orchestrator.telemetry import semconv
 from orchestrator.telemetry.listeners import Listener
 from orchestrator.telemetry.tracing import exporters_requested
 from states import Mode, Offload, Phase
+
+if TYPE_CHECKING:
+    from orchestrator.demo.workers.pool import WorkerPool
+    from orchestrator.demo.workers.trainer_rank import TrainerRank
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -150,6 +155,11 @@ def rendezvous_store(host: str = "127.0.0.1") -> torch.distributed.TCPStore:
     )
 
 
+def _part(name: str) -> contextlib.AbstractContextManager[object]:
+    """One part of the start-up, as a child span of `colocate.start`."""
+    return trace.get_tracer(semconv.TRACER).start_as_current_span(name)
+
+
 class ColocatedJob:
     """The ranks, the engine and the lifecycle of a run; `run_step()` runs one full cycle.
 
@@ -209,22 +219,32 @@ class ColocatedJob:
             pause=cfg.engine_pause or EnginePause.RETRACT,
         )  # fmt: skip
         # Before any rank starts: an unreachable server fails the run at once, by its URL.
-        served = self._started.enter_context(adapter.build(spec)) if adapter.served else None
-        store_host = driver_ip(cfg.ray_address)
-        self._store = rendezvous_store(store_host)
-        self._started.callback(setattr, self, "_store", None)  # the port goes back once no rank needs it
-        placement = self._place(store_host, engine_bundle=served is None)
-        self._started.callback(placement.close, flush=self.trace_dir is not None or bool(exporters_requested()))
-        ranks = placement.start_ranks(int(self._store.port), grpo.model, grpo.clip_eps, cfg.digest)
-        self.engine: JobEngine = served if served is not None else placement.start_engine(cfg.engine, spec)
+        with _part(semconv.START_CONNECT):
+            served = self._started.enter_context(adapter.build(spec)) if adapter.served else None
+        with _part(semconv.START_CLUSTER):
+            store_host = driver_ip(cfg.ray_address)
+            self._store = rendezvous_store(store_host)
+            self._started.callback(setattr, self, "_store", None)  # the port goes back once no rank needs it
+            placement = self._place(store_host, engine_bundle=served is None)
+            self._started.callback(placement.close, flush=self.trace_dir is not None or bool(exporters_requested()))
+        with _part(semconv.START_RANKS):
+            ranks = placement.start_ranks(int(self._store.port), grpo.model, grpo.clip_eps, cfg.digest)
+        with _part(semconv.START_ENGINE):
+            self.engine: JobEngine = served if served is not None else placement.start_engine(cfg.engine, spec)
         self.trainer = DistributedTrainer(ranks)
         listeners = [ReportListener(self.report), *self.listeners]
         if cfg.device is Device.CUDA:  # the report shows each GPU's free memory per phase
             self.report.gpu_total_bytes = [total for _, total in self.trainer.device_memory()]
             listeners.insert(1, DeviceMemoryListener(self.report, self.trainer))
         # The config guards judge the Megatron flags the ranks really built with.
+        with _part(semconv.START_LIFECYCLE):
+            self._lifecycle = self._build_lifecycle(ranks, listeners)
+        self.report.param_bytes_bf16_per_rank = self._lifecycle.snapshot().layout.param_bytes
+
+    def _build_lifecycle(self, ranks: WorkerPool[TrainerRank], listeners: list[Listener]) -> Lifecycle:
+        cfg = self.config
         setup = self.trainer.setup()
-        self._lifecycle = Lifecycle(
+        return Lifecycle(
             config=LifecycleConfig(
                 mode=cfg.mode, verify_cycles=cfg.verify_cycles, setup=setup, offload=cfg.offload, memory=self._memory()
             ),
@@ -234,7 +254,6 @@ class ColocatedJob:
             transport=WEIGHT_SYNCS[cfg.weight_sync](ranks, self.engine, cfg.bucket_bytes),
             listeners=listeners,
         )
-        self.report.param_bytes_bf16_per_rank = self._lifecycle.snapshot().layout.param_bytes
 
     def _memory(self) -> MeasuredMemory | None:
         """On GPUs, with an engine that knows its footprint, the measured budget the memory guard

@@ -7,6 +7,7 @@ import errno
 import os
 import socket
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -124,6 +125,14 @@ def spans() -> Iterator[InMemorySpanExporter]:
     trace._TRACER_PROVIDER_SET_ONCE, trace._TRACER_PROVIDER = saved
 
 
+def _began(span: Any) -> int:
+    return int(span.start_time or 0)
+
+
+def _lasted(span: Any) -> int:
+    return int((span.end_time or 0) - (span.start_time or 0))
+
+
 def test_every_process_side_span_has_its_rank_memory_and_a_parent(spans: InMemorySpanExporter) -> None:
     with ColocatedJob(RunConfig(steps=1, ranks=1), listeners=[TracingListener(trace.get_tracer_provider())]) as job:
         job.run_step()
@@ -139,7 +148,18 @@ def test_every_process_side_span_has_its_rank_memory_and_a_parent(spans: InMemor
             assert span.attributes.get("colocate.rank") == expected_rank, span.name
     assert {s.name for s in found if s.parent is None} == {"colocate.start", "colocate.step"}
     start = next(s for s in found if s.name == "colocate.start")
-    assert any(s.name == "engine.release" and s.parent.span_id == start.context.span_id for s in found if s.parent)
+    parts = sorted((s for s in found if s.parent and s.parent.span_id == start.context.span_id), key=_began)
+    assert [s.name for s in parts] == [
+        "start.connect",
+        "start.cluster",
+        "start.ranks",
+        "start.engine",
+        "start.lifecycle",
+    ]
+    covered = sum(_lasted(s) for s in parts)
+    assert covered >= 0.9 * _lasted(start), "the start-up's parts account for its time"
+    release = next(s for s in found if s.name == "engine.release")
+    assert release.parent is not None and by_id[release.parent.span_id].name == "start.lifecycle"
     for name in ("engine.digests", "rank.converted_digests"):
         (span,) = [s for s in found if s.name == name]
         parent = by_id[span.parent.span_id]
