@@ -8,12 +8,13 @@ from collections.abc import Sequence
 BARS = "▁▂▃▄▅▆▇█"
 
 
-def sparkline(values: Sequence[float | None], refused: Sequence[int] | None = None) -> str:
+def sparkline(values: Sequence[float | None], missed: Sequence[int] | None = None) -> str:
     """One character a value, scaled from the lowest to the highest. A missing value (None) is a
-    blank, or × where `refused` counts a refusal for it. It carries no numbers: print them beside."""
-    marks = refused if refused is not None else [0] * len(values)
+    blank, or × where `missed` counts attempts for it that did not run (refused or failed). It
+    carries no numbers: print them beside."""
+    marks = missed if missed is not None else [0] * len(values)
     if len(marks) != len(values):
-        raise ValueError(f"{len(values)} values but {len(marks)} refusal counts")
+        raise ValueError(f"{len(values)} values but {len(marks)} counts of missed attempts")
     ran = [v for v in values if v is not None]
     low, high = min(ran, default=0.0), max(ran, default=0.0)
     top = len(BARS) - 1

@@ -18,10 +18,10 @@ def test_a_flat_series_and_an_empty_one() -> None:
 
 
 def test_a_missing_value_is_blank_or_a_cross_where_it_was_refused() -> None:
-    assert sparkline([1.0, None, None, 2.0], refused=[0, 0, 2, 1]) == "▁ ×█"
+    assert sparkline([1.0, None, None, 2.0], missed=[0, 0, 2, 1]) == "▁ ×█"
     assert sparkline([None, None]) == "  "
 
 
 def test_refusal_counts_must_match_the_values() -> None:
-    with pytest.raises(ValueError, match="3 values but 2 refusal counts"):
-        sparkline([1.0, 2.0, 3.0], refused=[0, 0])
+    with pytest.raises(ValueError, match="3 values but 2 counts of missed attempts"):
+        sparkline([1.0, 2.0, 3.0], missed=[0, 0])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 from opentelemetry import trace
@@ -211,33 +212,38 @@ def test_cli_timeline_and_its_errors(run_dir: Path, tmp_path: Path) -> None:
 
 
 def test_work_only_rank_0_does_has_no_slowest_rank() -> None:
-    alone = traces.PhaseSummary("update_weights", (5.0,), (0,), rank_ms={0: 5.0}, bytes={})
+    alone = traces.PhaseSummary("update_weights", (5.0,), (0,), (0,), rank_ms={0: 5.0}, bytes={})
     assert alone.slowest_rank is None and alone.to_json()["slowest_rank"] is None
-    both = traces.PhaseSummary("train", (9.0,), (0,), rank_ms={0: 5.0, 1: 7.0}, bytes={})
+    both = traces.PhaseSummary("train", (9.0,), (0,), (0,), rank_ms={0: 5.0, 1: 7.0}, bytes={})
     assert both.slowest_rank == (1, pytest.approx(2.0))
 
 
 def test_the_table_fits_80_columns_without_cutting_bytes() -> None:
-    from rich.console import Console
-
     restore = traces.PhaseSummary(
         "update_weights",
         (11525.3, 234.5, 14947.9),
+        (0, 0, 0),
         (0, 0, 0),
         {0: 1.0, 1: 1234.5},
         {"retaken": 1_600_000, "rebuilt": 301_568},
     )  # a loaded machine's seconds-long steps
     spark = tuple(float(i) for i in range(30))
-    many = traces.PhaseSummary("train", spark, (0,) * 30, {0: 1.0, 1: 2.0}, {"moved": 987_654_321})
+    many = traces.PhaseSummary("train", spark, (0,) * 30, (0,) * 30, {0: 1.0, 1: 2.0}, {"moved": 987_654_321})
     for summary, sizes in (
         (traces.Summary((1, 2, 3), (1.0, 1.0, 1.0), 3.0, (restore,), 0), ["retaken 1.53M", "rebuilt 294K"]),
         (traces.Summary(tuple(range(1, 31)), (1.0,) * 30, 30.0, (many,), 0), ["moved 942M"]),
     ):
-        console = Console(width=80, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
-        console.print(traces.summary_table(summary))
-        text = console.export_text()
+        text = _render(traces.summary_table(summary))
         assert max(len(line) for line in text.splitlines()) <= 80, text
         assert "…" not in text and all(size in text for size in sizes), text
+
+
+def _render(table: Any) -> str:
+    from rich.console import Console
+
+    console = Console(width=80, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
+    console.print(table)
+    return console.export_text()
 
 
 def test_timeline_colours_follow_the_span_family_in_every_step(run_dir: Path) -> None:
@@ -248,3 +254,34 @@ def test_timeline_colours_follow_the_span_family_in_every_step(run_dir: Path) ->
     assert timeline.family("rank.cast") == timeline.family("rank.gather") == "rebuild"
     assert first["rank.bucket"] == first["engine.update_weights"] == first["rank.push_weights"]
     assert first["rank.train"] != first["rank.bucket"]
+
+
+def test_a_failed_attempt_is_counted_apart_from_the_timings_and_bytes(tmp_path: Path) -> None:
+    """Step 2's restore raised after moving part of its bytes, and the fault followed: neither its
+    time nor its bytes reach p50, p95 or the bytes per step, and the table says it failed."""
+    driver = Process(tmp_path, "driver", "driver")
+    for number, fails in ((1, False), (2, True), (3, False)):
+        base = (number - 1) * 1000
+        root = driver.start("colocate.step", None, base, **{"colocate.step": number})
+        restore = driver.start("lifecycle.restore", root, base, **{"colocate.bytes_rebuilt": 300 if fails else 900})
+        if fails:
+            restore.set_status(Status(StatusCode.ERROR, "rank 1 died"))
+        restore.end(end_time=T0 + (base + (5 if fails else 100)) * MS)
+        if fails:
+            fault = driver.start("lifecycle.fault", root, base + 5, **{"colocate.destination": "FAULTED"})
+            fault.set_status(Status(StatusCode.ERROR, "rank 1 died"))
+            fault.end(end_time=T0 + (base + 6) * MS)
+            root.set_status(Status(StatusCode.ERROR, "rank 1 died"))
+        root.end(end_time=T0 + (base + 200) * MS)
+    driver.provider.shutdown()
+    summary = traces.summarize(traces.load([tmp_path]))
+    restore = next(p for p in summary.phases if p.event == "restore")
+    assert restore.failed == (0, 1, 0) and restore.refused == (0, 0, 0)
+    assert restore.durations_ms == pytest.approx((100, None, 100))
+    assert restore.p50_ms == pytest.approx(100) and restore.p95_ms == pytest.approx(100)
+    assert restore.bytes == {"rebuilt": 900}
+    fault = next(p for p in summary.phases if p.event == "fault")
+    assert fault.failed == (0, 0, 0) and fault.durations_ms[1] == pytest.approx(1)  # the fault did what it set out to
+    table = _render(traces.summary_table(summary))
+    assert "1 failed" in table
+    assert summary.to_json()["phases"][0]["failed"] == [0, 1, 0]

@@ -21,6 +21,7 @@ from orchestrator.errors import TraceError, TraceFileError
 from orchestrator.telemetry import semconv
 from orchestrator.telemetry.semconv import LIFECYCLE_PREFIX, START_SPAN, STEP_SPAN
 from orchestrator.telemetry.tracing import parse_otlp_json
+from states import Event
 
 Value: TypeAlias = "str | bool | int | float | tuple[Value, ...] | dict[str, Value] | None"
 
@@ -58,6 +59,18 @@ class Span:
     @property
     def refused(self) -> bool:
         return self.attributes.get(semconv.REFUSED) is True
+
+    @property
+    def failed(self) -> bool:
+        """A transition whose action raised: an error that is neither a refusal nor the `fault`
+        transition (which is an error by nature, carrying the cause, and did what it set out to)."""
+        fault = semconv.lifecycle_span(Event.FAULT)
+        return (
+            self.status == "ERROR"
+            and not self.refused
+            and self.name.startswith(LIFECYCLE_PREFIX)
+            and self.name != fault
+        )
 
 
 @dataclass(frozen=True)

@@ -18,11 +18,13 @@ from orchestrator.telemetry.sparkline import sparkline
 
 @dataclass(frozen=True)
 class PhaseSummary:
-    """One lifecycle event across steps. Refused attempts count in `refused`, not in the durations."""
+    """One lifecycle event across steps. Refused and failed attempts count in `refused` and
+    `failed`, and in nothing else: not in the durations, the ranks' times or the bytes."""
 
     event: str
     durations_ms: tuple[float | None, ...]  # per step; None where the step did not run it
-    refused: tuple[int, ...]  # per step: attempts a guard refused
+    refused: tuple[int, ...]  # per step: attempts the table or a guard refused
+    failed: tuple[int, ...]  # per step: attempts whose action raised
     rank_ms: dict[int, float]  # per trainer rank: busy time in its rank.* spans, mean per step run
     bytes: dict[str, int]  # per kind (moved, freed, ...): mean per step run
 
@@ -55,6 +57,7 @@ class PhaseSummary:
             "p50_ms": _ns(self.p50_ms),
             "p95_ms": _ns(self.p95_ms),
             "refused": list(self.refused),
+            "failed": list(self.failed),
             "rank_ms_per_step": {str(r): _ns(ms) for r, ms in sorted(self.rank_ms.items())},
             "slowest_rank": None if slowest is None else {"rank": slowest[0], "over_fastest_ms": _ns(slowest[1])},
             "bytes_per_step": self.bytes,
@@ -98,14 +101,15 @@ def summarize(traces: Traces) -> Summary:
     events = _event_order(steps)
     durations: dict[str, list[float | None]] = {e: [None] * len(steps) for e in events}
     refused: dict[str, list[int]] = {e: [0] * len(steps) for e in events}
+    failed: dict[str, list[int]] = {e: [0] * len(steps) for e in events}
     rank_ms: dict[str, dict[int, float]] = {e: defaultdict(float) for e in events}
     byte_sums: dict[str, dict[str, int]] = {e: defaultdict(int) for e in events}
     for i, step in enumerate(steps):
         busy = _rank_busy_ms(step)
         for phase in step.phases:
             event = phase.name.removeprefix(LIFECYCLE_PREFIX)
-            if phase.refused:
-                refused[event][i] += 1
+            if phase.refused or phase.failed:
+                (refused if phase.refused else failed)[event][i] += 1
                 continue
             durations[event][i] = (durations[event][i] or 0.0) + phase.duration_ms
             for rank, ms in busy.get(phase.span_id, {}).items():
@@ -122,6 +126,7 @@ def summarize(traces: Traces) -> Summary:
                 event=event,
                 durations_ms=tuple(durations[event]),
                 refused=tuple(refused[event]),
+                failed=tuple(failed[event]),
                 rank_ms={r: ms / runs for r, ms in rank_ms[event].items()},
                 bytes={k: v // runs for k, v in byte_sums[event].items()},
             )
@@ -184,11 +189,11 @@ def summary_table(summary: Summary, columns_up_to: int = 3) -> Table:
     table.add_column("slowest", no_wrap=True)
     table.add_column("bytes/step", no_wrap=True)
     for phase in summary.phases:
-        ran = zip(phase.durations_ms, phase.refused, strict=True)
         if per_step:
-            steps = [_ms(d, r) for d, r in ran]
+            steps = [_ms(*ran) for ran in zip(phase.durations_ms, phase.refused, phase.failed, strict=True)]
         else:
-            steps = [sparkline(phase.durations_ms[-SPARK_STEPS:], phase.refused[-SPARK_STEPS:])]
+            missed = [r + f for r, f in zip(phase.refused, phase.failed, strict=True)]
+            steps = [sparkline(phase.durations_ms[-SPARK_STEPS:], missed[-SPARK_STEPS:])]
         slowest = phase.slowest_rank
         lead = "-" if slowest is None else f"{slowest[0]} +{_digits(slowest[1])}"
         moved = "\n".join(f"{kind} {_size(n)}" for kind, n in phase.bytes.items() if n) or "-"  # a kind a line
@@ -203,10 +208,11 @@ def summary_line(summary: Summary) -> str:
     return line + (f"; {summary.rootless} trace(s) without a step span ignored" if summary.rootless else "")
 
 
-def _ms(value: float | None, refused: int = 0) -> str:
+def _ms(value: float | None, refused: int = 0, failed: int = 0) -> str:
+    missed = ", ".join(f"{n} {what}" for n, what in ((refused, "refused"), (failed, "failed")) if n)
     if value is None:
-        return "refused" if refused else "-"
-    return _digits(value) + (f" ({refused} refused)" if refused else "")
+        return missed or "-"
+    return _digits(value) + (f" ({missed})" if missed else "")
 
 
 def _digits(ms: float) -> str:
