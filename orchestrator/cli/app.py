@@ -138,8 +138,9 @@ def run_command(
     from orchestrator.demo.job import RunConfig
     from orchestrator.demo.presets import grpo_config
     from orchestrator.demo.run import output_problems, run
+    from orchestrator.telemetry.tracing import exporter_problems
 
-    problems: list[str] = output_problems(report=report, log=log, trace_dir=trace_dir)
+    problems: list[str] = output_problems(report=report, log=log, trace_dir=trace_dir) + exporter_problems()
     try:
         grpo = grpo_config(model)
     except ValueError as exc:

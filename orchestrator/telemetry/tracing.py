@@ -25,20 +25,38 @@ from orchestrator.errors import GuardRejected, IllegalTransition, LifecycleError
 from orchestrator.telemetry import semconv
 from orchestrator.telemetry.listeners import AttributeValue, Listener, TransitionRecord
 
+EXPORTERS = ("otlp", "console", "none")
+OTLP_PROTOCOLS = ("http/protobuf", "grpc")
+
+
+def _otlp_protocol(env: Mapping[str, str]) -> str:
+    return env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf"
+
+
+def exporter_problems(env: Mapping[str, str] | None = None) -> list[str]:
+    """What in the `OTEL_*` variables colocate cannot export to (empty: nothing), one line each,
+    so that a run refuses them before it starts."""
+    env = os.environ if env is None else env
+    requested = exporters_requested(env)
+    problems = [
+        f"OTEL_TRACES_EXPORTER={name!r}: colocate exports to {', '.join(EXPORTERS)}"
+        for name in requested
+        if name not in EXPORTERS
+    ]
+    if "otlp" in requested and (protocol := _otlp_protocol(env)) not in OTLP_PROTOCOLS:
+        key = next(k for k in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL") if env.get(k))
+        problems.append(f"{key}={protocol!r}: colocate speaks OTLP over {' and '.join(OTLP_PROTOCOLS)}")
+    return problems
+
 
 def _otlp_exporter(env: Mapping[str, str]) -> SpanExporter:
-    protocol = (
-        env.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or env.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf"
-    )
-    if protocol == "grpc":
+    if _otlp_protocol(env) == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as Grpc
 
         return Grpc()
-    if protocol == "http/protobuf":
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as Http
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as Http
 
-        return Http()
-    raise ValueError(f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r}: colocate supports 'http/protobuf' and 'grpc'")
+    return Http()
 
 
 _ID_FIELDS = ("traceId", "spanId", "parentSpanId")
@@ -174,17 +192,15 @@ def configure_tracing(
     OTEL_EXPORTER_OTLP_* endpoint/protocol/header variables, and the resource's. The service's
     name is OpenTelemetry's order: OTEL_SERVICE_NAME, then `service.name` in
     OTEL_RESOURCE_ATTRIBUTES, then `service_name`; `colocate.role` and `colocate.rank` are
-    colocate's to set. `trace_file` adds an OTLP-JSON file exporter.
+    colocate's to set. `trace_file` adds an OTLP-JSON file exporter. What `exporter_problems`
+    names raises ValueError.
     """
     env = os.environ if env is None else env
-    exporters: list[SpanExporter] = []
-    for name in exporters_requested(env):
-        if name == "otlp":
-            exporters.append(_otlp_exporter(env))
-        elif name == "console":
-            exporters.append(ConsoleSpanExporter())
-        else:
-            raise ValueError(f"OTEL_TRACES_EXPORTER={name!r}: colocate supports otlp, console and none")
+    if problems := exporter_problems(env):
+        raise ValueError("; ".join(problems))
+    exporters: list[SpanExporter] = [
+        _otlp_exporter(env) if name == "otlp" else ConsoleSpanExporter() for name in exporters_requested(env)
+    ]
     if trace_file is not None:
         exporters.append(OtlpJsonFileExporter(trace_file))
     if not exporters:

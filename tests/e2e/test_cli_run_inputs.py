@@ -64,3 +64,23 @@ def test_every_problem_is_named_at_once(temp: Path, tmp_path: Path) -> None:
     done = run_in(temp, "--report", str(tmp_path), "--rank-timeout", "nan", "--steps", "0")
     assert done.returncode == 2
     assert "3 configuration problem(s)" in done.stderr, done.stderr
+
+
+EXPORTER_CASES = {
+    "zipkin": ({"OTEL_TRACES_EXPORTER": "zipkin"}, "OTEL_TRACES_EXPORTER='zipkin': colocate exports to otlp"),
+    "http/json": (
+        {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"},
+        "OTEL_EXPORTER_OTLP_PROTOCOL='http/json': colocate speaks OTLP over http/protobuf and grpc",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", EXPORTER_CASES)
+def test_an_exporter_colocate_cannot_use_is_refused_in_one_line(case: str, temp: Path) -> None:
+    variables, problem = EXPORTER_CASES[case]
+    env = {**os.environ, "TMPDIR": str(temp), **variables}
+    done = subprocess.run(colocate("run"), cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert problem in " ".join(done.stderr.split()), done.stderr
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) <= 3, done.stderr
+    assert list(temp.iterdir()) == []  # Ray never started
