@@ -244,6 +244,11 @@ class JobEngine(RolloutEngine, Protocol):
         """Completions of exactly `max_new_tokens` per prompt row, and each token's log-probability."""
         ...
 
+    @property
+    def reports_weights(self) -> bool:
+        """Whether `digests` can answer: SGLang cannot report its weights in full."""
+        ...
+
     def digests(self) -> dict[str, str] | None:
         """A digest per engine weight; None where the engine cannot report its weights."""
         ...

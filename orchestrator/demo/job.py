@@ -284,10 +284,7 @@ class ColocatedJob:
         with lc.step(self._step), self._fault_on_error():
             lc.pause_grads()
             lc.update_weights()
-            with trace.get_tracer(semconv.TRACER).start_as_current_span(semconv.ENGINE_MATCHES_TRAINER_SPAN) as span:
-                matches = self.engine_matches_trainer()
-                if matches is not None:
-                    span.set_attribute(semconv.ENGINE_MATCHES_TRAINER, matches)
+            matches = self._checked_engine()
             lc.drop_params()
             batch, reward = lc.rollout(self._rollout)
             lc.restore()
@@ -308,6 +305,17 @@ class ColocatedJob:
             if self.lifecycle.phase is not Phase.FAULTED:
                 self.lifecycle.fault(exc)
             raise
+
+    def _checked_engine(self) -> bool | None:
+        """`engine_matches_trainer` in a span of that name, which always says true or false; no
+        span and None where the engine cannot report its weights."""
+        if not self.engine.reports_weights:
+            return None
+        with trace.get_tracer(semconv.TRACER).start_as_current_span(semconv.ENGINE_MATCHES_TRAINER_SPAN) as span:
+            matches = self.engine_matches_trainer()
+            if matches is not None:
+                span.set_attribute(semconv.ENGINE_MATCHES_TRAINER, matches)
+            return matches
 
     def engine_matches_trainer(self) -> bool | None:
         """The engine's weights, digest for digest, against rank 0's converted weights (None: the

@@ -165,3 +165,26 @@ def test_every_process_side_span_has_its_rank_memory_and_a_parent(spans: InMemor
         parent = by_id[span.parent.span_id]
         assert parent.name == "colocate.engine_matches_trainer", name
         assert by_id[parent.parent.span_id].name == "colocate.step"
+
+
+def test_with_an_engine_that_cannot_report_its_weights_no_check_span_is_left_without_a_value(
+    spans: InMemorySpanExporter,
+) -> None:
+    """SGLang (the stand-in here, serving a transformers model in this process) cannot report its
+    weights: the step has no `colocate.engine_matches_trainer` span, where one would have no value."""
+    from orchestrator.adapters.engines.transformers import TransformersEngine
+    from orchestrator.core.config import EngineKind
+    from orchestrator.demo.grpo import GRPOConfig
+    from tests.support.sglang_server import SGLangStandIn
+
+    grpo = GRPOConfig()
+    model = TransformersEngine(grpo.model, max_batch=grpo.prompts_per_step * grpo.group_size)
+    with SGLangStandIn(model=model) as server:
+        config = RunConfig(engine=EngineKind.SGLANG, engine_urls=(server.url,), ranks=1, steps=1, grpo=grpo)
+        listeners = [TracingListener(trace.get_tracer_provider())]
+        with ColocatedJob(config, listeners=listeners) as job:
+            outcome = job.run_step()
+    assert outcome.engine_matches_trainer is None
+    found = spans.get_finished_spans()
+    assert any(s.name == "POST /update_weights_from_tensor" for s in found)
+    assert not [s for s in found if s.name == "colocate.engine_matches_trainer"]

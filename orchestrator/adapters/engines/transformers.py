@@ -232,6 +232,8 @@ class TransformersEngine:
             raise EngineError(self.name, "the weights are released")
         return {name: self._params[name].clone() for name in self._slots.names}
 
+    reports_weights = True
+
     def digests(self) -> dict[str, str]:
         """SHA256 per checkpoint tensor (as `weights`), to compare with the trainer's converted ones."""
         if EngineMemory.WEIGHTS in self._released:

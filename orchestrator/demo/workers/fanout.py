@@ -171,6 +171,8 @@ class ReplicaSet:
             return None
         return {tag: max(f[tag] for f in each if f is not None) for tag in EngineMemory}
 
+    reports_weights = True  # the transformers engine digests its own weights
+
     def digests(self) -> dict[str, str] | None:
         """Replica 0's digests when every replica holds the same weights; else each replica's,
         keyed by replica, which match no trainer's. None where an engine cannot report its weights."""
