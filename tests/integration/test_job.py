@@ -23,7 +23,7 @@ from orchestrator.demo.job import ColocatedJob, RunConfig, rendezvous_store
 from orchestrator.errors import RankFailed
 from orchestrator.telemetry.listeners import Listener, TransitionRecord
 from orchestrator.telemetry.tracing import TracingListener
-from states import Event, Phase
+from states import Event, Phase, Region
 
 pytestmark = pytest.mark.slow
 
@@ -147,6 +147,11 @@ def test_every_process_side_span_has_its_rank_memory_and_a_parent(spans: InMemor
             expected_rank = 0 if span.name.startswith("rank.") else None
             assert span.attributes.get("colocate.rank") == expected_rank, span.name
     assert {s.name for s in found if s.parent is None} == {"colocate.start", "colocate.step"}
+    regions = {s.name: set() for s in found if s.name in ("rank.pause", "rank.resume")}
+    for span in found:
+        if span.name in regions:
+            regions[span.name].add(span.attributes.get("colocate.region"))
+    assert regions == {"rank.pause": {r.value for r in Region}, "rank.resume": {r.value for r in Region}}, regions
     start = next(s for s in found if s.name == "colocate.start")
     parts = sorted((s for s in found if s.parent and s.parent.span_id == start.context.span_id), key=_began)
     assert [s.name for s in parts] == [

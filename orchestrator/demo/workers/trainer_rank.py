@@ -9,6 +9,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
+from opentelemetry import trace
 
 from orchestrator.adapters.transport.bucketed import push_in_buckets
 from orchestrator.core.config import DigestMethod
@@ -163,9 +164,11 @@ class TrainerRank(Traced, PayloadSource):
         return sum(self.trainer.region_bytes().values()) - held
 
     def pause(self, tag: str) -> int:
+        trace.get_current_span().set_attribute(semconv.REGION, tag)  # on `rank.pause`
         return self.regions.pause(tag)
 
     def resume(self, tag: str) -> int:
+        trace.get_current_span().set_attribute(semconv.REGION, tag)  # on `rank.resume`
         return self.regions.resume(tag)
 
     def paused(self) -> frozenset[str]:
