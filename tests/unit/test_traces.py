@@ -285,3 +285,66 @@ def test_a_failed_attempt_is_counted_apart_from_the_timings_and_bytes(tmp_path: 
     table = _render(traces.summary_table(summary))
     assert "1 failed" in table
     assert summary.to_json()["phases"][0]["failed"] == [0, 1, 0]
+
+
+def write_faulted_step(folder: Path) -> Path:
+    """A 9 s step: short phases, the driver's check, then a restore that fails as rank 1 dies."""
+    folder.mkdir(exist_ok=True)
+    driver = Process(folder, "driver", "driver")
+    rank = Process(folder, "trainer-0", "rank", rank=0)
+    root = driver.start("colocate.step", None, 0, **{"colocate.step": 4})
+    for name, start, end in (("pause_grads", 0, 3), ("update_weights", 3, 40), ("drop_params", 60, 62)):
+        driver.span(f"lifecycle.{name}", root, start, end, **{"colocate.event": name})
+    check = driver.span("colocate.engine_matches_trainer", root, 40, 60)
+    rank.span("rank.converted_digests", check, 41, 59)
+    driver.span("lifecycle.rollout", root, 62, 8900)
+    restore = driver.start("lifecycle.restore", root, 8900)
+    restore.set_status(Status(StatusCode.ERROR, "rank 1 (died) failed in rebuild"))
+    restore.end(end_time=T0 + 8990 * MS)
+    cause = "RankFailed: rank 1 (died) failed in rebuild: the process ended (SIGKILL)"
+    fault = driver.start("lifecycle.fault", root, 8990, **{"colocate.cause": cause, "colocate.destination": "FAULTED"})
+    fault.set_status(Status(StatusCode.ERROR, cause))
+    fault.end(end_time=T0 + 8991 * MS)
+    root.set_status(Status(StatusCode.ERROR, cause))
+    root.end(end_time=T0 + 9000 * MS)
+    driver.provider.shutdown()
+    rank.provider.shutdown()
+    return folder
+
+
+def _texts(figure: Any) -> list[str]:
+    return [t.get_text() for axes in figure.axes for t in [*axes.texts, axes.title, axes._left_title]]
+
+
+def test_a_faulted_step_says_so_and_every_phase_reads_whatever_its_length(tmp_path: Path) -> None:
+    """Issue 26 item 10: the title names the fault and its cause, a red line marks it in every row,
+    each phase is labelled with its own duration below however thin its bar, the driver's own
+    check is drawn on its row, and the legend lists the work families in their fixed order."""
+    pytest.importorskip("matplotlib")
+    step = traces.load([write_faulted_step(tmp_path / "t")]).steps[0]
+    figure = timeline.timeline_figure(step)
+    texts = _texts(figure)
+    title = next(t for t in texts if t.startswith("step 4"))
+    assert "FAULTED after 9000.0 ms" in title and "rank 1 (died) failed in rebuild" in title
+    for label in ("pause_grads\n3.00 ms", "update_weights\n37.0 ms", "drop_params\n2.00 ms", "rollout\n8.84 s"):
+        assert label in texts, texts
+    assert "restore\n90.0 ms failed" in texts and "fault\n1.00 ms" in texts
+    top = figure.axes[0]
+    assert any(line.get_color() == "firebrick" and line.get_xdata()[0] == pytest.approx(8990) for line in top.lines)
+    boxes = [path.get_extents() for bars in top.collections for path in bars.get_paths()]
+    driver_bars = sorted(round(b.width, 1) for b in boxes if abs(b.y0 + b.y1) < 1e-6 and b.height == pytest.approx(0.7))
+    least = 0.004 * 9000  # timeline.MIN_WIDTH of the axis: the 3, 2 and 1 ms phases would vanish
+    assert driver_bars == pytest.approx([20.0, least, least, least, 37.0, 90.0, 8838.0]), driver_bars
+    driver_row = timeline._rows(step)[0][1]
+    assert "colocate.engine_matches_trainer" in {s.name for s in driver_row}
+    legend = [t.get_text() for t in figure.legends[0].get_texts()]
+    assert legend == ["digests"]
+
+
+def test_the_legend_lists_families_in_their_fixed_order(run_dir: Path) -> None:
+    pytest.importorskip("matplotlib")
+    figure = timeline.timeline_figure(traces.load([run_dir]).step(2))
+    legend = [t.get_text() for t in figure.legends[0].get_texts()]
+    assert legend == [f for f in timeline.FAMILIES if f in legend] and legend == ["weight sync", "train"]
+    assert timeline.family("POST /update_weights_from_tensor") == "weight sync"
+    assert timeline.family("POST /generate") == "rollout"

@@ -137,12 +137,13 @@ def summarize(traces: Traces) -> Summary:
 
 
 def _event_order(steps: Sequence[Step]) -> list[str]:
-    """Events in the order a step runs them: by mean start offset."""
-    offsets: dict[str, list[float]] = defaultdict(list)
+    """Events in the order a step runs them: by their mean place among its phases, then by their
+    mean start (a fault that ended a step sits after the phase it ended, however long steps are)."""
+    places: dict[str, list[tuple[int, float]]] = defaultdict(list)
     for step in steps:
-        for phase in step.phases:
-            offsets[phase.name.removeprefix(LIFECYCLE_PREFIX)].append(step.offset_ms(phase.start_ns))
-    return sorted(offsets, key=lambda e: sum(offsets[e]) / len(offsets[e]))
+        for place, phase in enumerate(step.phases):
+            places[phase.name.removeprefix(LIFECYCLE_PREFIX)].append((place, step.offset_ms(phase.start_ns)))
+    return sorted(places, key=lambda e: tuple(sum(x) / len(places[e]) for x in zip(*places[e], strict=True)))
 
 
 def _rank_busy_ms(step: Step) -> dict[str, dict[int, float]]:
