@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -93,43 +92,6 @@ def _gpu_rows(report: RunReport) -> list[tuple[str, str]]:
         (f"GPU free at {phase}, GiB", " / ".join(f"{b / gib:.2f}" for b in free))
         for phase, free in steps[-1].gpu_free_bytes.items()
     ]
-
-
-def _file_problem(option: str, path: Path) -> str | None:
-    """Why `path` cannot be written as a file, or None."""
-    if path.is_dir():
-        return f"{option} {path}: is a folder; name a file"
-    if not path.parent.is_dir():
-        return f"{option} {path}: folder {path.parent} does not exist"
-    if not os.access(path if path.exists() else path.parent, os.W_OK):
-        return f"{option} {path}: not writable"
-    return None
-
-
-def _folder_problem(option: str, path: Path) -> str | None:
-    """Why `path` cannot be (or be made) a folder to write in, or None."""
-    existing = path
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        what = "exists and is not a folder" if existing == path else f"{existing} is a file, not a folder"
-        return f"{option} {path}: {what}"
-    if not os.access(existing, os.W_OK | os.X_OK):
-        return f"{option} {path}: {existing} is not writable"
-    return None
-
-
-def output_problems(*, report: Path | None, log: Path | None, trace_dir: Path | None) -> list[str]:
-    """Every output path that cannot be written, checked before any rank starts: a run must not
-    end after its work only to lose the report."""
-    found = [
-        _file_problem("--report", report) if report is not None else None,
-        _file_problem("--log", log) if log is not None else None,
-        _folder_problem("--trace-dir", trace_dir) if trace_dir is not None else None,
-    ]
-    if report is not None and log is not None and report.resolve() == log.resolve():
-        found.append(f"--report and --log name the same file, {report}")
-    return [problem for problem in found if problem is not None]
 
 
 def merge_traces(parts: Path, into: Path) -> None:
