@@ -215,8 +215,18 @@ def run(
             done = sum(s.loss is not None for s in report.steps)
             kept = f"; the report keeps them in {report_path}" if report_path is not None else ""
             err.print(f"[bold yellow]interrupted[/] after {done} of {config.steps} step(s){kept}")
-        if report_path is not None:
-            report.write(report_path)
+        lost = _write_report(report, report_path) if report_path is not None else None
         if report.steps:
             console.print(summary(report, time.perf_counter() - start))
-    return ending.code
+        if lost is not None:  # after the summary, so it is the last thing said
+            err.print(f"[bold red]error:[/] {lost}")
+    return ending.code or (1 if lost is not None else 0)
+
+
+def _write_report(report: RunReport, path: Path) -> str | None:
+    """Write the report; None, or why it could not be (checked up front, a disk can still fill)."""
+    try:
+        report.write(path)
+    except OSError as exc:
+        return f"--report {path}: the report could not be written: {exc.strerror or exc}"
+    return None
