@@ -51,6 +51,11 @@ from orchestrator.telemetry.listeners import Listener
 from orchestrator.telemetry.tracing import exporters_requested
 from states import Mode, Offload, Phase
 
+# The longest --rank-timeout: far below what every wait it reaches can take (Ray's, in int64
+# milliseconds; threading's TIMEOUT_MAX, 292 years; a socket's), and longer than any call should.
+RANK_TIMEOUT_MAX_S = 7 * 24 * 3600.0
+SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits; the seed goes nowhere else
+
 
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
@@ -119,10 +124,13 @@ class RunConfig:
         if self.ranks >= 1 and self.grpo.prompts_per_step * self.grpo.group_size % self.ranks:
             rows = self.grpo.prompts_per_step * self.grpo.group_size
             problems.append(f"the {rows} samples of a step do not split evenly over {self.ranks} ranks")
-        if not (math.isfinite(self.rank_timeout_s) and self.rank_timeout_s > 0):
-            problems.append(f"--rank-timeout must be a positive number of seconds, got {self.rank_timeout_s}")
-        if self.seed < 0:
-            problems.append(f"--seed must be >= 0, got {self.seed}")
+        if not (math.isfinite(self.rank_timeout_s) and 0 < self.rank_timeout_s <= RANK_TIMEOUT_MAX_S):
+            problems.append(
+                f"--rank-timeout must be a positive number of seconds, at most {RANK_TIMEOUT_MAX_S:.0f} (a week), "
+                f"got {self.rank_timeout_s}"
+            )
+        if not 0 <= self.seed <= SEED_MAX:
+            problems.append(f"--seed must be >= 0 and < 2**64 (torch's generator takes 64 bits), got {self.seed}")
         if self.bucket_bytes < 1:
             problems.append(f"bucket size must be positive, got {self.bucket_bytes}")
         if problems:

@@ -81,3 +81,29 @@ def test_the_digest_flag_reaches_the_job(
     done = CliRunner().invoke(app, ["run", *args])
     assert done.exit_code == 0, done.output
     assert seen[0].digest is digest
+
+
+@pytest.mark.parametrize(
+    ("fields", "problem"),
+    [
+        ({"seed": 99999999999999999999999}, "--seed must be >= 0 and < 2**64"),
+        ({"seed": 2**64}, "--seed must be >= 0 and < 2**64"),
+        ({"rank_timeout_s": 1e300}, "--rank-timeout must be a positive number of seconds, at most 604800 (a week)"),
+        ({"rank_timeout_s": 604800.5}, "at most 604800 (a week), got 604800.5"),
+    ],
+)
+def test_numbers_past_what_their_use_takes_are_refused(fields: dict[str, object], problem: str) -> None:
+    """The seed goes to torch.Generator.manual_seed (64 bits), the timeout to Ray's and threading's waits."""
+    assert problem in "\n".join(problems(**fields))
+
+
+def test_the_largest_numbers_allowed_are_taken_where_they_go() -> None:
+    """1e300 overflows each of these (an OverflowError); the largest allowed value does not."""
+    import socket
+    import threading
+
+    config = RunConfig(seed=2**64 - 1, rank_timeout_s=604800.0)
+    torch.Generator().manual_seed(config.seed)
+    assert threading.Lock().acquire(timeout=config.rank_timeout_s)  # a free lock: at once
+    with socket.socket() as probe:
+        probe.settimeout(config.rank_timeout_s)
