@@ -38,7 +38,7 @@ from orchestrator.core.config import Device, DigestMethod, EngineKind, EnginePau
 from orchestrator.core.lifecycle import Lifecycle
 from orchestrator.demo.grpo import GRPOConfig, SyntheticTask, group_advantages
 from orchestrator.demo.memory import MeasuredMemory
-from orchestrator.demo.ray_cluster import address_problems, driver_ip
+from orchestrator.demo.ray_cluster import address_problems, auth_problems, driver_ip
 from orchestrator.demo.report import DeviceMemoryListener, ReportListener, RunReport
 from orchestrator.demo.workers.fanout import WEIGHT_SYNCS, DistributedTrainer, ReplicaSet
 from orchestrator.demo.workers.placement import LocalPlacement, Placement, RayPlacement, in_process
@@ -111,6 +111,8 @@ class RunConfig:
             problems.append("--device cuda --ranks N > 1 runs the transformers engine (a replica per GPU), not sglang")
         if self.ray_address is not None:
             problems += address_problems(self.ray_address)
+        elif self.ranks >= 1 and not in_process(ranks=self.ranks, device=self.device.value, address=None):
+            problems += self._private_cluster_problems(served)
         if self.steps < 1:
             problems.append(f"--steps must be at least 1, got {self.steps}")
         if self.ranks < 1:
@@ -135,6 +137,10 @@ class RunConfig:
             problems.append(f"bucket size must be positive, got {self.bucket_bytes}")
         if problems:
             raise ConfigError(problems)
+
+    def _private_cluster_problems(self, served: bool) -> list[str]:
+        """A private Ray cluster runs only in token mode (`ray_cluster`)."""
+        return auth_problems()
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ from rich.table import Table
 from orchestrator.demo.interrupt import CTRL_C
 from orchestrator.demo.job import ColocatedJob, RunConfig
 from orchestrator.demo.report import RunReport
-from orchestrator.errors import LifecycleError
+from orchestrator.errors import ConfigError, LifecycleError
 from orchestrator.telemetry.listeners import Listener
 from orchestrator.telemetry.logs import LoggingListener, configure_logging
 from orchestrator.telemetry.sparkline import sparkline
@@ -129,10 +129,11 @@ class Ending:
 
     error: str | None = None
     interrupted: bool = False
+    refused: bool = False  # by a configuration problem found only once started (an attached cluster's size)
 
     @property
-    def code(self) -> int:
-        return 130 if self.interrupted else 1 if self.error else 0  # 130: the shell's code for SIGINT
+    def code(self) -> int:  # 130: the shell's code for SIGINT; 2: a configuration problem, as up front
+        return 130 if self.interrupted else 2 if self.refused else 1 if self.error else 0
 
 
 @contextlib.contextmanager
@@ -176,6 +177,7 @@ def _drive(job: ColocatedJob, ending: Ending, progress: Progress, err: Console) 
     except Exception as exc:  # a LifecycleError names what failed; anything else, its type
         # A terminal's Ctrl-C reaches the whole process group: a rank may die of it first.
         ending.interrupted = CTRL_C.requested.is_set()
+        ending.refused = isinstance(exc, ConfigError)
         ending.error = str(exc) if isinstance(exc, LifecycleError) else f"{type(exc).__name__}: {exc}"
         err.print(f"[bold red]error:[/] {ending.error}\n[red]the lifecycle is {job.phase}; the run stopped[/]")
     except BaseException as exc:

@@ -107,3 +107,13 @@ def test_the_largest_numbers_allowed_are_taken_where_they_go() -> None:
     assert threading.Lock().acquire(timeout=config.rank_timeout_s)  # a free lock: at once
     with socket.socket() as probe:
         probe.settimeout(config.rank_timeout_s)
+
+
+def test_a_private_cluster_without_authentication_is_refused_up_front(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    assert problems(ranks=2) == [
+        "RAY_AUTH_MODE=disabled is set, and colocate's own Ray cluster keeps token authentication on: "
+        "unset it, or start a cluster yourself and pass --ray-address"
+    ]
+    RunConfig(ranks=1)  # in this process: no Ray
+    RunConfig(ranks=2, ray_address="10.0.0.1:6379")  # the user's cluster: its auth is Ray's business
