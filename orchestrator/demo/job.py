@@ -36,6 +36,7 @@ from orchestrator.adapters.engines.sglang.group import url_problems
 from orchestrator.adapters.registry import ENGINES, EngineSpec
 from orchestrator.core.config import Device, DigestMethod, EngineKind, EnginePause, LifecycleConfig, WeightSync
 from orchestrator.core.lifecycle import Lifecycle
+from orchestrator.demo.capacity import machine_problems
 from orchestrator.demo.grpo import GRPOConfig, SyntheticTask, group_advantages
 from orchestrator.demo.memory import MeasuredMemory
 from orchestrator.demo.ray_cluster import address_problems, auth_problems, driver_ip
@@ -139,8 +140,9 @@ class RunConfig:
             raise ConfigError(problems)
 
     def _private_cluster_problems(self, served: bool) -> list[str]:
-        """A private Ray cluster runs only in token mode (`ray_cluster`)."""
-        return auth_problems()
+        """A private Ray cluster runs on this machine, and only in token mode (`ray_cluster`)."""
+        engine_processes = 0 if served else self.ranks if self.device is Device.CUDA else 1
+        return auth_problems() + machine_problems(self.ranks, engine_processes=engine_processes)
 
 
 @dataclass(frozen=True, slots=True)
