@@ -136,8 +136,9 @@ def run_command(
     """Run the colocated GRPO demo: Megatron-core ranks and a rollout engine, one full cycle per step."""
     from orchestrator.demo.grpo import GRPOConfig
     from orchestrator.demo.job import RunConfig
+    from orchestrator.demo.outputs import output_problems
     from orchestrator.demo.presets import grpo_config
-    from orchestrator.demo.run import output_problems, run
+    from orchestrator.demo.run import run
     from orchestrator.telemetry.tracing import exporter_problems
 
     problems: list[str] = output_problems(report=report, log=log, trace_dir=trace_dir) + exporter_problems()

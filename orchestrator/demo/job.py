@@ -37,9 +37,10 @@ from orchestrator.adapters.engines.sglang.group import url_problems
 from orchestrator.adapters.registry import ENGINES, EngineSpec
 from orchestrator.core.config import Device, DigestMethod, EngineKind, EnginePause, LifecycleConfig, WeightSync
 from orchestrator.core.lifecycle import Lifecycle
+from orchestrator.demo.capacity import machine_problems
 from orchestrator.demo.grpo import GRPOConfig, SyntheticTask, group_advantages
 from orchestrator.demo.memory import MeasuredMemory
-from orchestrator.demo.ray_cluster import address_problems, driver_ip
+from orchestrator.demo.ray_cluster import address_problems, auth_problems, driver_ip
 from orchestrator.demo.report import DeviceMemoryListener, ReportListener, RunReport
 from orchestrator.demo.workers.fanout import WEIGHT_SYNCS, DistributedTrainer, ReplicaSet
 from orchestrator.demo.workers.placement import LocalPlacement, Placement, RayPlacement, in_process
@@ -55,6 +56,11 @@ from states import Mode, Offload, Phase
 if TYPE_CHECKING:
     from orchestrator.demo.workers.pool import WorkerPool
     from orchestrator.demo.workers.trainer_rank import TrainerRank
+
+# The longest --rank-timeout: far below what every wait it reaches can take (Ray's, in int64
+# milliseconds; threading's TIMEOUT_MAX, 292 years; a socket's), and longer than any call should.
+RANK_TIMEOUT_MAX_S = 7 * 24 * 3600.0
+SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits; the seed goes nowhere else
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,6 +117,8 @@ class RunConfig:
             problems.append("--device cuda --ranks N > 1 runs the transformers engine (a replica per GPU), not sglang")
         if self.ray_address is not None:
             problems += address_problems(self.ray_address)
+        elif self.ranks >= 1 and not in_process(ranks=self.ranks, device=self.device.value, address=None):
+            problems += self._private_cluster_problems(served)
         if self.steps < 1:
             problems.append(f"--steps must be at least 1, got {self.steps}")
         if self.ranks < 1:
@@ -124,14 +132,22 @@ class RunConfig:
         if self.ranks >= 1 and self.grpo.prompts_per_step * self.grpo.group_size % self.ranks:
             rows = self.grpo.prompts_per_step * self.grpo.group_size
             problems.append(f"the {rows} samples of a step do not split evenly over {self.ranks} ranks")
-        if not (math.isfinite(self.rank_timeout_s) and self.rank_timeout_s > 0):
-            problems.append(f"--rank-timeout must be a positive number of seconds, got {self.rank_timeout_s}")
-        if self.seed < 0:
-            problems.append(f"--seed must be >= 0, got {self.seed}")
+        if not (math.isfinite(self.rank_timeout_s) and 0 < self.rank_timeout_s <= RANK_TIMEOUT_MAX_S):
+            problems.append(
+                f"--rank-timeout must be a positive number of seconds, at most {RANK_TIMEOUT_MAX_S:.0f} (a week), "
+                f"got {self.rank_timeout_s}"
+            )
+        if not 0 <= self.seed <= SEED_MAX:
+            problems.append(f"--seed must be >= 0 and < 2**64 (torch's generator takes 64 bits), got {self.seed}")
         if self.bucket_bytes < 1:
             problems.append(f"bucket size must be positive, got {self.bucket_bytes}")
         if problems:
             raise ConfigError(problems)
+
+    def _private_cluster_problems(self, served: bool) -> list[str]:
+        """A private Ray cluster runs on this machine, and only in token mode (`ray_cluster`)."""
+        engine_processes = 0 if served else self.ranks if self.device is Device.CUDA else 1
+        return auth_problems() + machine_problems(self.ranks, engine_processes=engine_processes)
 
 
 @dataclass(frozen=True, slots=True)

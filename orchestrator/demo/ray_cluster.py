@@ -171,16 +171,23 @@ def _token_mode_for_this_process() -> None:
     from ray._private.authentication.authentication_token_setup import _enable_token_auth
 
     with _TOKEN_MODE:
-        mode = os.environ.get("RAY_AUTH_MODE")
-        if mode is not None and mode.lower() != "token":
-            raise ConfigError(
-                [
-                    f"RAY_AUTH_MODE={mode} is set, and colocate's own Ray cluster keeps token authentication on: "
-                    "unset it, or start a cluster yourself and pass --ray-address"
-                ]
-            )
-        if mode is None:
+        problems = auth_problems()
+        if problems:
+            raise ConfigError(problems)
+        if os.environ.get("RAY_AUTH_MODE") is None:
             _enable_token_auth()
+
+
+def auth_problems() -> list[str]:
+    """Why this process's environment cannot drive a private cluster (empty: it can); checked
+    with the rest of the configuration, before anything starts."""
+    mode = os.environ.get("RAY_AUTH_MODE")
+    if mode is None or mode.lower() == "token":
+        return []
+    return [
+        f"RAY_AUTH_MODE={mode} is set, and colocate's own Ray cluster keeps token authentication on: "
+        "unset it, or start a cluster yourself and pass --ray-address"
+    ]
 
 
 def _ray_cli() -> list[str]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,7 +16,7 @@ from rich.table import Table
 from orchestrator.demo.interrupt import CTRL_C
 from orchestrator.demo.job import ColocatedJob, RunConfig
 from orchestrator.demo.report import RunReport
-from orchestrator.errors import LifecycleError
+from orchestrator.errors import ConfigError, LifecycleError
 from orchestrator.telemetry.listeners import Listener
 from orchestrator.telemetry.logs import LoggingListener, configure_logging
 from orchestrator.telemetry.sparkline import sparkline
@@ -95,43 +94,6 @@ def _gpu_rows(report: RunReport) -> list[tuple[str, str]]:
     ]
 
 
-def _file_problem(option: str, path: Path) -> str | None:
-    """Why `path` cannot be written as a file, or None."""
-    if path.is_dir():
-        return f"{option} {path}: is a folder; name a file"
-    if not path.parent.is_dir():
-        return f"{option} {path}: folder {path.parent} does not exist"
-    if not os.access(path if path.exists() else path.parent, os.W_OK):
-        return f"{option} {path}: not writable"
-    return None
-
-
-def _folder_problem(option: str, path: Path) -> str | None:
-    """Why `path` cannot be (or be made) a folder to write in, or None."""
-    existing = path
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        what = "exists and is not a folder" if existing == path else f"{existing} is a file, not a folder"
-        return f"{option} {path}: {what}"
-    if not os.access(existing, os.W_OK | os.X_OK):
-        return f"{option} {path}: {existing} is not writable"
-    return None
-
-
-def output_problems(*, report: Path | None, log: Path | None, trace_dir: Path | None) -> list[str]:
-    """Every output path that cannot be written, checked before any rank starts: a run must not
-    end after its work only to lose the report."""
-    found = [
-        _file_problem("--report", report) if report is not None else None,
-        _file_problem("--log", log) if log is not None else None,
-        _folder_problem("--trace-dir", trace_dir) if trace_dir is not None else None,
-    ]
-    if report is not None and log is not None and report.resolve() == log.resolve():
-        found.append(f"--report and --log name the same file, {report}")
-    return [problem for problem in found if problem is not None]
-
-
 def merge_traces(parts: Path, into: Path) -> None:
     """Concatenate the per-process OTLP-JSON files: each line is a whole export request."""
     with into.open("w") as out:
@@ -167,10 +129,11 @@ class Ending:
 
     error: str | None = None
     interrupted: bool = False
+    refused: bool = False  # by a configuration problem found only once started (an attached cluster's size)
 
     @property
-    def code(self) -> int:
-        return 130 if self.interrupted else 1 if self.error else 0  # 130: the shell's code for SIGINT
+    def code(self) -> int:  # 130: the shell's code for SIGINT; 2: a configuration problem, as up front
+        return 130 if self.interrupted else 2 if self.refused else 1 if self.error else 0
 
 
 @contextlib.contextmanager
@@ -214,6 +177,7 @@ def _drive(job: ColocatedJob, ending: Ending, progress: Progress, err: Console) 
     except Exception as exc:  # a LifecycleError names what failed; anything else, its type
         # A terminal's Ctrl-C reaches the whole process group: a rank may die of it first.
         ending.interrupted = CTRL_C.requested.is_set()
+        ending.refused = isinstance(exc, ConfigError)
         ending.error = str(exc) if isinstance(exc, LifecycleError) else f"{type(exc).__name__}: {exc}"
         err.print(f"[bold red]error:[/] {ending.error}\n[red]the lifecycle is {job.phase}; the run stopped[/]")
     except BaseException as exc:
@@ -253,8 +217,18 @@ def run(
             done = sum(s.loss is not None for s in report.steps)
             kept = f"; the report keeps them in {report_path}" if report_path is not None else ""
             err.print(f"[bold yellow]interrupted[/] after {done} of {config.steps} step(s){kept}")
-        if report_path is not None:
-            report.write(report_path)
+        lost = _write_report(report, report_path) if report_path is not None else None
         if report.steps:
             console.print(summary(report, time.perf_counter() - start))
-    return ending.code
+        if lost is not None:  # after the summary, so it is the last thing said
+            err.print(f"[bold red]error:[/] {lost}")
+    return ending.code or (1 if lost is not None else 0)
+
+
+def _write_report(report: RunReport, path: Path) -> str | None:
+    """Write the report; None, or why it could not be (checked up front, a disk can still fill)."""
+    try:
+        report.write(path)
+    except OSError as exc:
+        return f"--report {path}: the report could not be written: {exc.strerror or exc}"
+    return None

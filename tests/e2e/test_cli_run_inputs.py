@@ -45,6 +45,7 @@ CASES = {
         "--model: unknown model preset 'gpt-5'; known: tiny, qwen-0.5b, llama-1b",
     ),
     "seed negative": (lambda d: ["--seed", "-3"], "--seed must be >= 0"),
+    "more ranks than any machine holds": (lambda d: ["--ranks", "2048"], "--ranks 2048: a rank needs a CPU core"),
 }
 
 

@@ -196,6 +196,16 @@ def test_attach_runs_on_the_users_cluster_and_leaves_it_up(
     assert f"cannot join the Ray cluster at {cluster.address}" in message and "RAY_AUTH_MODE=token" in message
     # RAY_ADDRESS, as Ray's own tools take it; token mode, as any driver of that cluster needs.
     env = cluster.env | {"RAY_ADDRESS": cluster.address, "TMPDIR": str(temp)}
+    # More ranks than its 4 CPUs hold (and the engine's bundle): refused once attached, before any actor.
+    too_many = subprocess.run(
+        colocate("run", "--steps", "1", "--ranks", "4", "--rank-timeout", "10"),
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert too_many.returncode == 2, too_many.stderr
+    assert (
+        f"--ranks 4 needs 5 CPU(s) (a bundle of one CPU per rank, one for the engine), and the Ray cluster at "
+        f"{cluster.address} has 4" in " ".join(too_many.stderr.split())
+    ), too_many.stderr
     proc = subprocess.Popen(
         colocate("run", "--steps", "2", "--ranks", "2", "--report", str(report)),
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -240,6 +250,7 @@ def test_a_private_cluster_is_not_started_without_authentication(temp: Path) -> 
     done = subprocess.run(
         colocate("run", "--steps", "1", "--ranks", "2"), cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
     )
-    assert done.returncode != 0
+    assert done.returncode == 2, done.stderr  # a configuration problem, found before anything starts
+    assert "1 configuration problem(s)" in done.stderr
     assert "RAY_AUTH_MODE=disabled is set" in " ".join(done.stderr.split()), done.stderr
     assert list(temp.glob("colocate-ray-*")) == []

@@ -138,3 +138,40 @@ def test_an_error_that_is_not_the_lifecycles_ends_the_run_with_exit_code_1(tmp_p
     seen = _run(tmp_path, ranks=1, raise_="RuntimeError")
     assert seen["code"] == 1 and "raised" not in seen
     _assert_cleaned_up(tmp_path, seen, "RuntimeError: not the lifecycle's")
+
+
+def test_a_report_that_cannot_be_written_at_the_end_is_one_error_after_the_summary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tried before the run, the report's place can still go during it (here its folder is removed
+    after the step): the run ends with its summary, then one line that names the report, exit 1."""
+    from rich.console import Console
+
+    import orchestrator.demo.run as run_module
+    from orchestrator.demo.grpo import GRPOConfig
+    from orchestrator.demo.job import ColocatedJob, RunConfig
+    from orchestrator.demo.presets import preset
+
+    folder = tmp_path / "out"
+    folder.mkdir()
+    real_step = ColocatedJob.run_step
+
+    def run_step(job: ColocatedJob) -> Any:
+        outcome = real_step(job)
+        folder.rmdir()
+        return outcome
+
+    monkeypatch.setattr(ColocatedJob, "run_step", run_step)
+    said = io.StringIO()  # stdout and stderr in the order they were written
+    console = Console(file=said, width=200, soft_wrap=True)
+    config = RunConfig(steps=1, ranks=1, grpo=GRPOConfig(model=preset("tiny")))
+    code = run_module.run(
+        config, report_path=folder / "r.json", trace_dir=None, log_path=None, console=console, err=console
+    )
+    lines = said.getvalue().rstrip().splitlines()
+    assert code == 1
+    assert (
+        lines[-1] == f"error: --report {folder / 'r.json'}: the report could not be written: No such file or directory"
+    )
+    assert any("colocate run: rematerialize, 1 rank(s), 1 steps done" in line for line in lines[:-1])
+    assert "Traceback" not in said.getvalue()

@@ -23,7 +23,7 @@ from orchestrator.demo.workers.fanout import ReplicaSet
 from orchestrator.demo.workers.pool import WorkerPool, control, remote_class
 from orchestrator.demo.workers.traced import Traced
 from orchestrator.demo.workers.trainer_rank import TrainerRank
-from orchestrator.errors import RankFailed
+from orchestrator.errors import ConfigError, RankFailed
 
 FLUSH_S = 2.0  # how long the processes together may take to flush their spans when the job ends
 
@@ -112,12 +112,27 @@ class RayPlacement:
         cluster = connect(address, cpus=ranks + 1, gpus=None if cuda else 0, runtime_env={"env_vars": self.env})
         self._shutdown = cluster.close
         try:
+            if address is not None:  # a private cluster was judged with the config: this machine's
+                self._check_capacity(address, engine_bundle)
             bundles = [{"CPU": 1, "GPU": 1}] * ranks if cuda else [{"CPU": 1}] * (ranks + engine_bundle)
             self._group = placement_group(bundles, strategy="PACK")
             ray.get(self._group.ready(), timeout=timeout)
         except BaseException:
             self._shutdown()
             raise
+
+    def _check_capacity(self, address: str, engine_bundle: bool) -> None:
+        """Refuse, before any actor is placed, a run the attached cluster cannot hold: its
+        placement group would wait for resources that never come."""
+        import ray
+
+        from orchestrator.demo.capacity import cluster_problems
+
+        problems = cluster_problems(
+            ray.cluster_resources(), address=address, ranks=self.ranks, cuda=self.cuda, engine_bundle=engine_bundle
+        )
+        if problems:
+            raise ConfigError(problems)
 
     def _options(self, bundle: int) -> dict[str, Any]:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
