@@ -79,7 +79,9 @@ def problems(trace_file: Path, log_file: Path | None = None) -> list[str]:
         roots = [s.name for s in members if not s.parent]
         if len(roots) != 1 or roots[0] not in ("colocate.start", "colocate.step"):
             found.append(f"trace {trace}: roots {roots}, expected one colocate.start or colocate.step")
-        found += [f"{s.name} {s.id}: parent {s.parent} is not in its trace" for s in members if s.parent not in ids | {""}]
+        found += [
+            f"{s.name} {s.id}: parent {s.parent} is not in its trace" for s in members if s.parent not in ids | {""}
+        ]
         found += _chain(sorted((s for s in members if s.name.startswith("lifecycle.")), key=lambda s: s.start))
     for span in spans:
         found += [f"{span.name} {span.id}: {p}" for p in _promised(span)]
