@@ -83,14 +83,17 @@ def _written(option: str, path: Path, attempt: Callable[[], None]) -> str | None
 
 def _try_new_file(path: Path) -> None:
     """Create `path`, write a byte to it (a full device or file system refuses it) and remove it."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    _write_and_remove(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), path)
+
+
+def _write_and_remove(fd: int, path: Path | str) -> None:
     try:
         try:
             os.write(fd, b"\n")
         finally:
             os.close(fd)
     finally:
-        path.unlink()
+        os.unlink(path)
 
 
 def _try_existing(path: Path) -> None:
@@ -110,14 +113,7 @@ def _try_folder(path: Path, existing: Path) -> None:
         for folder in reversed([path, *path.parents][: len(path.parts) - len(existing.parts)]):
             folder.mkdir()
             made.append(folder)
-        fd, name = tempfile.mkstemp(prefix=PROBE_PREFIX, dir=path)
-        try:
-            try:
-                os.write(fd, b"\n")
-            finally:
-                os.close(fd)
-        finally:
-            os.unlink(name)
+        _write_and_remove(*tempfile.mkstemp(prefix=PROBE_PREFIX, dir=path))
     finally:
         for folder in reversed(made):
             with contextlib.suppress(OSError):
