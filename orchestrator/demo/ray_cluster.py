@@ -89,12 +89,13 @@ def attach(address: str, *, runtime_env: Mapping[str, Any]) -> RayCluster:
 
     Token authentication is Ray's own business here: the driver sends a token when this
     process's environment says so (`RAY_AUTH_MODE=token`, the token in `~/.ray/auth_token` or
-    `RAY_AUTH_TOKEN`), as for any Ray driver.
+    `RAY_AUTH_TOKEN`), as for any Ray driver. A cluster that refuses it is named at once.
     """
     import ray
 
     target = _keep_loopback(address)
     _check_reachable(address, target)
+    _check_token(address, target)
     try:
         ray.init(address=target, **_driver_options(runtime_env))
     except Exception as exc:  # a refused token, a version mismatch, not a Ray GCS at all
@@ -152,6 +153,31 @@ def _check_reachable(address: str, target: str) -> None:
         socket.create_connection((host.strip("[]"), int(port)), timeout=REACH_S).close()
     except OSError as exc:
         raise RayUnreachable(address, exc) from exc
+
+
+def _check_token(address: str, target: str) -> None:
+    """Fail at once, naming `address`, where the cluster refuses this driver's token, or its lack
+    of one: one call to its GCS, sending what a driver sends. ray.init would retry for half a
+    minute, logging each refusal (InvalidAuthToken). Any other answer is left to ray.init."""
+    import grpc
+    from ray._raylet import AuthenticationTokenLoader
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+    loader = AuthenticationTokenLoader.instance()
+    metadata = tuple(loader.get_token_for_http_header().items()) if loader.has_token() else ()
+    with grpc.insecure_channel(target) as channel:
+        try:
+            gcs = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
+            gcs.GetClusterId(gcs_service_pb2.GetClusterIdRequest(), timeout=REACH_S, metadata=metadata)
+        except grpc.RpcError as exc:
+            if exc.code() is not grpc.StatusCode.UNAUTHENTICATED:
+                return
+            hint = (
+                "the token this driver sends, from RAY_AUTH_TOKEN or ~/.ray/auth_token, is not the cluster's"
+                if metadata
+                else "a cluster with token authentication also needs RAY_AUTH_MODE=token and its token here"
+            )
+            raise RayUnreachable(address, PermissionError(exc.details()), hint) from None
 
 
 _TOKEN_MODE = threading.Lock()
