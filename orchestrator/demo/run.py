@@ -212,8 +212,7 @@ def _drive(job: ColocatedJob, ending: Ending, progress: Progress, err: Console) 
     except KeyboardInterrupt:
         ending.interrupted = True
     except Exception as exc:  # a LifecycleError names what failed; anything else, its type
-        # A terminal's Ctrl-C reaches the whole process group: a rank may die of it first.
-        ending.interrupted = CTRL_C.requested.is_set()
+        ending.interrupted = CTRL_C.requested.is_set()  # a Ctrl-C came first
         ending.error = str(exc) if isinstance(exc, LifecycleError) else f"{type(exc).__name__}: {exc}"
         err.print(f"[bold red]error:[/] {ending.error}\n[red]the lifecycle is {job.phase}; the run stopped[/]")
     except BaseException as exc:
@@ -243,7 +242,7 @@ def run(
     report = RunReport(mode=config.mode.value, ranks=config.ranks)
     try:
         with _telemetry(parts, trace_file, log_path) as listeners, _progress(console) as progress:
-            job = ColocatedJob(config, listeners, trace_dir=parts)
+            job = ColocatedJob(config, listeners, trace_dir=parts, stop=CTRL_C.requested)
             report = job.report
             _drive(job, ending, progress, err)
     finally:

@@ -1,6 +1,6 @@
 """`colocate run` on a bad day, as a user would cause it: a rank actor killed or stopped by its
-process id, Ctrl-C. The run names the rank at fault, ends within --rank-timeout plus a few
-seconds, keeps its report, and leaves no Ray folder or process behind."""
+process id, Ctrl-C (during start-up too). The run names the rank at fault, ends within
+--rank-timeout plus a few seconds, keeps its report, and leaves no Ray folder or process behind."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -35,6 +36,8 @@ RANK_TIMEOUT = 15.0  # small, so a hang test is quick, and yet twice it (the old
 # cores the stop -> exit time was 19.2 s alone and 23.1-24.2 s at a load average of 15, so the test
 # allows 12 s. Twice the timeout (30 s), what a second unanswered call would take, still fails it.
 BOUND = RANK_TIMEOUT + 12
+T = TypeVar("T")
+STOPPED_WITHIN = 12.0  # Ctrl-C during start-up -> exit; 2-4 s at a load of 6-9 (it was 23-47 s)
 
 
 @dataclass
@@ -56,6 +59,29 @@ class Run:
                     return
             time.sleep(0.2)
         raise AssertionError(f"step {step} did not start within {within} s")
+
+    def wait_for(self, found: Callable[[], T], what: str, within: float = 240) -> T:
+        """Until `found()` finds something (what it returns is true); returns it."""
+        deadline = time.monotonic() + within
+        while not (value := found()):
+            assert self.proc.poll() is None, self.finish()[1]
+            assert time.monotonic() < deadline, f"{what} did not happen within {within} s"
+            time.sleep(0.1)
+        return value
+
+    def processes(self) -> dict[int, str]:
+        """The live processes this run started, its Ray cluster's too (all have its TMPDIR): pid →
+        command line (Ray's workers show what they run: `ray::TrainerRank.__init__`)."""
+        found = {}
+        for proc in psutil.process_iter(["environ", "cmdline", "status"]):
+            with contextlib.suppress(psutil.Error):
+                ours = (proc.info["environ"] or {}).get("TMPDIR") == str(self.temp) and proc.pid != os.getpid()
+                if ours and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                    found[proc.pid] = " ".join(proc.info["cmdline"] or [])[:120]
+        return found
+
+    def running(self, command: str) -> list[int]:
+        return [pid for pid, line in self.processes().items() if command in line]
 
     def pid_of(self, actor: str) -> int:
         """The process of a Ray actor, by the name Ray writes into its worker log."""
@@ -172,3 +198,30 @@ def test_ctrl_c_keeps_the_steps_done_in_a_report_marked_interrupted(start, tmp_p
     steps = trace_file.read_text().count('"name":"colocate.step"')
     assert steps >= len(done)
     assert leftovers(run, ranks) == []
+
+
+@pytest.mark.parametrize("moment", ["ray start, to the process group", "a rank's construction, to the driver"])
+def test_ctrl_c_during_start_up_ends_the_run_at_once_and_leaves_nothing(start, moment: str) -> None:  # type: ignore[no-untyped-def]
+    run = start()
+    held = None
+    if moment.startswith("ray start"):  # its Ray Client server is up: the one process that outlived the rest
+        run.wait_for(lambda: run.running("ray.util.client.server"), "Ray Client's server")
+        os.killpg(run.proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: `ray start` would get it too
+    else:  # a rank held mid-construction: the start-up would not end by itself within 300 s
+        held = run.wait_for(lambda: run.running("ray::TrainerRank.__init__"), "a rank's construction")[0]
+        os.kill(held, signal.SIGSTOP)
+        run.proc.send_signal(signal.SIGINT)
+    asked = time.monotonic()
+    try:
+        exited, stderr = run.finish()
+        left = run.processes()
+    finally:
+        if held is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(held, signal.SIGKILL)
+    print(f"Ctrl-C -> exit: {exited - asked:.1f} s")
+    assert run.proc.returncode == 130, stderr
+    assert "interrupted after 0 of 500 step(s)" in stderr and "error:" not in stderr, stderr
+    assert left == {} and list(run.temp.glob("colocate-ray-*")) == [], left
+    assert exited - asked < STOPPED_WITHIN
+    assert json.loads(run.report.read_text())["interrupted"] is True

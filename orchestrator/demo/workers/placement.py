@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -17,6 +19,7 @@ import torch
 
 from orchestrator.adapters.registry import EngineSpec
 from orchestrator.core.config import DigestMethod
+from orchestrator.demo import interrupt
 from orchestrator.demo.workers.engine_replica import EngineReplica
 from orchestrator.demo.workers.fanout import ReplicaSet
 from orchestrator.demo.workers.pool import WorkerPool, control, remote_class
@@ -77,7 +80,8 @@ class RayPlacement:
     """Starts (or attaches to) Ray, then a placement group for `ranks` ranks (and the engine), then the actors.
 
     `trace_file(role)` names the file a process of that role writes its spans to (or None).
-    `close` ends every actor it started and Ray, whatever state they are in.
+    `close` ends every actor it started and Ray, whatever state they are in. Start-up's waits
+    end once `stop` is set (Ctrl-C: KeyboardInterrupt).
     """
 
     def __init__(
@@ -90,6 +94,7 @@ class RayPlacement:
         trace_file: Callable[[str], str | None],
         address: str | None = None,
         store_host: str = "127.0.0.1",
+        stop: threading.Event | None = None,
     ) -> None:
         import ray
         from ray.util.placement_group import placement_group
@@ -98,17 +103,24 @@ class RayPlacement:
 
         self.ranks, self.cuda, self.timeout, self.trace_file = ranks, cuda, timeout, trace_file
         self.store_host = store_host  # where the ranks reach the driver's rendezvous store
+        self.stop = stop
         self.actors: list[Any] = []  # ranks, then the engine replicas
         # Each actor's own environment, never the driver's: on the CPU it is shown no GPU, so
         # Megatron and the engine take the CPU whatever GPUs the host has.
         self.env = {"TORCHDYNAMO_DISABLE": "1"} | ({} if cuda else {"CUDA_VISIBLE_DEVICES": ""})
         # The user's cluster at `address`, or a private one on loopback (`ray_cluster`).
-        cluster = connect(address, cpus=ranks + 1, gpus=None if cuda else 0, runtime_env={"env_vars": self.env})
+        env = {"env_vars": self.env}
+        cluster = connect(address, cpus=ranks + 1, gpus=None if cuda else 0, runtime_env=env, stop=stop)
         self._shutdown = cluster.close
         try:
             bundles = [{"CPU": 1, "GPU": 1}] * ranks if cuda else [{"CPU": 1}] * (ranks + engine_bundle)
             self._group = placement_group(bundles, strategy="PACK")
-            ray.get(self._group.ready(), timeout=timeout)
+            deadline, ready = time.monotonic() + timeout, self._group.ready()
+            while not ray.wait([ready], timeout=interrupt.POLL_S)[0]:
+                interrupt.check(stop)
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"Ray placed no group of {len(bundles)} bundle(s) within {timeout:g} s")
+            ray.get(ready)
         except BaseException:
             self._shutdown()
             raise
@@ -135,7 +147,7 @@ class RayPlacement:
         ]  # fmt: skip
         self.actors += workers
         ranks: WorkerPool[TrainerRank] = WorkerPool(workers, label="rank", remote=True, timeout=self.timeout)
-        ranks.start()
+        ranks.start(self.stop)
         return ranks
 
     def start_engine(self, kind: str, spec: EngineSpec) -> ReplicaSet:
@@ -154,7 +166,7 @@ class RayPlacement:
         self.actors += actors
         replicas: WorkerPool[EngineReplica] = WorkerPool(actors, label="engine", remote=True, timeout=self.timeout)
         try:
-            replicas.start()
+            replicas.start(self.stop)
         except Exception as exc:
             raise RankFailed("engine", "start", exc) from exc
         return ReplicaSet(replicas)

@@ -11,10 +11,12 @@ result; the wire carries its name to `Traced.invoke` in the worker's process.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
+from orchestrator.demo import interrupt
 from orchestrator.demo.workers.traced import Traced
 from orchestrator.errors import LifecycleError, RankFailed
 
@@ -80,13 +82,15 @@ class WorkerPool(Generic[W]):
     def _name(self, index: int) -> str:
         return self.label if len(self.workers) == 1 and self.label != "rank" else f"{self.label} {index}"
 
-    def start(self) -> None:
-        """Wait for every worker to be built (within `START_TIMEOUT_S` at least); note its process."""
-        timeout, self.timeout = self.timeout, max(self.timeout, START_TIMEOUT_S)
-        try:
+    def start(self, stop: threading.Event | None = None) -> None:
+        """Wait for every worker to be built (within `START_TIMEOUT_S` at least); note its process.
+        Once `stop` is set (Ctrl-C), KeyboardInterrupt within `interrupt.POLL_S`."""
+        if not self.remote:
             self.pids = dict(enumerate(self.all(Traced.ready)))
-        finally:
-            self.timeout = timeout
+            return
+        ready = Traced.ready.__name__
+        refs = {i: worker.invoke.remote({}, ready) for i, worker in enumerate(self.workers)}
+        self.pids = dict(enumerate(self._gather(ready, refs, max(self.timeout, START_TIMEOUT_S), stop)))
 
     def all(self, method: Callable[Concatenate[W, P], R], *args: P.args, **kwargs: P.kwargs) -> list[R]:
         """`method(*args, **kwargs)` on every worker at once; their results in worker order."""
@@ -109,7 +113,7 @@ class WorkerPool(Generic[W]):
         if not self.remote:
             return [self._local(index, headers, method, args, kwargs) for index in targets]
         refs = {i: self.workers[i].invoke.remote(headers, method, *args, **kwargs) for i in targets}
-        return self._gather(method, refs)
+        return self._gather(method, refs, self.timeout)
 
     def _local(
         self, index: int, headers: dict[str, str], method: str, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -121,14 +125,22 @@ class WorkerPool(Generic[W]):
         except Exception as exc:
             raise RankFailed(self._name(index), method, exc) from exc
 
-    def _gather(self, method: str, refs: dict[int, Any]) -> list[Any]:
+    def _gather(
+        self, method: str, refs: dict[int, Any], timeout: float, stop: threading.Event | None = None
+    ) -> list[Any]:
         import ray
 
         pending = {ref: index for index, ref in refs.items()}
         results: dict[int, Any] = {}
-        deadline = time.monotonic() + self.timeout
+        deadline = time.monotonic() + timeout
         while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            left = max(0.0, deadline - time.monotonic())
+            ready, _ = ray.wait(
+                list(pending), num_returns=1, timeout=left if stop is None else min(left, interrupt.POLL_S)
+            )
+            interrupt.check(stop)
+            if not ready and time.monotonic() < deadline:
+                continue
             if not ready:
                 raise self._blame(method, refs, None)
             index = pending.pop(ready[0])
