@@ -151,11 +151,14 @@ def test_a_killed_rank_is_named_and_ends_the_run_at_once(start) -> None:  # type
     exited, stderr = run.finish()
     print(f"kill -> exit: {exited - killed:.1f} s")
     assert run.proc.returncode == 1, stderr
-    assert "rank 1 (died) failed in" in stderr and "rank 0" not in stderr, stderr
+    assert "rank 1 (died)" in stderr and "rank 0" not in stderr, stderr
+    # What colocate knows, not Ray's guesses (the OOM killer, `ray stop --force`).
+    assert f"its process (pid {victim}) ended without exiting: killed by a signal or crashed" in stderr, stderr
+    assert "OOM" not in stderr and "ray stop" not in stderr, stderr
     assert "the lifecycle is FAULTED" in stderr, stderr
     assert exited - killed < BOUND
     report = json.loads(run.report.read_text())
-    assert "rank 1 (died) failed in" in report["error"] and report["interrupted"] is False
+    assert "rank 1 (died)" in report["error"] and report["interrupted"] is False
     assert [s["step"] for s in report["steps"]][:2] == [1, 2]
     assert leftovers(run, [victim, other]) == []
 

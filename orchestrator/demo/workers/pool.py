@@ -11,6 +11,7 @@ result; the wire carries its name to `Traced.invoke` in the worker's process.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -60,6 +61,30 @@ def _outcome(ref: Any) -> tuple[str, BaseException | None]:
     except Exception as exc:
         return "raised", exc
     return "ok", None
+
+
+class WorkerDied(Exception):
+    """A worker's process ended: what colocate knows of it (the Ray error that told is its cause)."""
+
+
+def ended(pid: int | None, error: BaseException | None) -> WorkerDied:
+    """How the process `pid` ended, from the Ray `error` that told: its facts (the exit type and
+    detail), not its guesses. A process that vanished without exiting (a signal, a crash) is to
+    Ray only a connection that closed, and it lists the OOM killer first among possible causes;
+    the exit status goes to Ray's raylet, its parent, and no further."""
+    text = " ".join(str(error or "").split())
+    process = f"its process (pid {pid})" if pid else "its process"
+    kind, detail = re.search(r"Worker exit type: (\w+)", text), re.search(r"Worker exit detail: (.+?\.)( |$)", text)
+    if kind is None or detail is None:
+        death = WorkerDied(f"{process} died: {text or 'Ray gave no reason'}")
+    elif kind[1] == "SYSTEM_ERROR" and "connection" in detail[1]:
+        death = WorkerDied(
+            f"{process} ended without exiting: killed by a signal or crashed (its exit status is not known)"
+        )
+    else:
+        death = WorkerDied(f"{process} ended ({kind[1]}): {detail[1]}")
+    death.__cause__ = error
+    return death
 
 
 class WorkerPool(Generic[W]):
@@ -172,7 +197,7 @@ class WorkerPool(Generic[W]):
             # The first call to fail, if its process died: a peer blocked in a collective with it
             # may be torn down by NCCL a moment later, and died too by the time it is probed.
             i, cause = next(((r, c) for r, c in died if first is not None and r == first[0]), died[0])
-            return RankFailed(f"{self._name(i)} (died)", method, cause or RuntimeError("died"))
+            return RankFailed(f"{self._name(i)} (died)", method, ended(self.pids.get(i), cause))
         if hung:
             i = min(hung, key=lambda r: (not self._stopped(r), r))
             how = "its process is stopped" if self._stopped(i) else f"no answer to a probe within {PROBE_S:g} s"
