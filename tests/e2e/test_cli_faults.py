@@ -163,6 +163,31 @@ def test_a_killed_rank_is_named_and_ends_the_run_at_once(start) -> None:  # type
     assert leftovers(run, [victim, other]) == []
 
 
+def test_a_rank_killed_during_a_rollout_is_named_at_once_and_the_report_written_first(start) -> None:  # type: ignore[no-untyped-def]
+    run = start()
+    run.wait_for_step(3)  # past the verified cycles: only a rollout keeps the engine busy now
+    victim, other = run.pid_of("TrainerRank(rank=1)"), run.pid_of("TrainerRank(rank=0)")
+    engine = psutil.Process(run.pid_of("EngineReplica(index=0)"))
+    engine.cpu_percent()
+    while engine.cpu_percent(interval=0.05) < 60:  # generating: the ranks are idle until it ends
+        assert run.proc.poll() is None, run.finish()[1]
+    os.kill(victim, signal.SIGKILL)
+    killed, written = time.monotonic(), None
+    while run.proc.poll() is None:
+        if written is None and run.report.exists():
+            written = time.monotonic()
+        time.sleep(0.01)
+    exited, stderr = run.finish()
+    written = written or exited
+    print(f"kill -> report written: {written - killed:.2f} s, -> exit: {exited - killed:.1f} s")
+    assert run.proc.returncode == 1, stderr
+    assert "rollout failed in PARAMS_DROPPED: RankFailed: rank 1 (died) during engine.generate" in stderr, stderr
+    (fault,) = [json.loads(line) for line in run.log.read_text().splitlines() if json.loads(line)["level"] == "error"]
+    assert fault["event"] == "rollout" and "rank 1 (died)" in fault["cause"], fault  # not the restore after it
+    assert exited - killed < BOUND
+    assert leftovers(run, [victim, other]) == []
+
+
 def test_a_stopped_rank_is_named_within_the_timeout(start) -> None:  # type: ignore[no-untyped-def]
     run = start()
     run.wait_for_step(2)

@@ -22,7 +22,7 @@ from orchestrator.core.config import DigestMethod
 from orchestrator.demo import interrupt
 from orchestrator.demo.workers.engine_replica import EngineReplica
 from orchestrator.demo.workers.fanout import ReplicaSet
-from orchestrator.demo.workers.pool import WorkerPool, control, remote_class
+from orchestrator.demo.workers.pool import Sentinels, WorkerPool, control, remote_class
 from orchestrator.demo.workers.traced import Traced
 from orchestrator.demo.workers.trainer_rank import TrainerRank
 from orchestrator.errors import RankFailed
@@ -80,8 +80,9 @@ class RayPlacement:
     """Starts (or attaches to) Ray, then a placement group for `ranks` ranks (and the engine), then the actors.
 
     `trace_file(role)` names the file a process of that role writes its spans to (or None).
-    `close` ends every actor it started and Ray, whatever state they are in. Start-up's waits
-    end once `stop` is set (Ctrl-C: KeyboardInterrupt).
+    `close` ends every actor it started and Ray, whatever state they are in. Every call's wait
+    ends when any worker's process dies (`pool.Sentinels`), and start-up's once `stop` is set
+    (Ctrl-C: KeyboardInterrupt).
     """
 
     def __init__(
@@ -105,6 +106,7 @@ class RayPlacement:
         self.store_host = store_host  # where the ranks reach the driver's rendezvous store
         self.stop = stop
         self.actors: list[Any] = []  # ranks, then the engine replicas
+        self.sentinels = Sentinels()  # shared by every pool: a death anywhere ends any wait
         # Each actor's own environment, never the driver's: on the CPU it is shown no GPU, so
         # Megatron and the engine take the CPU whatever GPUs the host has.
         self.env = {"TORCHDYNAMO_DISABLE": "1"} | ({} if cuda else {"CUDA_VISIBLE_DEVICES": ""})
@@ -146,7 +148,9 @@ class RayPlacement:
             for r in range(self.ranks)
         ]  # fmt: skip
         self.actors += workers
-        ranks: WorkerPool[TrainerRank] = WorkerPool(workers, label="rank", remote=True, timeout=self.timeout)
+        ranks: WorkerPool[TrainerRank] = WorkerPool(
+            workers, label="rank", remote=True, timeout=self.timeout, sentinels=self.sentinels
+        )
         ranks.start(self.stop)
         return ranks
 
@@ -164,7 +168,9 @@ class RayPlacement:
             for i in range(count)
         ]  # fmt: skip
         self.actors += actors
-        replicas: WorkerPool[EngineReplica] = WorkerPool(actors, label="engine", remote=True, timeout=self.timeout)
+        replicas: WorkerPool[EngineReplica] = WorkerPool(
+            actors, label="engine", remote=True, timeout=self.timeout, sentinels=self.sentinels
+        )
         try:
             replicas.start(self.stop)
         except Exception as exc:
