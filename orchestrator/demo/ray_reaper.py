@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -82,9 +83,23 @@ def _stop_head(temp_dir: Path) -> None:
         for proc in procs:
             with contextlib.suppress(psutil.Error):
                 proc.kill()
-        psutil.wait_procs(procs, timeout=STOP_S)
+        # Until each is dead: gone, or a zombie, which holds nothing but its entry in the process
+        # table until its parent (or, the raylet killed, the init process) reaps it, which on a
+        # container's init can take seconds.
+        deadline = time.monotonic() + STOP_S
+        while any(_alive(proc) for proc in procs) and time.monotonic() < deadline:
+            time.sleep(0.02)
     finally:
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _alive(proc: Any) -> bool:
+    import psutil
+
+    try:
+        return bool(proc.status() != psutil.STATUS_ZOMBIE)
+    except psutil.Error:  # gone (or, unreadable, not ours to wait for)
+        return False
 
 
 if __name__ == "__main__":  # the reaper (`start_reaper`)
