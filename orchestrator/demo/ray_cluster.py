@@ -178,7 +178,7 @@ def _check_token(address: str, target: str) -> None:
     of one: one call to its GCS, sending what a driver sends. ray.init would retry for half a
     minute, logging each refusal (InvalidAuthToken). Any other answer is left to ray.init."""
     import grpc
-    from ray._raylet import AuthenticationTokenLoader
+    from ray._raylet import AuthenticationTokenLoader  # type: ignore[attr-defined]  # Cython: no stub
     from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
 
     loader = AuthenticationTokenLoader.instance()
@@ -186,7 +186,8 @@ def _check_token(address: str, target: str) -> None:
     with grpc.insecure_channel(target) as channel:
         try:
             gcs = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
-            gcs.GetClusterId(gcs_service_pb2.GetClusterIdRequest(), timeout=REACH_S, metadata=metadata)
+            request = gcs_service_pb2.GetClusterIdRequest()  # type: ignore[attr-defined]  # protobuf: no stub
+            gcs.GetClusterId(request, timeout=REACH_S, metadata=metadata)
         except grpc.RpcError as exc:
             if exc.code() is not grpc.StatusCode.UNAUTHENTICATED:
                 return
