@@ -135,13 +135,15 @@ class EngineError(LifecycleError):
 
 
 class RankFailed(LifecycleError):
-    """A trainer rank or the engine actor died, hung past its timeout, or raised."""
+    """A trainer rank or the engine actor died, hung past its timeout, or raised: in its call of
+    `method`, or (`during`) while the driver waited on another worker's `method`."""
 
-    _fields = ("who", "method", "cause")
+    _fields = ("who", "method", "cause", "during")
 
-    def __init__(self, who: str, method: str, cause: BaseException) -> None:
-        self.who, self.method, self.cause = who, method, cause
-        super().__init__(f"{who} failed in {method}: {type(cause).__name__}: {cause}")
+    def __init__(self, who: str, method: str, cause: BaseException, during: bool = False) -> None:
+        self.who, self.method, self.cause, self.during = who, method, cause, during
+        where = f"during {method}, not in a call of its own" if during else f"failed in {method}"
+        super().__init__(f"{who} {where}: {type(cause).__name__}: {cause}")
 
 
 class RayUnreachable(LifecycleError):

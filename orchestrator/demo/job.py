@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import math
 import socket
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +38,7 @@ from orchestrator.adapters.engines.sglang.group import url_problems
 from orchestrator.adapters.registry import ENGINES, EngineSpec
 from orchestrator.core.config import Device, DigestMethod, EngineKind, EnginePause, LifecycleConfig, WeightSync
 from orchestrator.core.lifecycle import Lifecycle
+from orchestrator.demo import interrupt
 from orchestrator.demo.capacity import machine_problems
 from orchestrator.demo.grpo import GRPOConfig, SyntheticTask, group_advantages
 from orchestrator.demo.memory import MeasuredMemory
@@ -185,11 +187,18 @@ class ColocatedJob:
 
     Nothing starts before `start()` (which `with` calls); `close()` ends whatever was started,
     whatever state it is in, and a start that fails ends what it had started before it raises.
-    `trace_dir`: where the rank and engine processes write their spans.
+    `trace_dir`: where the rank and engine processes write their spans. Once `stop` is set
+    (Ctrl-C), `start()` ends within moments by KeyboardInterrupt.
     """
 
-    def __init__(self, config: RunConfig, listeners: Sequence[Listener] = (), trace_dir: Path | None = None) -> None:
-        self.config, self.listeners, self.trace_dir = config, tuple(listeners), trace_dir
+    def __init__(
+        self,
+        config: RunConfig,
+        listeners: Sequence[Listener] = (),
+        trace_dir: Path | None = None,
+        stop: threading.Event | None = None,
+    ) -> None:
+        self.config, self.listeners, self.trace_dir, self.stop = config, tuple(listeners), trace_dir, stop
         self.task = SyntheticTask(config.grpo.task)
         self.report = RunReport(mode=config.mode.value, ranks=config.ranks)
         self._generator = torch.Generator().manual_seed(config.seed)
@@ -245,8 +254,10 @@ class ColocatedJob:
             self._started.callback(placement.close, flush=self.trace_dir is not None or bool(exporters_requested()))
         with _part(semconv.START_RANKS):
             ranks = placement.start_ranks(int(self._store.port), grpo.model, grpo.clip_eps, cfg.digest)
+        interrupt.check(self.stop)  # ranks built in this process do not look at it
         with _part(semconv.START_ENGINE):
             self.engine: JobEngine = served if served is not None else placement.start_engine(cfg.engine, spec)
+        interrupt.check(self.stop)
         self.trainer = DistributedTrainer(ranks)
         listeners = [ReportListener(self.report), *self.listeners]
         if cfg.device is Device.CUDA:  # the report shows each GPU's free memory per phase
@@ -288,6 +299,7 @@ class ColocatedJob:
         return RayPlacement(
             ranks=cfg.ranks, cuda=cfg.device is Device.CUDA, engine_bundle=engine_bundle,
             timeout=cfg.rank_timeout_s, trace_file=self._trace_file, address=cfg.ray_address, store_host=store_host,
+            stop=self.stop,
         )  # fmt: skip
 
     def _trace_file(self, role: str) -> str | None:

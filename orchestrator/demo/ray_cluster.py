@@ -18,17 +18,20 @@ import contextlib
 import ipaddress
 import logging
 import os
-import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from orchestrator.demo import interrupt
+from orchestrator.demo.ray_reaper import MARK, start_reaper, stop_reaper
 from orchestrator.errors import ConfigError, RayUnreachable
 
 LOOPBACK = "127.0.0.1"
@@ -38,7 +41,6 @@ LOOPBACK = "127.0.0.1"
 LOOPBACK_FOR_RAY = "[::ffff:127.0.0.1]"
 REACH_S = 5.0  # how long the address of a cluster may take to accept a connection
 HEAD_START_S = 120.0  # `ray start --head` on a loaded machine
-STOP_S = 5.0  # how long the private cluster's processes, once killed, may take to be gone
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,25 +78,34 @@ def driver_ip(address: str | None) -> str:
         raise RayUnreachable(address, exc) from exc
 
 
-def connect(address: str | None, *, cpus: int, gpus: int | None = None, runtime_env: Mapping[str, Any]) -> RayCluster:
+def connect(
+    address: str | None,
+    *,
+    cpus: int,
+    gpus: int | None = None,
+    runtime_env: Mapping[str, Any],
+    stop: threading.Event | None = None,
+) -> RayCluster:
     """Attach to the cluster at `address`, or start a private one with `cpus` logical CPUs and
-    `gpus` GPUs (None: those the host has)."""
+    `gpus` GPUs (None: those the host has). Once `stop` is set, KeyboardInterrupt is raised
+    within `interrupt.POLL_S` (`ray.init`'s own wait aside), and nothing started is left running."""
     if address is not None:
-        return attach(address, runtime_env=runtime_env)
-    return start_private(cpus, gpus=gpus, runtime_env=runtime_env)
+        return attach(address, runtime_env=runtime_env, stop=stop)
+    return start_private(cpus, gpus=gpus, runtime_env=runtime_env, stop=stop)
 
 
-def attach(address: str, *, runtime_env: Mapping[str, Any]) -> RayCluster:
+def attach(address: str, *, runtime_env: Mapping[str, Any], stop: threading.Event | None = None) -> RayCluster:
     """This process as a driver of the cluster at `address`; it starts no Ray process.
 
     Token authentication is Ray's own business here: the driver sends a token when this
     process's environment says so (`RAY_AUTH_MODE=token`, the token in `~/.ray/auth_token` or
-    `RAY_AUTH_TOKEN`), as for any Ray driver.
+    `RAY_AUTH_TOKEN`), as for any Ray driver. A cluster that refuses it is named at once.
     """
     import ray
 
     target = _keep_loopback(address)
     _check_reachable(address, target)
+    _check_token(address, target)
     try:
         ray.init(address=target, **_driver_options(runtime_env))
     except Exception as exc:  # a refused token, a version mismatch, not a Ray GCS at all
@@ -102,30 +113,38 @@ def attach(address: str, *, runtime_env: Mapping[str, Any]) -> RayCluster:
         token = os.environ.get("RAY_AUTH_MODE", "").lower() == "token"
         hint = "" if token else "a cluster with token authentication also needs RAY_AUTH_MODE=token and its token here"
         raise RayUnreachable(address, exc, hint) from exc
+    if stop is not None and stop.is_set():  # asked for while ray.init ran
+        ray.shutdown()
+    interrupt.check(stop)
     # ray.shutdown, for a driver of a cluster it did not start, only disconnects.
     return RayCluster(address=target, private=False, temp_dir=None, close=ray.shutdown)
 
 
-def start_private(cpus: int, *, gpus: int | None = None, runtime_env: Mapping[str, Any]) -> RayCluster:
+def start_private(
+    cpus: int, *, gpus: int | None = None, runtime_env: Mapping[str, Any], stop: threading.Event | None = None
+) -> RayCluster:
     """A one-node cluster on loopback with token authentication on, and this process its driver.
     With `gpus=0` its processes are shown no GPU at all."""
     import ray
 
     _token_mode_for_this_process()
     temp_dir = Path(tempfile.mkdtemp(prefix="colocate-ray-"))  # short: Ray's socket paths must fit in 107 bytes
-    reaper = _start_reaper(temp_dir)
+    reaper = start_reaper(temp_dir)
     try:
-        address = _start_head(cpus, gpus, temp_dir)
+        address = _start_head(cpus, gpus, temp_dir, stop)
         ray.init(address=address, **_driver_options(runtime_env))
+        interrupt.check(stop)
     except BaseException:
-        _stop_reaper(reaper, temp_dir)
+        with contextlib.suppress(Exception):
+            ray.shutdown()  # if ray.init got that far
+        stop_reaper(reaper, temp_dir)
         raise
 
     def close() -> None:
         try:
             ray.shutdown()
         finally:
-            _stop_reaper(reaper, temp_dir)
+            stop_reaper(reaper, temp_dir)
 
     return RayCluster(address=address, private=True, temp_dir=temp_dir, close=close)
 
@@ -152,6 +171,32 @@ def _check_reachable(address: str, target: str) -> None:
         socket.create_connection((host.strip("[]"), int(port)), timeout=REACH_S).close()
     except OSError as exc:
         raise RayUnreachable(address, exc) from exc
+
+
+def _check_token(address: str, target: str) -> None:
+    """Fail at once, naming `address`, where the cluster refuses this driver's token, or its lack
+    of one: one call to its GCS, sending what a driver sends. ray.init would retry for half a
+    minute, logging each refusal (InvalidAuthToken). Any other answer is left to ray.init."""
+    import grpc
+    from ray._raylet import AuthenticationTokenLoader  # type: ignore[attr-defined]  # Cython: no stub
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+    loader = AuthenticationTokenLoader.instance()
+    metadata = tuple(loader.get_token_for_http_header().items()) if loader.has_token() else ()
+    with grpc.insecure_channel(target) as channel:
+        try:
+            gcs = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
+            request = gcs_service_pb2.GetClusterIdRequest()  # type: ignore[attr-defined]  # protobuf: no stub
+            gcs.GetClusterId(request, timeout=REACH_S, metadata=metadata)
+        except grpc.RpcError as exc:
+            if exc.code() is not grpc.StatusCode.UNAUTHENTICATED:
+                return
+            hint = (
+                "the token this driver sends, from RAY_AUTH_TOKEN or ~/.ray/auth_token, is not the cluster's"
+                if metadata
+                else "a cluster with token authentication also needs RAY_AUTH_MODE=token and its token here"
+            )
+            raise RayUnreachable(address, PermissionError(exc.details()), hint) from None
 
 
 _TOKEN_MODE = threading.Lock()
@@ -195,20 +240,21 @@ def _ray_cli() -> list[str]:
     return [sys.executable, "-m", "ray.scripts.scripts"]
 
 
-def _start_head(cpus: int, gpus: int | None, temp_dir: Path) -> str:
+def _start_head(cpus: int, gpus: int | None, temp_dir: Path, stop: threading.Event | None) -> str:
     """`ray start --head` on loopback; returns the address the driver connects to."""
     # The settings go to the Ray processes through their own environment and arguments, not this
     # process's: RAY_AUTH_MODE=token turns the token check on in every one of them, and
     # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 keeps Ray from replacing --node-ip-address 127.0.0.1
     # with the host's outward IP. With a loopback node IP, Ray binds its GCS, raylet, workers and
     # agents to loopback. The dashboard, which would listen on a port of its own, is not started.
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    # MARK names the cluster in the environment of each of its processes (`head_processes`).
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", MARK: str(temp_dir)}
     env.pop("RAY_ADDRESS", None)
     if gpus == 0:  # the cluster's every process, its workers too, sees no GPU
         env["CUDA_VISIBLE_DEVICES"] = ""
     gpu_count = [] if gpus is None else [f"--num-gpus={gpus}"]
     # The token is Ray's own, in ~/.ray/auth_token; `ray start` wants one there already.
-    _ray(["get-auth-token", "--generate"], env)
+    _ray(["get-auth-token", "--generate"], env, stop)
     # `ray start` also serves Ray Client where its dependencies are installed, on 10001 unless
     # told otherwise (it cannot be turned off): a free port, so that two runs do not collide.
     from ray._private.utils import get_ray_client_dependency_error
@@ -230,6 +276,7 @@ def _start_head(cpus: int, gpus: int | None, temp_dir: Path) -> str:
             f"--temp-dir={temp_dir}",
         ],
         env,
+        stop,
     )
     written = (temp_dir / "ray_current_cluster").read_text().strip()
     return f"{LOOPBACK_FOR_RAY}:{written.rpartition(':')[2]}"
@@ -240,81 +287,27 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def _ray(args: list[str], env: Mapping[str, str]) -> None:
-    done = subprocess.run(
-        [*_ray_cli(), *args], env=dict(env), capture_output=True, text=True, timeout=HEAD_START_S, check=False
-    )
-    if done.returncode != 0:
-        tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
-        raise RuntimeError(f"`ray {args[0]}` failed (exit {done.returncode}): " + " / ".join(tail))
-
-
-def head_processes(temp_dir: Path) -> list[Any]:
-    """Every process of the private cluster at `temp_dir` (psutil.Process): those with that
-    folder (unique to the run) or the cluster's GCS address on their command line (Ray Client's
-    server has only the latter), and their descendants."""
-    import psutil
-
-    marks = [str(temp_dir)]
-    with contextlib.suppress(OSError):
-        gcs_port = (temp_dir / "ray_current_cluster").read_text().strip().rpartition(":")[2]
-        marks.append(f"={LOOPBACK}:{gcs_port} ")
-    found: dict[int, Any] = {}
-    for proc in psutil.process_iter(["cmdline"]):
-        with contextlib.suppress(psutil.Error):
-            line = " ".join(proc.info["cmdline"] or []) + " "
-            if any(mark in line for mark in marks):
-                found[proc.pid] = proc
-                found.update((child.pid, child) for child in proc.children(recursive=True))
-    found.pop(os.getpid(), None)
-    return list(found.values())
-
-
-def _start_reaper(temp_dir: Path) -> subprocess.Popen[bytes]:
-    """A process that stops the cluster at `temp_dir` once this one is gone, however it went
-    (`kill -9` too): it waits for the end of a pipe only this process holds. `ray start` detaches
-    the cluster's processes, so nothing else would. Its own session: a Ctrl-C to the terminal's
-    process group does not end it before it has done its work."""
-    command = [sys.executable, "-m", "orchestrator.demo.ray_cluster", "--reap"]
-    reaper = subprocess.Popen(command, stdin=subprocess.PIPE, start_new_session=True)
-    if reaper.stdin is not None:  # the folder goes by the pipe: on its command line, `head_processes` would count it
-        reaper.stdin.write(f"{temp_dir}\n".encode())
-        reaper.stdin.flush()
-    return reaper
-
-
-def _stop_reaper(reaper: subprocess.Popen[bytes], temp_dir: Path) -> None:
-    """Stop the cluster here, then let the reaper go (it finds nothing left to stop)."""
-    try:
-        _stop_head(temp_dir)
-    finally:
-        if reaper.stdin is not None:
-            reaper.stdin.close()
+def _ray(args: list[str], env: Mapping[str, str], stop: threading.Event | None) -> None:
+    """`ray ARGS`, in a session of its own, which the processes it starts inherit: a terminal's
+    Ctrl-C, sent to the run's process group, reaches none of them (`ray start` would abort half
+    way). Once `stop` is set, it is killed with what it started so far (KeyboardInterrupt)."""
+    command = subprocess.Popen(
+        [*_ray_cli(), *args], env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + HEAD_START_S
+    while True:
         try:
-            reaper.wait(timeout=STOP_S)
+            stdout, stderr = command.communicate(timeout=interrupt.POLL_S)
+            break
         except subprocess.TimeoutExpired:
-            reaper.kill()
-            reaper.wait()
-
-
-def _stop_head(temp_dir: Path) -> None:
-    """Stop the private cluster's processes (by process, never by name: other Ray clusters on
-    the machine are left alone) and remove its folder."""
-    import psutil
-
-    try:
-        procs = head_processes(temp_dir)
-        # SIGKILL at once: nothing of a private cluster outlives the run, so there is nothing to
-        # flush, and a stopped process (SIGSTOP) would hold SIGTERM until it is continued.
-        for proc in procs:
-            with contextlib.suppress(psutil.Error):
-                proc.kill()
-        psutil.wait_procs(procs, timeout=STOP_S)
-    finally:
-        shutil.rmtree(temp_dir, ignore_errors=True)
-
-
-if __name__ == "__main__" and sys.argv[1:] == ["--reap"]:  # the reaper (`_start_reaper`)
-    folder = Path(sys.stdin.buffer.readline().decode().strip())
-    sys.stdin.buffer.read()  # returns once the driver's end of the pipe is closed
-    _stop_head(folder)
+            late = time.monotonic() > deadline
+            if late or (stop is not None and stop.is_set()):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(command.pid, signal.SIGKILL)  # and the daemons it started: its process group
+                command.communicate()
+                interrupt.check(stop)
+                raise RuntimeError(f"`ray {args[0]}` did not end within {HEAD_START_S:g} s") from None
+    if command.returncode != 0:
+        tail = (stderr or stdout).strip().splitlines()[-5:]
+        raise RuntimeError(f"`ray {args[0]}` failed (exit {command.returncode}): " + " / ".join(tail))

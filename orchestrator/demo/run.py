@@ -157,26 +157,23 @@ def _telemetry(parts: Path | None, trace_file: Path | None, log_path: Path | Non
 
 
 def _drive(job: ColocatedJob, ending: Ending, progress: Progress, err: Console) -> None:
-    """Start the job and run its steps; stop it however that ends. A failure is recorded in
-    `ending` and told to `err`; anything but an error or Ctrl-C (SystemExit, say) is raised on."""
+    """Start the job and run its steps (the caller stops it). A failure is recorded in `ending`
+    and told to `err`; anything but an error or Ctrl-C (SystemExit, say) is raised on."""
     config = job.config
     task = progress.add_task("starting ranks and engine", total=config.steps, reward="-")
     try:
-        with contextlib.ExitStack() as stopping:
-            stopping.callback(_close, job, err)
-            job.start()
-            description = f"{config.mode} x{config.ranks} {config.device}, {config.engine} engine"
-            progress.update(task, description=description)
-            for _ in range(config.steps):
-                if CTRL_C.requested.is_set():
-                    raise KeyboardInterrupt
-                outcome = job.run_step()
-                progress.update(task, advance=1, reward=f"{outcome.reward_mean:.3f}")
+        job.start()  # a Ctrl-C during it ends it (KeyboardInterrupt), and what it started
+        description = f"{config.mode} x{config.ranks} {config.device}, {config.engine} engine"
+        progress.update(task, description=description)
+        for _ in range(config.steps):
+            if CTRL_C.requested.is_set():
+                raise KeyboardInterrupt
+            outcome = job.run_step()
+            progress.update(task, advance=1, reward=f"{outcome.reward_mean:.3f}")
     except KeyboardInterrupt:
         ending.interrupted = True
     except Exception as exc:  # a LifecycleError names what failed; anything else, its type
-        # A terminal's Ctrl-C reaches the whole process group: a rank may die of it first.
-        ending.interrupted = CTRL_C.requested.is_set()
+        ending.interrupted = CTRL_C.requested.is_set()  # a Ctrl-C came first
         ending.refused = isinstance(exc, ConfigError)
         ending.error = str(exc) if isinstance(exc, LifecycleError) else f"{type(exc).__name__}: {exc}"
         err.print(f"[bold red]error:[/] {ending.error}\n[red]the lifecycle is {job.phase}; the run stopped[/]")
@@ -196,28 +193,45 @@ def run(
 ) -> int:
     """Run the job; returns the exit code.
 
-    However the run ends, by an error of any kind or Ctrl-C, its processes are stopped, its spans
-    flushed and merged into one trace file, its log closed and its report written, before the
-    exit code is returned or the exception that ended it is raised on."""
+    However the run ends, by an error of any kind or Ctrl-C, its report is written as soon as its
+    steps end, and then its processes are stopped, its spans flushed and merged into one trace
+    file and its log closed, before the exit code is returned or the exception that ended it is
+    raised on."""
     run_name = f"colocate-{config.mode}-{time.strftime('%Y%m%d-%H%M%S')}"
     trace_file = trace_dir / f"{run_name}.otlp.jsonl" if trace_dir else None
     parts = trace_dir / f".{run_name}" if trace_dir else None  # one file per process, merged at the end
     start = time.perf_counter()
     ending = Ending()
     report = RunReport(mode=config.mode.value, ranks=config.ranks)
-    try:
-        with _telemetry(parts, trace_file, log_path) as listeners, _progress(console) as progress:
-            job = ColocatedJob(config, listeners, trace_dir=parts)
-            report = job.report
-            _drive(job, ending, progress, err)
-    finally:
+    settled = False
+    lost: str | None = None  # why the report could not be written
+
+    def settle() -> None:
+        """Mark the report with how the run ended, say so, and write it; once."""
+        nonlocal settled, lost
+        if settled:
+            return
+        settled = True
         report.trace_file = str(trace_file) if trace_file else None
         report.error, report.interrupted = ending.error, ending.interrupted
         if ending.interrupted:
             done = sum(s.loss is not None for s in report.steps)
             kept = f"; the report keeps them in {report_path}" if report_path is not None else ""
             err.print(f"[bold yellow]interrupted[/] after {done} of {config.steps} step(s){kept}")
-        lost = _write_report(report, report_path) if report_path is not None else None
+        if report_path is not None:
+            lost = _write_report(report, report_path)
+
+    try:
+        with _telemetry(parts, trace_file, log_path) as listeners, _progress(console) as progress:
+            job = ColocatedJob(config, listeners, trace_dir=parts, stop=CTRL_C.requested)
+            report = job.report
+            try:
+                _drive(job, ending, progress, err)
+            finally:  # the report before the clean-up, whose Ray processes are the slow part to end
+                settle()
+                _close(job, err)
+    finally:
+        settle()  # where the run ended before its job did
         if report.steps:
             console.print(summary(report, time.perf_counter() - start))
         if lost is not None:  # after the summary, so it is the last thing said

@@ -1,6 +1,6 @@
 """`colocate run` on a bad day, as a user would cause it: a rank actor killed or stopped by its
-process id, Ctrl-C. The run names the rank at fault, ends within --rank-timeout plus a few
-seconds, keeps its report, and leaves no Ray folder or process behind."""
+process id, Ctrl-C (during start-up too). The run names the rank at fault, ends within
+--rank-timeout plus a few seconds, keeps its report, and leaves no Ray folder or process behind."""
 
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ RANK_TIMEOUT = 15.0  # small, so a hang test is quick, and yet twice it (the old
 # cores the stop -> exit time was 19.2 s alone and 23.1-24.2 s at a load average of 15, so the test
 # allows 12 s. Twice the timeout (30 s), what a second unanswered call would take, still fails it.
 BOUND = RANK_TIMEOUT + 12
+STOPPED_WITHIN = 12.0  # Ctrl-C during start-up -> exit; 2-4 s at a load of 6-9 (it was 23-47 s)
 
 
 @pytest.fixture
@@ -48,12 +49,41 @@ def test_a_killed_rank_is_named_and_ends_the_run_at_once(start) -> None:  # type
     exited, stderr = run.finish()
     print(f"kill -> exit: {exited - killed:.1f} s")
     assert run.proc.returncode == 1, stderr
-    assert "rank 1 (died) failed in" in stderr and "rank 0" not in stderr, stderr
+    assert "rank 1 (died)" in stderr and "rank 0" not in stderr, stderr
+    # What colocate knows, not Ray's guesses (the OOM killer, `ray stop --force`).
+    assert f"its process (pid {victim}) ended without exiting: killed by a signal or crashed" in stderr, stderr
+    assert "OOM" not in stderr and "ray stop" not in stderr, stderr
     assert "the lifecycle is FAULTED" in stderr, stderr
     assert exited - killed < BOUND
     report = json.loads(run.report.read_text())
-    assert "rank 1 (died) failed in" in report["error"] and report["interrupted"] is False
+    assert "rank 1 (died)" in report["error"] and report["interrupted"] is False
     assert [s["step"] for s in report["steps"]][:2] == [1, 2]
+    assert leftovers(run, [victim, other]) == []
+
+
+def test_a_rank_killed_during_a_rollout_is_named_at_once_and_the_report_written_first(start) -> None:  # type: ignore[no-untyped-def]
+    run = start()
+    run.wait_for_step(3)  # past the verified cycles: only a rollout keeps the engine busy now
+    victim, other = run.pid_of("TrainerRank(rank=1)"), run.pid_of("TrainerRank(rank=0)")
+    engine = psutil.Process(run.pid_of("EngineReplica(index=0)"))
+    engine.cpu_percent()
+    while engine.cpu_percent(interval=0.05) < 60:  # generating: the ranks are idle until it ends
+        assert run.proc.poll() is None, run.finish()[1]
+    os.kill(victim, signal.SIGKILL)
+    killed, written = time.monotonic(), None
+    while run.proc.poll() is None:
+        if written is None and run.report.exists():
+            written = time.monotonic()
+        time.sleep(0.01)
+    exited, stderr = run.finish()
+    written = written or exited
+    print(f"kill -> report written: {written - killed:.2f} s, -> exit: {exited - killed:.1f} s")
+    assert run.proc.returncode == 1, stderr
+    assert "rollout failed in PARAMS_DROPPED: RankFailed: rank 1 (died) during engine.generate" in stderr, stderr
+    (fault,) = [json.loads(line) for line in run.log.read_text().splitlines() if json.loads(line)["level"] == "error"]
+    assert fault["event"] == "rollout" and "rank 1 (died)" in fault["cause"], fault  # not the restore after it
+    assert written - killed < 2.0  # before Ray and the actors are stopped, the slow part of the end
+    assert exited - killed < BOUND
     assert leftovers(run, [victim, other]) == []
 
 
@@ -95,3 +125,30 @@ def test_ctrl_c_keeps_the_steps_done_in_a_report_marked_interrupted(start, tmp_p
     steps = trace_file.read_text().count('"name":"colocate.step"')
     assert steps >= len(done)
     assert leftovers(run, ranks) == []
+
+
+@pytest.mark.parametrize("moment", ["ray start, to the process group", "a rank's construction, to the driver"])
+def test_ctrl_c_during_start_up_ends_the_run_at_once_and_leaves_nothing(start, moment: str) -> None:  # type: ignore[no-untyped-def]
+    run = start()
+    held = None
+    if moment.startswith("ray start"):  # its Ray Client server is up: the one process that outlived the rest
+        run.wait_for(lambda: run.running("ray.util.client.server"), "Ray Client's server")
+        os.killpg(run.proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: `ray start` would get it too
+    else:  # a rank held mid-construction: the start-up would not end by itself within 300 s
+        held = run.wait_for(lambda: run.running("ray::TrainerRank.__init__"), "a rank's construction")[0]
+        os.kill(held, signal.SIGSTOP)
+        run.proc.send_signal(signal.SIGINT)
+    asked = time.monotonic()
+    try:
+        exited, stderr = run.finish()
+        left = run.processes()
+    finally:
+        if held is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(held, signal.SIGKILL)
+    print(f"Ctrl-C -> exit: {exited - asked:.1f} s")
+    assert run.proc.returncode == 130, stderr
+    assert "interrupted after 0 of 500 step(s)" in stderr and "error:" not in stderr, stderr
+    assert left == {} and list(run.temp.glob("colocate-ray-*")) == [], left
+    assert exited - asked < STOPPED_WITHIN
+    assert json.loads(run.report.read_text())["interrupted"] is True

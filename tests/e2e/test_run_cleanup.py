@@ -128,7 +128,7 @@ def test_an_exception_run_does_not_handle_is_raised_after_ray_and_telemetry_are_
     _assert_cleaned_up(tmp_path, seen, "Abort: stopped from outside")
     assert seen["ray_initialized"] is False
     (temp_dir,) = seen["clusters"]
-    from orchestrator.demo.ray_cluster import head_processes
+    from orchestrator.demo.ray_reaper import head_processes
 
     assert not Path(temp_dir).exists(), "the private cluster's folder is removed"
     assert head_processes(Path(temp_dir)) == [], "no process of the private cluster (its actors too) is left"

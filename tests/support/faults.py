@@ -12,11 +12,14 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from tests.support.cli import ROOT, colocate
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -38,6 +41,31 @@ class Run:
                     return
             time.sleep(0.2)
         raise AssertionError(f"step {step} did not start within {within} s")
+
+    def wait_for(self, found: Callable[[], T], what: str, within: float = 240) -> T:
+        """Until `found()` finds something (what it returns is true); returns it."""
+        deadline = time.monotonic() + within
+        while not (value := found()):
+            assert self.proc.poll() is None, self.finish()[1]
+            assert time.monotonic() < deadline, f"{what} did not happen within {within} s"
+            time.sleep(0.1)
+        return value
+
+    def processes(self) -> dict[int, str]:
+        """The live processes this run started, its Ray cluster's too (all have its TMPDIR): pid →
+        command line (Ray's workers show what they run: `ray::TrainerRank.__init__`)."""
+        import psutil
+
+        found = {}
+        for proc in psutil.process_iter(["environ", "cmdline", "status"]):
+            with contextlib.suppress(psutil.Error):
+                ours = (proc.info["environ"] or {}).get("TMPDIR") == str(self.temp) and proc.pid != os.getpid()
+                if ours and proc.info["status"] != psutil.STATUS_ZOMBIE:
+                    found[proc.pid] = " ".join(proc.info["cmdline"] or [])[:120]
+        return found
+
+    def running(self, command: str) -> list[int]:
+        return [pid for pid, line in self.processes().items() if command in line]
 
     def pid_of(self, actor: str) -> int:
         """The process of a Ray actor, by the name Ray writes into its worker log."""

@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import threading
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -18,9 +20,10 @@ import torch
 
 from orchestrator.adapters.registry import EngineSpec
 from orchestrator.core.config import DigestMethod
+from orchestrator.demo import interrupt
 from orchestrator.demo.workers.engine_replica import EngineReplica
 from orchestrator.demo.workers.fanout import ReplicaSet
-from orchestrator.demo.workers.pool import WorkerPool, control, remote_class
+from orchestrator.demo.workers.pool import Sentinels, WorkerPool, control, remote_class
 from orchestrator.demo.workers.traced import Traced
 from orchestrator.demo.workers.trainer_rank import TrainerRank
 from orchestrator.errors import ConfigError, RankFailed
@@ -78,7 +81,9 @@ class RayPlacement:
     """Starts (or attaches to) Ray, then a placement group for `ranks` ranks (and the engine), then the actors.
 
     `trace_file(role)` names the file a process of that role writes its spans to (or None).
-    `close` ends every actor it started and Ray, whatever state they are in.
+    `close` ends every actor it started and Ray, whatever state they are in. Every call's wait
+    ends when any worker's process dies (`pool.Sentinels`), and start-up's once `stop` is set
+    (Ctrl-C: KeyboardInterrupt).
     """
 
     def __init__(
@@ -91,6 +96,7 @@ class RayPlacement:
         trace_file: Callable[[str], str | None],
         address: str | None = None,
         store_host: str = "127.0.0.1",
+        stop: threading.Event | None = None,
     ) -> None:
         import ray
         from ray.util.placement_group import placement_group
@@ -99,7 +105,9 @@ class RayPlacement:
 
         self.ranks, self.cuda, self.timeout, self.trace_file = ranks, cuda, timeout, trace_file
         self.store_host = store_host  # where the ranks reach the driver's rendezvous store
+        self.stop = stop
         self.actors: list[Any] = []  # ranks, then the engine replicas
+        self.sentinels = Sentinels()  # shared by every pool: a death anywhere ends any wait
         # Each actor's own environment, never the driver's: on the CPU it is shown no GPU, so
         # Megatron and the engine take the CPU whatever GPUs the host has. The driver's `OTEL_*`
         # travel, so that on a cluster started elsewhere the ranks export where the driver does.
@@ -109,14 +117,20 @@ class RayPlacement:
             | ({} if cuda else {"CUDA_VISIBLE_DEVICES": ""})
         )
         # The user's cluster at `address`, or a private one on loopback (`ray_cluster`).
-        cluster = connect(address, cpus=ranks + 1, gpus=None if cuda else 0, runtime_env={"env_vars": self.env})
+        env = {"env_vars": self.env}
+        cluster = connect(address, cpus=ranks + 1, gpus=None if cuda else 0, runtime_env=env, stop=stop)
         self._shutdown = cluster.close
         try:
             if address is not None:  # a private cluster was judged with the config: this machine's
                 self._check_capacity(address, engine_bundle)
             bundles = [{"CPU": 1, "GPU": 1}] * ranks if cuda else [{"CPU": 1}] * (ranks + engine_bundle)
             self._group = placement_group(bundles, strategy="PACK")
-            ray.get(self._group.ready(), timeout=timeout)
+            deadline, ready = time.monotonic() + timeout, self._group.ready()
+            while not ray.wait([ready], timeout=interrupt.POLL_S)[0]:
+                interrupt.check(stop)
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"Ray placed no group of {len(bundles)} bundle(s) within {timeout:g} s")
+            ray.get(ready)
         except BaseException:
             self._shutdown()
             raise
@@ -155,8 +169,10 @@ class RayPlacement:
             for r in range(self.ranks)
         ]  # fmt: skip
         self.actors += workers
-        ranks: WorkerPool[TrainerRank] = WorkerPool(workers, label="rank", remote=True, timeout=self.timeout)
-        ranks.start()
+        ranks: WorkerPool[TrainerRank] = WorkerPool(
+            workers, label="rank", remote=True, timeout=self.timeout, sentinels=self.sentinels
+        )
+        ranks.start(self.stop)
         return ranks
 
     def start_engine(self, kind: str, spec: EngineSpec) -> ReplicaSet:
@@ -173,9 +189,11 @@ class RayPlacement:
             for i in range(count)
         ]  # fmt: skip
         self.actors += actors
-        replicas: WorkerPool[EngineReplica] = WorkerPool(actors, label="engine", remote=True, timeout=self.timeout)
+        replicas: WorkerPool[EngineReplica] = WorkerPool(
+            actors, label="engine", remote=True, timeout=self.timeout, sentinels=self.sentinels
+        )
         try:
-            replicas.start()
+            replicas.start(self.stop)
         except Exception as exc:
             raise RankFailed("engine", "start", exc) from exc
         return ReplicaSet(replicas)

@@ -11,10 +11,13 @@ result; the wire carries its name to `Traced.invoke` in the worker's process.
 
 from __future__ import annotations
 
+import re
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
+from orchestrator.demo import interrupt
 from orchestrator.demo.workers.traced import Traced
 from orchestrator.errors import LifecycleError, RankFailed
 
@@ -23,6 +26,7 @@ RANK_TIMEOUT_S = 120.0
 # a call should: start-up waits at least this long, whatever --rank-timeout says.
 START_TIMEOUT_S = 300.0
 CONTROL = "control"  # each actor's second thread: probes and span flushes, never blocked by the work
+WATCH = "watch"  # each actor's third thread: `Traced.until_exit`, pending for the process's life
 PROBE_S = 2.0  # how long a live process's control thread may take to answer, on a loaded machine
 
 W = TypeVar("W", bound=Traced)
@@ -31,10 +35,11 @@ R = TypeVar("R")
 
 
 def remote_class(cls: type) -> Any:
-    """`cls` as a Ray actor class whose `probe` and `flush_traces` run on a thread of their own."""
+    """`cls` as a Ray actor class whose `probe` and `flush_traces` run on a thread of their own,
+    and `until_exit` on another."""
     import ray
 
-    return ray.remote(concurrency_groups={CONTROL: 1})(cls)  # type: ignore[call-overload]
+    return ray.remote(concurrency_groups={CONTROL: 1, WATCH: 1})(cls)  # type: ignore[call-overload]
 
 
 def control(actor: Any, method: Callable[[Any], Any]) -> Any:
@@ -60,6 +65,50 @@ def _outcome(ref: Any) -> tuple[str, BaseException | None]:
     return "ok", None
 
 
+class WorkerDied(Exception):
+    """A worker's process ended: what colocate knows of it (the Ray error that told is its cause)."""
+
+
+def ended(pid: int | None, error: BaseException | None) -> WorkerDied:
+    """How the process `pid` ended, from the Ray `error` that told: its facts (the exit type and
+    detail), not its guesses. A process that vanished without exiting (a signal, a crash) is to
+    Ray only a connection that closed, and it lists the OOM killer first among possible causes;
+    the exit status goes to Ray's raylet, its parent, and no further."""
+    text = " ".join(str(error or "").split())
+    process = f"its process (pid {pid})" if pid else "its process"
+    kind, detail = re.search(r"Worker exit type: (\w+)", text), re.search(r"Worker exit detail: (.+?\.)( |$)", text)
+    if kind is None or detail is None:
+        death = WorkerDied(f"{process} died: {text or 'Ray gave no reason'}")
+    elif kind[1] == "SYSTEM_ERROR" and "connection" in detail[1]:
+        death = WorkerDied(
+            f"{process} ended without exiting: killed by a signal or crashed (its exit status is not known)"
+        )
+    else:
+        death = WorkerDied(f"{process} ended ({kind[1]}): {detail[1]}")
+    death.__cause__ = error
+    return death
+
+
+class Sentinels:
+    """One pending call per worker, `Traced.until_exit`, which fails only when its process dies:
+    every wait of the pools that share it wakes then, whichever worker it was waiting on (a rank
+    killed while only the engine works, during a rollout, is named at once, not at its next call)."""
+
+    def __init__(self) -> None:
+        self._watched: dict[Any, tuple[Any, str, int | None]] = {}  # ref → (actor, its name, its pid)
+
+    def watch(self, actor: Any, name: str, pid: int | None) -> None:
+        ref = actor.invoke.options(concurrency_group=WATCH).remote({}, Traced.until_exit.__name__)
+        self._watched[ref] = (actor, name, pid)
+
+    @property
+    def refs(self) -> list[Any]:
+        return list(self._watched)
+
+    def __getitem__(self, ref: Any) -> tuple[Any, str, int | None]:
+        return self._watched[ref]
+
+
 class WorkerPool(Generic[W]):
     """Calls one method on every worker (or one) and returns the results in worker order.
 
@@ -67,11 +116,21 @@ class WorkerPool(Generic[W]):
     remote call fails, the worker named is the one at fault, not the first still busy: one whose
     process died comes first (the first call to fail, if several died), then one that is stopped
     or answers no probe (a hang), then the first to raise. Workers blocked in a collective, waiting for that one, still answer probes.
-    `label` names them in errors: "rank 1 (died)", "engine replica 0".
+    `label` names them in errors: "rank 1 (died)", "engine replica 0". With `sentinels`, a wait
+    also ends when a worker they watch dies (this pool's, from `start` on, or another pool's).
     """
 
-    def __init__(self, workers: Sequence[Any], *, label: str, remote: bool, timeout: float = RANK_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        workers: Sequence[Any],
+        *,
+        label: str,
+        remote: bool,
+        timeout: float = RANK_TIMEOUT_S,
+        sentinels: Sentinels | None = None,
+    ) -> None:
         self.workers, self.label, self.remote, self.timeout = list(workers), label, remote, timeout
+        self.sentinels = sentinels
         self.pids: dict[int, int] = {}  # index → process id, once `start` has seen them ready
 
     def __len__(self) -> int:
@@ -80,13 +139,18 @@ class WorkerPool(Generic[W]):
     def _name(self, index: int) -> str:
         return self.label if len(self.workers) == 1 and self.label != "rank" else f"{self.label} {index}"
 
-    def start(self) -> None:
-        """Wait for every worker to be built (within `START_TIMEOUT_S` at least); note its process."""
-        timeout, self.timeout = self.timeout, max(self.timeout, START_TIMEOUT_S)
-        try:
+    def start(self, stop: threading.Event | None = None) -> None:
+        """Wait for every worker to be built (within `START_TIMEOUT_S` at least); note its process
+        and watch it. Once `stop` is set (Ctrl-C), KeyboardInterrupt within `interrupt.POLL_S`."""
+        if not self.remote:
             self.pids = dict(enumerate(self.all(Traced.ready)))
-        finally:
-            self.timeout = timeout
+            return
+        ready = Traced.ready.__name__
+        refs = {i: worker.invoke.remote({}, ready) for i, worker in enumerate(self.workers)}
+        self.pids = dict(enumerate(self._gather(ready, refs, max(self.timeout, START_TIMEOUT_S), stop)))
+        if self.sentinels is not None:
+            for i, worker in enumerate(self.workers):
+                self.sentinels.watch(worker, self._name(i), self.pids[i])
 
     def all(self, method: Callable[Concatenate[W, P], R], *args: P.args, **kwargs: P.kwargs) -> list[R]:
         """`method(*args, **kwargs)` on every worker at once; their results in worker order."""
@@ -109,7 +173,7 @@ class WorkerPool(Generic[W]):
         if not self.remote:
             return [self._local(index, headers, method, args, kwargs) for index in targets]
         refs = {i: self.workers[i].invoke.remote(headers, method, *args, **kwargs) for i in targets}
-        return self._gather(method, refs)
+        return self._gather(method, refs, self.timeout)
 
     def _local(
         self, index: int, headers: dict[str, str], method: str, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -121,22 +185,44 @@ class WorkerPool(Generic[W]):
         except Exception as exc:
             raise RankFailed(self._name(index), method, exc) from exc
 
-    def _gather(self, method: str, refs: dict[int, Any]) -> list[Any]:
+    def _gather(
+        self, method: str, refs: dict[int, Any], timeout: float, stop: threading.Event | None = None
+    ) -> list[Any]:
         import ray
 
         pending = {ref: index for index, ref in refs.items()}
+        watched = self.sentinels.refs if self.sentinels is not None else []
         results: dict[int, Any] = {}
-        deadline = time.monotonic() + self.timeout
+        deadline = time.monotonic() + timeout
         while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            left = max(0.0, deadline - time.monotonic())
+            ready, _ = ray.wait(
+                [*pending, *watched], num_returns=1, timeout=left if stop is None else min(left, interrupt.POLL_S)
+            )
+            interrupt.check(stop)
+            if not ready and time.monotonic() < deadline:
+                continue
             if not ready:
                 raise self._blame(method, refs, None)
+            if ready[0] not in pending:  # a watched process died
+                raise self._death(method, refs, ready[0])
             index = pending.pop(ready[0])
             try:
                 results[index] = ray.get(ready[0])
             except Exception as exc:  # RayActorError, or the worker's own exception
                 raise self._blame(method, refs, (index, exc)) from exc
         return [results[index] for index in refs]
+
+    def _death(self, method: str, refs: dict[int, Any], sentinel: Any) -> RankFailed:
+        """The failure of `method` when a watched worker's process died: this call's own, as
+        `_blame` names it, or one not in this call (another pool's, say), named apart."""
+        assert self.sentinels is not None
+        actor, name, pid = self.sentinels[sentinel]
+        _, error = _outcome(sentinel)
+        mine = [i for i in refs if self.workers[i] is actor]
+        if mine:
+            return self._blame(method, refs, (mine[0], error or RuntimeError("died")))
+        return RankFailed(f"{name} (died)", f"{self.label}.{method}", ended(pid, error), during=True)
 
     def _blame(self, method: str, refs: dict[int, Any], first: tuple[int, BaseException] | None) -> RankFailed:
         """The failure of `method`, naming the worker at fault (see the class docstring)."""
@@ -160,7 +246,7 @@ class WorkerPool(Generic[W]):
             # The first call to fail, if its process died: a peer blocked in a collective with it
             # may be torn down by NCCL a moment later, and died too by the time it is probed.
             i, cause = next(((r, c) for r, c in died if first is not None and r == first[0]), died[0])
-            return RankFailed(f"{self._name(i)} (died)", method, cause or RuntimeError("died"))
+            return RankFailed(f"{self._name(i)} (died)", method, ended(self.pids.get(i), cause))
         if hung:
             i = min(hung, key=lambda r: (not self._stopped(r), r))
             how = "its process is stopped" if self._stopped(i) else f"no answer to a probe within {PROBE_S:g} s"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ class Traced:
         {
             "ready", "tags", "layout", "weight_version", "is_idle", "host_pinned_bytes", "host_arena_bytes", "probe",
             "flush_traces", "device_memory", "footprint", "region_bytes", "unallocated_bytes", "paused",
-            "mains_generation", "released",
+            "mains_generation", "released", "until_exit",
         }
     )  # fmt: skip
 
@@ -61,6 +62,11 @@ class Traced:
         """This process's id. Called on the control thread, so a process whose work is blocked
         (in a collective waiting for a peer) still answers, and one that is stopped or dead does not."""
         return os.getpid()
+
+    def until_exit(self) -> None:
+        """Return never: called on a thread of its own, its call fails the moment this process
+        dies, whatever else the driver waits on then (`pool.Sentinels`)."""
+        threading.Event().wait()
 
     def flush_traces(self) -> None:
         if self._provider is not None:
