@@ -244,18 +244,18 @@ class ColocatedJob:
             pause=cfg.engine_pause or EnginePause.RETRACT,
         )  # fmt: skip
         # Before any rank starts: an unreachable server fails the run at once, by its URL.
-        with _part(semconv.START_CONNECT):
+        with _part(semconv.START_CONNECT_SPAN):
             served = self._started.enter_context(adapter.build(spec)) if adapter.served else None
-        with _part(semconv.START_CLUSTER):
+        with _part(semconv.START_CLUSTER_SPAN):
             store_host = driver_ip(cfg.ray_address)
             self._store = rendezvous_store(store_host)
             self._started.callback(setattr, self, "_store", None)  # the port goes back once no rank needs it
             placement = self._place(store_host, engine_bundle=served is None)
             self._started.callback(placement.close, flush=self.trace_dir is not None or bool(exporters_requested()))
-        with _part(semconv.START_RANKS):
+        with _part(semconv.START_RANKS_SPAN):
             ranks = placement.start_ranks(int(self._store.port), grpo.model, grpo.clip_eps, cfg.digest)
         interrupt.check(self.stop)  # ranks built in this process do not look at it
-        with _part(semconv.START_ENGINE):
+        with _part(semconv.START_ENGINE_SPAN):
             self.engine: JobEngine = served if served is not None else placement.start_engine(cfg.engine, spec)
         interrupt.check(self.stop)
         self.trainer = DistributedTrainer(ranks)
@@ -264,7 +264,7 @@ class ColocatedJob:
             self.report.gpu_total_bytes = [total for _, total in self.trainer.device_memory()]
             listeners.insert(1, DeviceMemoryListener(self.report, self.trainer))
         # The config guards judge the Megatron flags the ranks really built with.
-        with _part(semconv.START_LIFECYCLE):
+        with _part(semconv.START_LIFECYCLE_SPAN):
             self._lifecycle = self._build_lifecycle(ranks, listeners)
         self.report.param_bytes_bf16_per_rank = self._lifecycle.snapshot().layout.param_bytes
 
