@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import trace_check
 from tests.support.faults import launcher, leftovers
 
 psutil = pytest.importorskip("psutil")
@@ -61,8 +62,11 @@ def test_a_killed_rank_is_named_and_ends_the_run_at_once(start) -> None:  # type
     assert leftovers(run, [victim, other]) == []
 
 
-def test_a_rank_killed_during_a_rollout_is_named_at_once_and_the_report_written_first(start) -> None:  # type: ignore[no-untyped-def]
-    run = start()
+def test_a_rank_killed_during_a_rollout_is_named_at_once_and_the_report_written_first(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Also CI's trace check of a faulted run (tests/support/trace_check.py): one root per trace,
+    every parent resolving, every promised attribute, no span naming a phase it never entered, the
+    cause with its traceback, and every log line's ids naming its own transition's span."""
+    run = start("--trace-dir", str(tmp_path / "traces"))
     run.wait_for_step(3)  # past the verified cycles: only a rollout keeps the engine busy now
     victim, other = run.pid_of("TrainerRank(rank=1)"), run.pid_of("TrainerRank(rank=0)")
     engine = psutil.Process(run.pid_of("EngineReplica(index=0)"))
@@ -85,6 +89,14 @@ def test_a_rank_killed_during_a_rollout_is_named_at_once_and_the_report_written_
     assert written - killed < 2.0  # before Ray and the actors are stopped, the slow part of the end
     assert exited - killed < BOUND
     assert leftovers(run, [victim, other]) == []
+    (trace_file,) = (tmp_path / "traces").glob("*.otlp.jsonl")
+    assert trace_check.problems(trace_file, run.log) == []
+    spans = trace_check.read(trace_file)
+    (fault,) = [s for s in spans if s.name == "lifecycle.fault"]
+    assert "rank 1 (died)" in str(fault.attributes["colocate.cause"])
+    (failed,) = [s for s in spans if s.error and s.name.startswith("lifecycle.") and s != fault]
+    assert failed.name == "lifecycle.rollout" and failed.trace == fault.trace
+    assert "colocate.destination" not in failed.attributes and fault.attributes["colocate.destination"] == "FAULTED"
 
 
 def test_a_stopped_rank_is_named_within_the_timeout(start) -> None:  # type: ignore[no-untyped-def]
