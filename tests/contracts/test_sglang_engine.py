@@ -448,6 +448,38 @@ def test_a_failed_call_is_an_error_span_with_its_error_type(
     assert [e.name for e in refused.events] == ["exception"]
 
 
+def test_a_refusal_in_a_200_body_is_an_error_span_too(client_spans: Any) -> None:
+    """`success: false` under HTTP 200 (the stand-in answers refusals with 400, as SGLang does; a
+    one-route server of the standard library answers this one): still a failed call, ERROR with
+    `error.type` the exception colocate raised."""
+    import http.server
+    import threading
+
+    from opentelemetry.trace import StatusCode
+
+    class Refuses(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = b'{"success": false, "message": "not now"}'
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None: ...
+
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refuses) as httpd:
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        engine = SGLangEngine(f"http://127.0.0.1:{httpd.server_address[1]}", flush_max_wait_s=0.1)
+        with pytest.raises(EngineError, match="not now"):
+            engine._call("POST", "/pause_generation", {"mode": "retract"})
+        engine.close()
+        httpd.shutdown()
+    (span,) = client_spans.get_finished_spans()
+    assert span.status.status_code is StatusCode.ERROR and span.attributes["http.response.status_code"] == 200
+    assert span.attributes["error.type"] == "orchestrator.errors.EngineError"
+
+
 def test_with_tracing_off_no_request_carries_a_trace_context(engine: SGLangEngine, server: SGLangStandIn) -> None:
     """The README's condition: `traceparent` travels only while tracing is on (no span, no context)."""
     from opentelemetry import trace

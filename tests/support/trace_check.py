@@ -95,9 +95,9 @@ def _promised(span: Raw) -> list[str]:
     if span.name.startswith("lifecycle."):
         missing = sorted(LIFECYCLE_KEYS - a.keys())
         refused, failed = a.get("colocate.refused") is True, span.error and span.name != "lifecycle.fault"
-        entered = "colocate.destination" in a
-        if entered == (refused or failed):
-            return [*missing, f"destination {a.get('colocate.destination')!r} but refused={refused} failed={failed}"]
+        if ("colocate.destination" in a) == (refused or failed):
+            destination = a.get("colocate.destination")
+            return [f"destination {destination!r} but refused={refused} failed={failed}", *_missing(missing)]
         if span.error and not refused and not _traceback(span):
             missing.append("an exception event with its traceback")
         if span.name == "lifecycle.fault" and "colocate.cause" not in a:
@@ -114,7 +114,11 @@ def _promised(span: Raw) -> list[str]:
         missing.append(f"{span.name} (true or false)")
     elif span.name == "colocate.step":
         missing = sorted({"colocate.step", "colocate.rank"} - a.keys())
-    return [f"missing {m}" if not m.startswith("destination") else m for m in missing]
+    return _missing(missing)
+
+
+def _missing(keys: list[str]) -> list[str]:
+    return [f"missing {key}" for key in keys]
 
 
 def _traceback(span: Raw) -> bool:
