@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from orchestrator.demo.presets import PRESETS
+from orchestrator.job.presets import PRESETS
 
 
 def curve(report: dict[str, Any]) -> dict[str, Any]:

@@ -26,8 +26,8 @@ import torch
 
 from orchestrator.adapters.engines.decode import _sample
 from orchestrator.adapters.megatron.convert import hf_llama_config
-from orchestrator.demo.grpo import GRPOConfig, SyntheticTask, group_advantages, grpo_loss
-from orchestrator.demo.presets import PRESETS, grpo_config
+from orchestrator.job.grpo import GRPOConfig, SyntheticTask, group_advantages, grpo_loss
+from orchestrator.job.presets import PRESETS, grpo_config
 
 
 def _model(grpo: GRPOConfig, layers: int, hidden: int | None, seed: int) -> torch.nn.Module:

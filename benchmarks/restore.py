@@ -3,7 +3,7 @@
 - rematerialize: cast the fp32 mains to bf16 and all-gather; copy a few KB of extras back;
 - backup: copy the pinned host copy of every bf16 param back (today's stacks).
 
-The model is a preset of `orchestrator.demo.presets` (Llama-shaped megatron-core GPT) with an MoE
+The model is a preset of `orchestrator.job.presets` (Llama-shaped megatron-core GPT) with an MoE
 layer (expert_bias), an fp32 param and a frozen param, in DDP + DistributedOptimizer. With
 `--ranks N` it runs N processes at DP = N (one GPU each, NCCL; gloo on the CPU). On a GPU the
 regions are torch_memory_saver's and a device-to-device copy of the same bytes is timed as the
@@ -45,7 +45,7 @@ from orchestrator.adapters.megatron.fast_cast import MainParamCast, PipelinedRes
 from orchestrator.adapters.megatron.trainer import MegatronTrainer
 from orchestrator.adapters.regions.storage import StorageRegions
 from orchestrator.core.regions import RegionLedger
-from orchestrator.demo.presets import BENCHMARK_MODELS, benchmark_model
+from orchestrator.job.presets import BENCHMARK_MODELS, benchmark_model
 from states import Mode, Region
 
 

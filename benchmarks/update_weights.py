@@ -1,6 +1,6 @@
 """update_weights by CUDA IPC: a rank pushes its weights, in buckets, into an engine on its GPU.
 
-The rank is a megatron-core GPT (a preset of `orchestrator.demo.presets`, dense) in DDP +
+The rank is a megatron-core GPT (a preset of `orchestrator.job.presets`, dense) in DDP +
 DistributedOptimizer; the engine replica is `TransformersEngine` in a process of its own on
 the same GPU, as colocated stacks place SGLang. The rank converts its resident params to HF
 names (`convert.to_hf`: views of the param buffer; q/k/v are copies, kept in staging tensors)
@@ -41,8 +41,8 @@ import torch.multiprocessing as mp
 
 from orchestrator.adapters.megatron.gpt import TinyGPTConfig
 from orchestrator.adapters.transport.bucketed import buckets, nbytes
-from orchestrator.demo.presets import PRESETS, preset
-from orchestrator.demo.workers.staging import ALIGN, Slot, StagingBuffer
+from orchestrator.job.presets import PRESETS, preset
+from orchestrator.job.workers.staging import ALIGN, Slot, StagingBuffer
 
 MODES = ("per-bucket", "registered", "staged")
 
@@ -51,7 +51,7 @@ def _engine_main(cfg: TinyGPTConfig, inbox: Any, outbox: Any) -> None:
     """The engine replica: serve update_weights messages until told to stop."""
     from orchestrator.adapters.digest import device_digests
     from orchestrator.adapters.engines.transformers import TransformersEngine
-    from orchestrator.demo.workers.staging import attach
+    from orchestrator.job.workers.staging import attach
 
     try:
         engine = TransformersEngine(cfg, max_batch=1, max_len=cfg.seq_len, device="cuda:0")

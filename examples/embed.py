@@ -16,7 +16,7 @@ from orchestrator.adapters.megatron.convert import to_hf
 from orchestrator.adapters.megatron.trainer import MegatronTrainer, megatron_setup
 from orchestrator.adapters.regions.storage import StorageRegions
 from orchestrator.adapters.transport.bucketed import BucketedTransport
-from orchestrator.demo.grpo import GRPOConfig, SyntheticTask, group_advantages, grpo_train_step
+from orchestrator.job.grpo import GRPOConfig, SyntheticTask, group_advantages, grpo_train_step
 from orchestrator.telemetry.logs import LoggingListener
 from orchestrator.telemetry.tracing import TracingListener
 from states import Mode

@@ -134,12 +134,12 @@ def run_command(
         str, typer.Option(help="Model preset: tiny (CPU-size), qwen-0.5b or llama-1b (GPU-size, random init).")
     ] = "tiny",
 ) -> None:
-    """Run the colocated GRPO demo: Megatron-core ranks and a rollout engine, one full cycle per step."""
-    from orchestrator.demo.grpo import GRPOConfig
-    from orchestrator.demo.job import RunConfig
-    from orchestrator.demo.outputs import output_problems
-    from orchestrator.demo.presets import grpo_config
-    from orchestrator.demo.run import run
+    """Run the colocated GRPO job: Megatron-core ranks and a rollout engine, one full cycle per step."""
+    from orchestrator.job.grpo import GRPOConfig
+    from orchestrator.job.job import RunConfig
+    from orchestrator.job.outputs import output_problems
+    from orchestrator.job.presets import grpo_config
+    from orchestrator.job.run import run
     from orchestrator.telemetry.tracing import exporter_problems
 
     problems: list[str] = output_problems(report=report, log=log, trace_dir=trace_dir) + exporter_problems()
@@ -184,7 +184,7 @@ def engine_config_command(
     Start the server with `--load-format dummy`: colocate sends every weight before the first rollout.
     """
     from orchestrator.adapters.megatron.convert import hf_llama_config
-    from orchestrator.demo.grpo import GRPOConfig
+    from orchestrator.job.grpo import GRPOConfig
 
     target = folder / "config.json"
     if target.exists() and not force:
@@ -277,9 +277,9 @@ app.command("plan", help=PLAN_HELP)(plan_command)
 
 
 def main() -> None:
-    from orchestrator.demo.interrupt import CTRL_C
+    from orchestrator.job.interrupt import CTRL_C
 
-    CTRL_C.install()  # once, for the process's life (orchestrator/demo/interrupt.py)
+    CTRL_C.install()  # once, for the process's life (orchestrator/job/interrupt.py)
     try:
         app()
     except SystemExit as done:  # how typer ends every command

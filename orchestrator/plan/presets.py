@@ -10,11 +10,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from orchestrator.adapters.megatron.gpt import TinyGPTConfig
-from orchestrator.demo.presets import benchmark_model, preset
 from orchestrator.errors import ConfigError
+from orchestrator.job.presets import benchmark_model, preset
 from orchestrator.plan.model import ModelSpec, from_config, from_hf_config
 
-# colocate's own GPTs: the job's default, and the restore benchmark's models (orchestrator/demo/presets.py);
+# colocate's own GPTs: the job's default, and the restore benchmark's models (orchestrator/job/presets.py);
 # `gpu-1b` is the benchmark's `llama-1b`, extras included.
 # Built on demand: the job's default lives with GRPOConfig, which imports torch; planning never does.
 TINY_GPTS: dict[str, Callable[[], TinyGPTConfig]] = {

@@ -1,6 +1,6 @@
 """colocate's telemetry names: every span name, span event and `colocate.*` attribute key, once.
 
-Spans are written by `telemetry.tracing`, the core's actions, the adapters and the demo's
+Spans are written by `telemetry.tracing`, the core's actions, the adapters and the job's
 workers, and read back by `colocate trace` (cli/traces) and the run report: all of them name
 what they write or read through these constants, so the writer and the reader cannot drift
 apart. The README's "Tracing and logs" lists the same names (tests/docs checks that it does).
@@ -44,7 +44,7 @@ START_ENGINE_SPAN: Final = "start.engine"
 START_LIFECYCLE_SPAN: Final = "start.lifecycle"
 """Start-up: the ranks' set-up read, the lifecycle built, and the engine's memory taken over."""
 ENGINE_MATCHES_TRAINER_SPAN: Final = "colocate.engine_matches_trainer"
-"""The demo's check, after every sync, that the engine serves what the trainer holds."""
+"""The job's check, after every sync, that the engine serves what the trainer holds."""
 LIFECYCLE_PREFIX: Final = "lifecycle."
 """`lifecycle.<event>`: one span per transition, a child of the step (see `lifecycle_span`)."""
 

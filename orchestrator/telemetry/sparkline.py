@@ -1,5 +1,5 @@
 """A series as one line of block characters: `colocate run`'s reward curve and `colocate trace
-summarize`'s per-step phase times. Here, below the demo and the CLI, so both draw it one way."""
+summarize`'s per-step phase times. Here, below the job and the CLI, so both draw it one way."""
 
 from __future__ import annotations
 

@@ -23,10 +23,10 @@ import torch
 from torch.multiprocessing import reductions
 
 from orchestrator.adapters.engines.sglang import SGLangGroup
-from orchestrator.demo.workers.fanout import tensor_push
-from orchestrator.demo.workers.pool import WorkerPool
-from orchestrator.demo.workers.trainer_rank import TrainerRank
 from orchestrator.errors import ConfigError, RankFailed
+from orchestrator.job.workers.fanout import tensor_push
+from orchestrator.job.workers.pool import WorkerPool
+from orchestrator.job.workers.trainer_rank import TrainerRank
 from orchestrator.protocols import TransferReport
 from tests.support.sglang_server import SGLangStandIn, payload_origin
 from tests.support.sglang_weights import WEIGHTS, tensors

@@ -55,7 +55,7 @@ def test_engine_config_writes_the_trained_models_llama_config_and_never_overwrit
     from transformers import LlamaConfig
 
     from orchestrator.adapters.megatron.convert import hf_llama_config
-    from orchestrator.demo.grpo import GRPOConfig
+    from orchestrator.job.grpo import GRPOConfig
 
     done = run("engine-config", str(tmp_path / "model"))
     assert done.returncode == 0 and "--load-format dummy" in done.stdout, done.stderr

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.demo.ray_reaper import head_processes
+from orchestrator.job.ray_reaper import head_processes
 from tests.support.cli import ROOT, colocate, run
 
 pytest.importorskip("megatron.core")

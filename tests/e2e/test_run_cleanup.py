@@ -33,11 +33,11 @@ def _run_failing_at_step_2(folder: str, ranks: int, raise_: str) -> None:
     must close. Writes what it saw to `folder/seen.json`."""
     from rich.console import Console
 
-    import orchestrator.demo.ray_cluster as ray_cluster
-    import orchestrator.demo.run as run_module
-    from orchestrator.demo.grpo import GRPOConfig
-    from orchestrator.demo.job import ColocatedJob, RunConfig
-    from orchestrator.demo.presets import preset
+    import orchestrator.job.ray_cluster as ray_cluster
+    import orchestrator.job.run as run_module
+    from orchestrator.job.grpo import GRPOConfig
+    from orchestrator.job.job import ColocatedJob, RunConfig
+    from orchestrator.job.presets import preset
 
     out = Path(folder)
     seen: dict[str, Any] = {"clusters": [], "shutdowns": 0, "logs": []}
@@ -128,7 +128,7 @@ def test_an_exception_run_does_not_handle_is_raised_after_ray_and_telemetry_are_
     _assert_cleaned_up(tmp_path, seen, "Abort: stopped from outside")
     assert seen["ray_initialized"] is False
     (temp_dir,) = seen["clusters"]
-    from orchestrator.demo.ray_reaper import head_processes
+    from orchestrator.job.ray_reaper import head_processes
 
     assert not Path(temp_dir).exists(), "the private cluster's folder is removed"
     assert head_processes(Path(temp_dir)) == [], "no process of the private cluster (its actors too) is left"
@@ -147,10 +147,10 @@ def test_a_report_that_cannot_be_written_at_the_end_is_one_error_after_the_summa
     after the step): the run ends with its summary, then one line that names the report, exit 1."""
     from rich.console import Console
 
-    import orchestrator.demo.run as run_module
-    from orchestrator.demo.grpo import GRPOConfig
-    from orchestrator.demo.job import ColocatedJob, RunConfig
-    from orchestrator.demo.presets import preset
+    import orchestrator.job.run as run_module
+    from orchestrator.job.grpo import GRPOConfig
+    from orchestrator.job.job import ColocatedJob, RunConfig
+    from orchestrator.job.presets import preset
 
     folder = tmp_path / "out"
     folder.mkdir()

@@ -19,8 +19,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 pytest.importorskip("megatron.core")
 pytest.importorskip("transformers")
 
-from orchestrator.demo.job import ColocatedJob, RunConfig, rendezvous_store
 from orchestrator.errors import RankFailed
+from orchestrator.job.job import ColocatedJob, RunConfig, rendezvous_store
 from orchestrator.telemetry.listeners import Listener, TransitionRecord
 from orchestrator.telemetry.tracing import TracingListener
 from states import Event, Phase, Region
@@ -179,7 +179,7 @@ def test_with_an_engine_that_cannot_report_its_weights_no_check_span_is_left_wit
     weights: the step has no `colocate.engine_matches_trainer` span, where one would have no value."""
     from orchestrator.adapters.engines.transformers import TransformersEngine
     from orchestrator.core.config import EngineKind
-    from orchestrator.demo.grpo import GRPOConfig
+    from orchestrator.job.grpo import GRPOConfig
     from tests.support.sglang_server import SGLangStandIn
 
     grpo = GRPOConfig()

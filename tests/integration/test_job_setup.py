@@ -17,8 +17,8 @@ def _job_with_overlapping_param_gather(out: str) -> None:
     """In a fresh process (the in-process rank owns torch.distributed for the process's life):
     ranks whose DDP config overlaps the param gather, as a Megatron run with that flag would."""
     import orchestrator.adapters.megatron.build as build
-    from orchestrator.demo.job import ColocatedJob, RunConfig
     from orchestrator.errors import ConfigError
+    from orchestrator.job.job import ColocatedJob, RunConfig
 
     real = build.build_gpt
 

@@ -16,8 +16,8 @@ pytest.importorskip("transformers")
 from orchestrator.adapters.digest import sha256_digests
 from orchestrator.adapters.engines.transformers import TransformersEngine
 from orchestrator.core.config import EngineKind
-from orchestrator.demo.grpo import GRPOConfig
-from orchestrator.demo.job import ColocatedJob, RunConfig
+from orchestrator.job.grpo import GRPOConfig
+from orchestrator.job.job import ColocatedJob, RunConfig
 from orchestrator.telemetry.listeners import Listener, TransitionRecord
 from states import Event
 from tests.support.sglang_server import SGLangStandIn

@@ -1,6 +1,6 @@
 """The plan against real megatron-core ranks (gloo, CPU), buffer by buffer, to the byte.
 
-The model is the `cpu` benchmark model of orchestrator/demo/presets.py (4 layers, the last MoE with
+The model is the `cpu` benchmark model of orchestrator/job/presets.py (4 layers, the last MoE with
 expert_bias, an fp32 param, a frozen norm), built by `megatron_build.build_gpt` in DDP +
 DistributedOptimizer after one Adam step, at DP=1, DP=2 and DP=2 with EP=2. And an MLA GPT of
 Megatron's local layer spec at TP2, tensor by tensor (the TE spec needs Transformer Engine).

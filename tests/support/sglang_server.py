@@ -784,7 +784,7 @@ def main(argv: list[str] | None = None) -> int:
 
         from orchestrator.adapters.engines.transformers import TransformersEngine
         from orchestrator.adapters.megatron.convert import ATTN_IMPLEMENTATION
-        from orchestrator.demo.grpo import GRPOConfig
+        from orchestrator.job.grpo import GRPOConfig
 
         config = LlamaConfig.from_pretrained(args.model_path, attn_implementation=ATTN_IMPLEMENTATION)
         grpo = GRPOConfig()  # the largest batch `colocate run` sends

@@ -14,8 +14,8 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.managers import BaseManager
 
-from orchestrator.demo.workers.pool import WorkerPool
-from orchestrator.demo.workers.trainer_rank import TrainerRank
+from orchestrator.job.workers.pool import WorkerPool
+from orchestrator.job.workers.trainer_rank import TrainerRank
 from orchestrator.protocols import Named
 from tests.support.sglang_weights import tensors
 

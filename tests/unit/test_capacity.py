@@ -1,11 +1,11 @@
-"""How many ranks a machine or an attached Ray cluster can hold (orchestrator/demo/capacity.py),
+"""How many ranks a machine or an attached Ray cluster can hold (orchestrator/job/capacity.py),
 judged without starting Ray."""
 
 from __future__ import annotations
 
 import pytest
 
-from orchestrator.demo.capacity import GIB, PROCESS_BYTES, cluster_problems
+from orchestrator.job.capacity import GIB, PROCESS_BYTES, cluster_problems
 
 ADDRESS = "10.0.0.1:6379"
 

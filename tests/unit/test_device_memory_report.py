@@ -3,7 +3,7 @@ the ranks on the way into FAULTED (one may be dead or hung)."""
 
 from __future__ import annotations
 
-from orchestrator.demo.report import DeviceMemoryListener, ReportListener, RunReport
+from orchestrator.job.report import DeviceMemoryListener, ReportListener, RunReport
 from orchestrator.telemetry.listeners import TransitionRecord
 from states import Event, Mode, Phase
 

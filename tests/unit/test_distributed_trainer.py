@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 
 from orchestrator.adapters.regions.storage import StorageRegions
-from orchestrator.demo.workers.fanout import DistributedTrainer
-from orchestrator.demo.workers.pool import WorkerPool
-from orchestrator.demo.workers.trainer_rank import TrainerRank
+from orchestrator.job.workers.fanout import DistributedTrainer
+from orchestrator.job.workers.pool import WorkerPool
+from orchestrator.job.workers.trainer_rank import TrainerRank
 from orchestrator.protocols import MemoryRegions
 from orchestrator.testing import InMemoryTrainer
 from states import Region

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from orchestrator.demo.grpo import SyntheticTask, TaskConfig, group_advantages, grpo_loss
 from orchestrator.errors import ConfigError
+from orchestrator.job.grpo import SyntheticTask, TaskConfig, group_advantages, grpo_loss
 
 TASK = SyntheticTask(TaskConfig(alphabet_size=8, length=4))
 
@@ -166,7 +166,7 @@ def test_global_token_count_makes_shards_sum_to_the_global_mean() -> None:
 
 
 def test_grpo_config_defaults_fit_the_task_and_refuse_bad_values() -> None:
-    from orchestrator.demo.grpo import GRPOConfig
+    from orchestrator.job.grpo import GRPOConfig
 
     cfg = GRPOConfig()
     assert cfg.max_new_tokens == cfg.task.length
@@ -178,7 +178,7 @@ def test_grpo_config_defaults_fit_the_task_and_refuse_bad_values() -> None:
 
 def test_grpo_config_refuses_a_model_that_samples_ids_the_task_cannot_read() -> None:
     from orchestrator.adapters.megatron.gpt import TinyGPTConfig
-    from orchestrator.demo.grpo import GRPOConfig
+    from orchestrator.job.grpo import GRPOConfig
 
     with pytest.raises(ConfigError, match=r"model.vocab_size 32768 != task.vocab_size 10"):
         GRPOConfig(model=TinyGPTConfig(vocab_size=32768))

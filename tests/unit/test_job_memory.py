@@ -1,10 +1,10 @@
-"""The job's measured memory budget (`demo.memory`): region bytes from the ranks once, the engine's
+"""The job's measured memory budget (`job.memory`): region bytes from the ranks once, the engine's
 footprint, and the least free memory of the ranks' GPUs read anew for every snapshot."""
 
 from __future__ import annotations
 
 from orchestrator.core.offload import choose
-from orchestrator.demo.memory import MeasuredMemory
+from orchestrator.job.memory import MeasuredMemory
 from states import EngineMemory, Offload, Region
 
 GB = 10**9

@@ -14,7 +14,7 @@ from guards.memory import device_free, memory_fits, sleep_need
 from orchestrator import ConfigError, GuardRejected
 from orchestrator.cli.app import app
 from orchestrator.core.offload import choose
-from orchestrator.demo.job import RunConfig
+from orchestrator.job.job import RunConfig
 from orchestrator.plan.memory import EngineSpec, Parallelism, plan
 from orchestrator.plan.offload import prices
 from orchestrator.plan.presets import load_model

@@ -1,4 +1,4 @@
-"""`colocate run`'s output paths, tried by writing before any rank starts (orchestrator/demo/outputs.py):
+"""`colocate run`'s output paths, tried by writing before any rank starts (orchestrator/job/outputs.py):
 each refusal names the option, the path and the OS's reason, and a trial leaves nothing behind."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ import pytest
 from typer.testing import CliRunner
 
 from orchestrator.cli.app import app
-from orchestrator.demo.outputs import output_problems
+from orchestrator.job.outputs import output_problems
 
 
 @pytest.fixture
 def started(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[object]]:
     """The runs `colocate run` started: none, where an output is refused."""
-    import orchestrator.demo.run as demo_run
+    import orchestrator.job.run as demo_run
 
     runs: list[object] = []
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from orchestrator.adapters.megatron.convert import hf_llama_config
-from orchestrator.demo.grpo import GRPOConfig, SyntheticTask
-from orchestrator.demo.presets import PRESETS, grpo_config, param_count, preset
+from orchestrator.job.grpo import GRPOConfig, SyntheticTask
+from orchestrator.job.presets import PRESETS, grpo_config, param_count, preset
 
 
 def test_tiny_is_the_jobs_default_model() -> None:

@@ -1,4 +1,4 @@
-"""The Ray cluster's addresses, checked without starting Ray (orchestrator/demo/ray_cluster.py)."""
+"""The Ray cluster's addresses, checked without starting Ray (orchestrator/job/ray_cluster.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import os
 import psutil
 import pytest
 
-from orchestrator.demo.job import RunConfig, rendezvous_store
-from orchestrator.demo.ray_cluster import LOOPBACK_FOR_RAY, _keep_loopback, address_problems, driver_ip
 from orchestrator.errors import ConfigError, RayUnreachable
+from orchestrator.job.job import RunConfig, rendezvous_store
+from orchestrator.job.ray_cluster import LOOPBACK_FOR_RAY, _keep_loopback, address_problems, driver_ip
 
 
 def is_loopback(ip: str) -> bool:

@@ -10,9 +10,9 @@ pytest.importorskip("transformers")
 
 from orchestrator.adapters.megatron.gpt import TinyGPTConfig
 from orchestrator.adapters.registry import EngineSpec
-from orchestrator.demo.workers.engine_replica import EngineReplica
-from orchestrator.demo.workers.fanout import ReplicaSet
-from orchestrator.demo.workers.pool import WorkerPool
+from orchestrator.job.workers.engine_replica import EngineReplica
+from orchestrator.job.workers.fanout import ReplicaSet
+from orchestrator.job.workers.pool import WorkerPool
 from states import EngineMemory
 
 CFG = TinyGPTConfig()

@@ -10,8 +10,8 @@ from typer.testing import CliRunner
 
 from orchestrator.cli.app import app
 from orchestrator.core.config import Device, DigestMethod, EngineKind, WeightSync
-from orchestrator.demo.job import RunConfig
 from orchestrator.errors import ConfigError
+from orchestrator.job.job import RunConfig
 
 
 def problems(**fields: object) -> list[str]:
@@ -71,7 +71,7 @@ def test_the_digest_flag_reaches_the_job(
     args: tuple[str, ...], digest: DigestMethod | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """None lets each rank's trainer choose by its params' device (the device digest on a GPU)."""
-    import orchestrator.demo.run as demo_run
+    import orchestrator.job.run as demo_run
 
     seen: list[RunConfig] = []
 

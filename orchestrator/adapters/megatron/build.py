@@ -1,4 +1,4 @@
-"""A tiny Llama-shaped megatron-core GPT in DDP + DistributedOptimizer, for tests, benchmarks, demo.
+"""A tiny Llama-shaped megatron-core GPT in DDP + DistributedOptimizer, for tests, benchmarks and the job.
 
 Same code on a CPU host (megatron-core 0.16.1 through gloo, with ``enable_cpu_path``) and on a GPU
 host (0.19.2 through nccl, as it is): the device is the one the process has.

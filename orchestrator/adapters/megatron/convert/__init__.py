@@ -6,7 +6,7 @@
   MTP layers, unless `mtp=True`).
 - `to_hf` / `convert`: whole Megatron tensors → HF checkpoint tensors (`hf`).
 - `ModelSpec`: what the conversion reads from Megatron's `TransformerConfig` and `GPTModel`, or
-  from the demo's `TinyGPTConfig` (`spec`); `hf_config(spec)` is the transformers config.
+  from the job's `TinyGPTConfig` (`spec`); `hf_config(spec)` is the transformers config.
 
 Families: Llama, Qwen3 (q/k norm), Qwen3-MoE (router, experts), Mixtral (every layer MoE, no q/k
 norm), DeepSeek-V3 (MLA and YaRN in `mla`; sigmoid-routed experts with a selection bias, groups,

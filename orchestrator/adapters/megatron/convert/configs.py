@@ -29,7 +29,7 @@ Shape = TinyGPTConfig | ModelSpec
 
 
 def as_spec(cfg: Shape) -> ModelSpec:
-    """The conversion's spec: `cfg` itself, or the demo's tiny GPT read as one."""
+    """The conversion's spec: `cfg` itself, or the job's tiny GPT read as one."""
     return cfg if isinstance(cfg, ModelSpec) else ModelSpec.from_tiny(cfg)
 
 

@@ -2,7 +2,7 @@
 
 `ModelSpec.from_megatron(config, gpt)` reads a `TransformerConfig` and the `GPTModel` built from it
 (vocab, RoPE base, tied embeddings live on the model, not the config); `ModelSpec.from_tiny(cfg)`
-is the thin front the demo's `TinyGPTConfig` goes through. A spec is plain data (ints, bools,
+is the thin front the job's `TinyGPTConfig` goes through. A spec is plain data (ints, bools,
 a tuple), so the ranks can hand it to a process that has no Megatron.
 
 Only what the HF family can compute the same way is accepted: anything else is refused here,
@@ -155,7 +155,7 @@ class ModelSpec:
 
     @classmethod
     def from_tiny(cls, cfg: TinyGPTConfig, family: Family = Family.LLAMA) -> ModelSpec:
-        """The demo's model: what `megatron_build.build_gpt(cfg)` builds."""
+        """The job's model: what `megatron_build.build_gpt(cfg)` builds."""
         return cls(
             family=family,
             vocab_size=cfg.vocab_size,

@@ -20,13 +20,13 @@ import torch
 
 from orchestrator.adapters.registry import EngineSpec
 from orchestrator.core.config import DigestMethod
-from orchestrator.demo import interrupt
-from orchestrator.demo.workers.engine_replica import EngineReplica
-from orchestrator.demo.workers.fanout import ReplicaSet
-from orchestrator.demo.workers.pool import Sentinels, WorkerPool, control, remote_class
-from orchestrator.demo.workers.traced import Traced
-from orchestrator.demo.workers.trainer_rank import TrainerRank
 from orchestrator.errors import ConfigError, RankFailed
+from orchestrator.job import interrupt
+from orchestrator.job.workers.engine_replica import EngineReplica
+from orchestrator.job.workers.fanout import ReplicaSet
+from orchestrator.job.workers.pool import Sentinels, WorkerPool, control, remote_class
+from orchestrator.job.workers.traced import Traced
+from orchestrator.job.workers.trainer_rank import TrainerRank
 
 FLUSH_S = 2.0  # how long the processes together may take to flush their spans when the job ends
 
@@ -101,7 +101,7 @@ class RayPlacement:
         import ray
         from ray.util.placement_group import placement_group
 
-        from orchestrator.demo.ray_cluster import connect
+        from orchestrator.job.ray_cluster import connect
 
         self.ranks, self.cuda, self.timeout, self.trace_file = ranks, cuda, timeout, trace_file
         self.store_host = store_host  # where the ranks reach the driver's rendezvous store
@@ -140,7 +140,7 @@ class RayPlacement:
         placement group would wait for resources that never come."""
         import ray
 
-        from orchestrator.demo.capacity import cluster_problems
+        from orchestrator.job.capacity import cluster_problems
 
         problems = cluster_problems(
             ray.cluster_resources(), address=address, ranks=self.ranks, cuda=self.cuda, engine_bundle=engine_bundle

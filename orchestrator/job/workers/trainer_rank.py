@@ -13,8 +13,8 @@ from opentelemetry import trace
 
 from orchestrator.adapters.transport.bucketed import push_in_buckets
 from orchestrator.core.config import DigestMethod
-from orchestrator.demo.workers.payloads import PayloadSource
-from orchestrator.demo.workers.traced import Traced
+from orchestrator.job.workers.payloads import PayloadSource
+from orchestrator.job.workers.traced import Traced
 from orchestrator.protocols import BucketSink, Named, TransferReport
 from orchestrator.telemetry import semconv
 from states import Mode, TrainerLayout, TrainingSetup
@@ -22,8 +22,8 @@ from states import Mode, TrainerLayout, TrainingSetup
 if TYPE_CHECKING:
     from orchestrator.adapters.engines.sglang import WeightBroadcaster
     from orchestrator.adapters.registry import OwnedRegions
-    from orchestrator.demo.workers.fanout import ReplicaSet
-    from orchestrator.demo.workers.staging import StagingBuffer
+    from orchestrator.job.workers.fanout import ReplicaSet
+    from orchestrator.job.workers.staging import StagingBuffer
 
 
 # The name of the weight-update group rank 0 hosts for SGLang servers off its GPUs (`--weight-sync broadcast`).
@@ -177,7 +177,7 @@ class TrainerRank(Traced, PayloadSource):
 
     # The work of a step.
     def train(self, batch: Batch) -> float:
-        from orchestrator.demo.grpo import grpo_train_step
+        from orchestrator.job.grpo import grpo_train_step
 
         shard = batch.shard(self.rank, self.world_size)
         stats = grpo_train_step(
@@ -213,7 +213,7 @@ class TrainerRank(Traced, PayloadSource):
         CUDA IPC (`cudaIpcGetMemHandle`, what torch shares tensors by) refuses with "invalid
         argument". So weights travel through this buffer, a plain allocation outside every
         region, at least as large as the largest converted tensor."""
-        from orchestrator.demo.workers.staging import StagingBuffer
+        from orchestrator.job.workers.staging import StagingBuffer
 
         largest = max(t.numel() * t.element_size() for _, t in self.converted())
         self._staging = StagingBuffer(max(bucket_bytes, largest))

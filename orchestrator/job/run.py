@@ -13,10 +13,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from orchestrator.demo.interrupt import CTRL_C
-from orchestrator.demo.job import ColocatedJob, RunConfig
-from orchestrator.demo.report import RunReport
 from orchestrator.errors import ConfigError, LifecycleError
+from orchestrator.job.interrupt import CTRL_C
+from orchestrator.job.job import ColocatedJob, RunConfig
+from orchestrator.job.report import RunReport
 from orchestrator.telemetry.listeners import Listener
 from orchestrator.telemetry.logs import LoggingListener, configure_logging
 from orchestrator.telemetry.sparkline import sparkline

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from orchestrator.demo import interrupt
-from orchestrator.demo.ray_reaper import MARK, start_reaper, stop_reaper
 from orchestrator.errors import ConfigError, RayUnreachable
+from orchestrator.job import interrupt
+from orchestrator.job.ray_reaper import MARK, start_reaper, stop_reaper
 
 LOOPBACK = "127.0.0.1"
 # ray.init rewrites 127.0.0.1 and localhost in an address to this host's outward IP (it assumes

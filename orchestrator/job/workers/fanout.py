@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from orchestrator.adapters.registry import Registry
-from orchestrator.demo.workers.engine_replica import EngineReplica
-from orchestrator.demo.workers.payloads import SerializedBucket
-from orchestrator.demo.workers.pool import WorkerPool
-from orchestrator.demo.workers.staging import Slot
-from orchestrator.demo.workers.trainer_rank import WEIGHT_GROUP, Batch, TrainerRank
 from orchestrator.errors import ConfigError, RankFailed
+from orchestrator.job.workers.engine_replica import EngineReplica
+from orchestrator.job.workers.payloads import SerializedBucket
+from orchestrator.job.workers.pool import WorkerPool
+from orchestrator.job.workers.staging import Slot
+from orchestrator.job.workers.trainer_rank import WEIGHT_GROUP, Batch, TrainerRank
 from orchestrator.protocols import BucketSink, JobEngine, Named, TransferReport, WeightTransport
 from states import EngineMemory, Mode, TrainerLayout, TrainingSetup
 

@@ -17,9 +17,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
-from orchestrator.demo import interrupt
-from orchestrator.demo.workers.traced import Traced
 from orchestrator.errors import LifecycleError, RankFailed
+from orchestrator.job import interrupt
+from orchestrator.job.workers.traced import Traced
 
 RANK_TIMEOUT_S = 120.0
 # Building a worker (imports, the model, the process group) on a loaded host takes far longer than

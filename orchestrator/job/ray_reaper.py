@@ -49,7 +49,7 @@ def start_reaper(temp_dir: Path) -> subprocess.Popen[bytes]:
     (`kill -9` too): it waits for the end of a pipe only this process holds. `ray start` detaches
     the cluster's processes, so nothing else would. Its own session: a Ctrl-C to the terminal's
     process group does not end it before it has done its work."""
-    command = [sys.executable, "-m", "orchestrator.demo.ray_reaper"]
+    command = [sys.executable, "-m", "orchestrator.job.ray_reaper"]
     reaper = subprocess.Popen(command, stdin=subprocess.PIPE, start_new_session=True)
     if reaper.stdin is not None:  # the folder goes by the pipe: on its command line, `head_processes` would count it
         reaper.stdin.write(f"{temp_dir}\n".encode())

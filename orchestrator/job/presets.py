@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING
 from orchestrator.adapters.megatron.gpt import TinyGPTConfig
 
 if TYPE_CHECKING:
-    from orchestrator.demo.grpo import GRPOConfig
+    from orchestrator.job.grpo import GRPOConfig
 
 __all__ = ["BENCHMARK_MODELS", "PRESETS", "benchmark_model", "grpo_config", "param_count", "preset"]
 
 
 def _tiny() -> TinyGPTConfig:
-    from orchestrator.demo.grpo import GRPOConfig
+    from orchestrator.job.grpo import GRPOConfig
 
     return GRPOConfig().model
 
@@ -57,7 +57,7 @@ def preset(name: str) -> TinyGPTConfig:
 def grpo_config(name: str) -> GRPOConfig:
     """What `colocate run --model NAME` trains: the preset's model, and the copy task written in
     its whole vocabulary (`grpo.TaskConfig`), since the policy samples from all of it."""
-    from orchestrator.demo.grpo import GRPOConfig, TaskConfig
+    from orchestrator.job.grpo import GRPOConfig, TaskConfig
 
     model = preset(name)
     return GRPOConfig(model=model, task=TaskConfig(vocab_size=model.vocab_size))

@@ -20,7 +20,7 @@ from orchestrator.adapters.transport.bucketed import nbytes
 from orchestrator.protocols import Named
 
 if TYPE_CHECKING:
-    from orchestrator.demo.workers.fanout import ReplicaSet
+    from orchestrator.job.workers.fanout import ReplicaSet
 
 ALIGN = 256  # bytes: every slot starts aligned for any dtype's view
 

@@ -38,17 +38,17 @@ from orchestrator.adapters.engines.sglang.group import url_problems
 from orchestrator.adapters.registry import ENGINES, EngineSpec
 from orchestrator.core.config import Device, DigestMethod, EngineKind, EnginePause, LifecycleConfig, WeightSync
 from orchestrator.core.lifecycle import Lifecycle
-from orchestrator.demo import interrupt
-from orchestrator.demo.capacity import machine_problems
-from orchestrator.demo.grpo import GRPOConfig, SyntheticTask, group_advantages
-from orchestrator.demo.memory import MeasuredMemory
-from orchestrator.demo.ray_cluster import address_problems, auth_problems, driver_ip
-from orchestrator.demo.report import DeviceMemoryListener, ReportListener, RunReport
-from orchestrator.demo.workers.fanout import WEIGHT_SYNCS, DistributedTrainer, ReplicaSet
-from orchestrator.demo.workers.placement import LocalPlacement, Placement, RayPlacement, in_process
-from orchestrator.demo.workers.pool import RANK_TIMEOUT_S
-from orchestrator.demo.workers.trainer_rank import Batch
 from orchestrator.errors import ConfigError
+from orchestrator.job import interrupt
+from orchestrator.job.capacity import machine_problems
+from orchestrator.job.grpo import GRPOConfig, SyntheticTask, group_advantages
+from orchestrator.job.memory import MeasuredMemory
+from orchestrator.job.ray_cluster import address_problems, auth_problems, driver_ip
+from orchestrator.job.report import DeviceMemoryListener, ReportListener, RunReport
+from orchestrator.job.workers.fanout import WEIGHT_SYNCS, DistributedTrainer, ReplicaSet
+from orchestrator.job.workers.placement import LocalPlacement, Placement, RayPlacement, in_process
+from orchestrator.job.workers.pool import RANK_TIMEOUT_S
+from orchestrator.job.workers.trainer_rank import Batch
 from orchestrator.protocols import JobEngine
 from orchestrator.telemetry import semconv
 from orchestrator.telemetry.listeners import Listener
@@ -56,8 +56,8 @@ from orchestrator.telemetry.tracing import exporters_requested
 from states import Mode, Offload, Phase
 
 if TYPE_CHECKING:
-    from orchestrator.demo.workers.pool import WorkerPool
-    from orchestrator.demo.workers.trainer_rank import TrainerRank
+    from orchestrator.job.workers.pool import WorkerPool
+    from orchestrator.job.workers.trainer_rank import TrainerRank
 
 # The longest --rank-timeout: far below what every wait it reaches can take (Ray's, in int64
 # milliseconds; threading's TIMEOUT_MAX, 292 years; a socket's), and longer than any call should.
@@ -71,7 +71,7 @@ class RunConfig:
     ranks: int = 2
     mode: Mode = Mode.REMATERIALIZE
     # Which of grad_buffer, default leave the device for the rollout (orchestrator/core/offload.py).
-    # `auto` decides from the measured budget on GPUs (`demo.memory`); on the CPU it moves both.
+    # `auto` decides from the measured budget on GPUs (`job.memory`); on the CPU it moves both.
     offload: Offload = Offload.AUTO
     verify_cycles: int = 2
     # How the verified cycles check their restores; None: the device digest on GPUs, SHA256 on
@@ -88,7 +88,7 @@ class RunConfig:
     # default), and for the transformers engine, which generates only inside the step, nothing.
     engine_pause: EnginePause | None = None
     # A running Ray cluster's GCS address (HOST:PORT) to run the ranks on; None: a private cluster
-    # of the job's own, on loopback (`orchestrator.demo.ray_cluster`).
+    # of the job's own, on loopback (`orchestrator.job.ray_cluster`).
     ray_address: str | None = None
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
 

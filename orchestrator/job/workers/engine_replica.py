@@ -11,8 +11,8 @@ from typing import Any
 import torch
 
 from orchestrator.adapters.registry import ENGINES, EngineSpec
-from orchestrator.demo.workers.staging import Slot, attach
-from orchestrator.demo.workers.traced import Traced
+from orchestrator.job.workers.staging import Slot, attach
+from orchestrator.job.workers.traced import Traced
 from orchestrator.protocols import KnowsFootprint, Named
 from orchestrator.telemetry import semconv
 from states import EngineMemory

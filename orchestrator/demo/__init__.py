@@ -1,1 +1,0 @@
-"""The demo GRPO job: run config, the job and its rank workers, GRPO, the run loop and its report."""
