@@ -72,8 +72,11 @@ class Actions:
     # ---- the cycle ------------------------------------------------------------------------
 
     def train_step(self, record: TransitionRecord, work: Work | None) -> Any:
-        result = work() if work is not None else None
-        self.known.trained_since_sync = True
+        try:
+            result = work() if work is not None else None
+        finally:  # the actor trained if its optimizer began a step since the sync, whatever `work` was
+            generation = self._trainer.mains_generation()
+            self.known.trained_since_sync = generation != self.known.synced_generation
         self.observed.params_seen_whole()  # the step returned: it wrote the params from the mains it moved
         return result
 
@@ -95,6 +98,7 @@ class Actions:
         version = self.known.weight_version + 1
         self._sync(record, version)
         self.known.weight_version, self.known.trained_since_sync = version, False
+        self.known.synced_generation = self._trainer.mains_generation()
 
     def refill_engine_weights(self, record: TransitionRecord, work: Work | None) -> None:
         """A critic-only step: the actor did not train, so the engine keeps its version. Its weight

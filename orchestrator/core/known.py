@@ -21,9 +21,11 @@ class Known:
     engine_synced: bool = False
     weight_version: int = 0
     cache_flushed: bool = True
-    # The trainer: an optimizer step since the last sync; the extras (expert_bias, fp32 and
-    # frozen params) copied aside before `default` is paused.
+    # The trainer: whether the actor's optimizer began a step since the last sync (its
+    # `mains_generation` moved from `synced_generation`; a critic's work under `train` does not
+    # move it); the extras (expert_bias, fp32 and frozen params) copied aside before `default` is paused.
     trained_since_sync: bool = False
+    synced_generation: int | None = None
     extras_stashed: bool = False
     # The trainer's `mains_generation` when the params were last seen equal to cast(mains): after
     # a train event's work returned, after a rebuild that needs no check. None while they are

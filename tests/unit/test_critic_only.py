@@ -12,9 +12,11 @@ from orchestrator import Lifecycle, LifecycleConfig
 from orchestrator.adapters.engines.transformers import TransformersEngine
 from orchestrator.adapters.megatron.gpt import TinyGPTConfig
 from orchestrator.adapters.transport.bucketed import push_in_buckets
+from orchestrator.errors import GuardRejected
 from orchestrator.protocols import TransferReport
 from orchestrator.testing import InMemoryRegions, InMemoryTrainer
 from states import EngineMemory, Phase, Region
+from tests.support.rig import make_rig, to_rollout
 
 
 class _Push:
@@ -63,3 +65,38 @@ def test_critic_only_step_serves_the_unchanged_version_after_a_full_cycle() -> N
     assert engine.digests() == synced, "the engine serves exactly the weights of version 1"
     assert torch.equal(first, again), "same weights, same seed: the same completions"
     lc.restore()
+
+
+def test_a_critics_work_under_train_keeps_the_fence_and_an_actor_step_lifts_it() -> None:
+    """`train` runs whatever work the step has; only the actor's optimizer moving its mains
+    (`mains_generation`) makes its weights need a sync. A critic's update under `train` does not."""
+    rig = make_rig()
+    lc, trainer = rig.lifecycle, rig.trainer
+    lc.train(trainer.optimizer_step)
+    to_rollout(rig)
+    lc.restore()
+
+    critic = torch.nn.Linear(4, 1)
+    critic_optimizer = torch.optim.SGD(critic.parameters(), lr=0.1)
+
+    def critic_step() -> None:
+        critic(torch.ones(2, 4)).sum().backward()
+        critic_optimizer.step()
+
+    lc.train(critic_step)
+    lc.pause_grads()
+    with pytest.raises(GuardRejected) as refused:
+        lc.update_weights()
+    assert [v.guard for v in refused.value.verdicts if not v.ok] == ["weights_changed"]
+    lc.skip_update()
+    lc.drop_params()
+    lc.rollout()
+    lc.restore()
+
+    lc.train(trainer.optimizer_step)  # the actor trains: its weights must be pushed, not skipped
+    lc.pause_grads()
+    with pytest.raises(GuardRejected) as refused:
+        lc.skip_update()
+    assert [v.guard for v in refused.value.verdicts if not v.ok] == ["weights_unchanged"]
+    lc.update_weights()
+    assert lc.weight_version == 2
