@@ -1,6 +1,6 @@
 """colocate embedded in a Megatron-core GRPO loop: one CPU rank over gloo, a transformers engine.
 
-Run it with `python examples/embed.py [STEPS]` (5 steps by default). The README shows this file.
+Run it with `python examples/embed.py [STEPS]` (5 steps by default). docs/megatron.md shows this file.
 """
 
 import socket

@@ -1,7 +1,7 @@
 """Your own Megatron-core training loop, with colocate as its lifecycle controller.
 
 One rank on the CPU over gloo; the rollout engine is a transformers Llama in this process. Run it
-with `python examples/megatron_loop.py [STEPS]` (3 steps by default). The README shows this file.
+with `python examples/megatron_loop.py [STEPS]` (3 steps by default). docs/megatron.md shows this file.
 """
 
 import sys

@@ -3,7 +3,7 @@
 Spans are written by `telemetry.tracing`, the core's actions, the adapters and the job's
 workers, and read back by `colocate trace` (cli/traces) and the run report: all of them name
 what they write or read through these constants, so the writer and the reader cannot drift
-apart. The README's "Tracing and logs" lists the same names (tests/docs checks that it does).
+apart. docs/tracing.md lists the same names (tests/docs checks that it does).
 
 Imports nothing of the project but `states`, so every layer above can use it.
 """
@@ -107,7 +107,7 @@ CAUSE: Final = "colocate.cause"
 BYTES_STASHED: Final = "colocate.bytes_stashed"
 """pause_grads: bytes of the extras copied to their host backup (bytes)."""
 BYTES_FREED: Final = "colocate.bytes_freed"
-"""pause_grads, drop_params: bytes the paused regions gave back, per README's accounting (bytes)."""
+"""pause_grads, drop_params: bytes the paused regions gave back, as docs/tracing.md counts them (bytes)."""
 HOST_PINNED_BYTES: Final = "colocate.host_pinned_bytes"
 """pause_grads and restore: pinned host memory the rank holds, its backups (the trainer's stash) and its
 regions' host arenas (kept across cycles), in bytes."""

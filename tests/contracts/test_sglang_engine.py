@@ -481,7 +481,7 @@ def test_a_refusal_in_a_200_body_is_an_error_span_too(client_spans: Any) -> None
 
 
 def test_with_tracing_off_no_request_carries_a_trace_context(engine: SGLangEngine, server: SGLangStandIn) -> None:
-    """The README's condition: `traceparent` travels only while tracing is on (no span, no context)."""
+    """docs/sglang.md's condition: `traceparent` travels only while tracing is on (no span, no context)."""
     from opentelemetry import trace
 
     with patch("orchestrator.adapters.engines.sglang.http.trace.get_tracer", return_value=trace.NoOpTracer()):

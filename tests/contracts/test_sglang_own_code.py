@@ -39,7 +39,7 @@ ALL = frozenset(EngineMemory)
 
 @pytest.fixture(scope="module")
 def model_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The folder the README's first command writes: `colocate engine-config DIR`."""
+    """The folder docs/sglang.md's first command writes: `colocate engine-config DIR`."""
     from typer.testing import CliRunner
 
     from orchestrator.cli.app import app

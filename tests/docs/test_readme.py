@@ -1,20 +1,25 @@
-"""The README tells the truth: its set-up, its example, its CPU commands, its flags, its numbers.
+"""The README and docs/ tell the truth: set-up, examples, CPU commands, flags, numbers, layout, spans.
 
-- The two set-up commands make a virtual environment, and `.ci/run` runs the test one verbatim.
-- The Python examples are `examples/embed.py` and `examples/megatron_loop.py`, byte for byte; the first
-  runs here (its shell block), the second in tests/e2e.
-- Every other shell block either runs here (in a scratch folder, verbatim) or needs a GPU/SGLang.
-- Every flag the README gives a `colocate` command exists in that command's `--help`, with a value
+- The README's two set-up commands make a virtual environment, and `.ci/run` runs the test one
+  verbatim; no page of docs/ has a set-up command of its own.
+- The Python examples are `examples/embed.py` and `examples/megatron_loop.py`, byte for byte, on
+  docs/megatron.md; the first runs here (its shell block), the second in tests/e2e.
+- Every other shell block of every page either runs here (in a scratch folder, verbatim) or needs
+  what this machine lacks (a GPU, SGLang, Docker, an OTLP receiver).
+- The reward the README quotes for `colocate run` is what `colocate run` gives.
+- Every flag a page gives a `colocate` command exists in that command's `--help`, with a value
   its choices allow; flags of the benchmarks and of pip are checked against their own `--help`.
 - Every "Measured" line names the date (ISO) and the command of its run, and no section speaks of
   a measurement without one.
-- The span tree is the trace's: every edge and every span name (against the committed sample,
-  and against the trace the README's own trace command writes).
+- docs/ARCHITECTURE.md's layout table names every package folder; docs/tracing.md's span tree is
+  the trace's: every edge and every span name (against the committed sample, and against the
+  trace its own command writes).
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import re
 import subprocess
@@ -32,9 +37,18 @@ from orchestrator.telemetry.tracing import parse_otlp_json
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
+# Every page a reader is sent to: the README, then docs/ by name.
+PAGES = {"README.md": README} | {f"docs/{path.name}": path.read_text() for path in sorted((ROOT / "docs").glob("*.md"))}
+ALL = "\n".join(PAGES.values())
 SETUP_PREFIX = "python3 -m venv .venv && . .venv/bin/activate && "
 # Blocks that cannot run on this machine, and why: each marker names what they need.
-NEEDS = {"--device cuda": "a GPU", "tests/gpu": "a GPU", "sglang": "SGLang on a GPU"}
+NEEDS = {
+    "--device cuda": "a GPU",
+    "tests/gpu": "a GPU",
+    "sglang": "SGLang on a GPU",
+    "docker": "Docker",
+    "OTEL_EXPORTER_OTLP_ENDPOINT": "an OTLP receiver (Jaeger)",
+}
 
 
 def fenced(text: str) -> list[tuple[str, str]]:
@@ -49,14 +63,18 @@ def section(text: str, heading: str) -> str:
 
 
 def setup_blocks() -> list[str]:
-    return [body.strip() for lang, body in fenced(section(README, "## Set-up")) if lang == "bash"]
+    return [body.strip() for lang, body in fenced(README) if lang == "bash" and body.startswith(SETUP_PREFIX)]
 
 
-def cpu_blocks() -> list[str]:
-    """Every shell block outside the set-up that needs nothing this machine lacks."""
+def shell_blocks() -> list[tuple[str, str]]:
+    """(page, block) of every shell block of every page."""
+    return [(page, body.strip()) for page, text in PAGES.items() for lang, body in fenced(text) if lang == "bash"]
+
+
+def cpu_blocks() -> list[tuple[str, str]]:
+    """(page, block) of every shell block outside the set-up that needs nothing this machine lacks."""
     setup = setup_blocks()
-    blocks = [body.strip() for lang, body in fenced(README) if lang == "bash"]
-    return [b for b in blocks if b not in setup and not any(marker in b for marker in NEEDS)]
+    return [(page, b) for page, b in shell_blocks() if b not in setup and not any(m in b for m in NEEDS)]
 
 
 # ---- set-up -----------------------------------------------------------------------------------
@@ -71,30 +89,37 @@ def test_the_two_setup_commands_make_a_venv_and_ci_runs_the_test_one() -> None:
     assert re.search(r"&& pytest( -[^&]*)?$", run_tests), run_tests
     ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line and not line.startswith("#")]
     assert ci[-1] == run_tests, ".ci/run must run the README's test command verbatim"
-    assert "Python ≥ 3.11" in section(README, "## Set-up")
+    assert "Python ≥ 3.11" in section(README, "## Quick start")
+    elsewhere = [page for page, block in shell_blocks() if page != "README.md" and block.startswith(SETUP_PREFIX)]
+    assert elsewhere == [], f"set-up commands belong to the README alone: {elsewhere}"
 
 
 # ---- the example ------------------------------------------------------------------------------
 
 
 def test_the_python_examples_are_the_example_files() -> None:
-    quoted = re.findall(r"<!-- (examples/\w+\.py), verbatim -->", README)
+    quoted = {
+        path: page
+        for page, text in PAGES.items()
+        for path in re.findall(r"<!-- (examples/\w+\.py), verbatim -->", text)
+    }
     assert {"examples/embed.py", "examples/megatron_loop.py"} <= set(quoted)
-    for path in quoted:
-        lang, example = fenced(README.split(f"<!-- {path}, verbatim -->", 1)[1])[0]
-        assert lang == "python" and example == (ROOT / path).read_text(), f"the README's {path} is not the file"
-    for _, fragment in (block for block in fenced(README) if block[0] == "python"):
-        compile(fragment, "README.md", "exec")  # the other Python blocks are fragments: they parse
+    for path, page in quoted.items():
+        lang, example = fenced(PAGES[page].split(f"<!-- {path}, verbatim -->", 1)[1])[0]
+        assert lang == "python" and example == (ROOT / path).read_text(), f"{page}'s {path} is not the file"
+    for page, text in PAGES.items():
+        for _, fragment in (block for block in fenced(text) if block[0] == "python"):
+            compile(fragment, page, "exec")  # the other Python blocks are fragments: they parse
 
 
 # ---- shell blocks that run on a CPU -------------------------------------------------------------
 
 
 def test_every_shell_block_runs_here_or_says_what_it_needs() -> None:
-    blocks = [body.strip() for lang, body in fenced(README) if lang == "bash"]
-    skipped = [b for b in blocks if any(marker in b for marker in NEEDS)]
+    blocks = shell_blocks()
+    skipped = [b for _, b in blocks if any(marker in b for marker in NEEDS)]
     assert len(setup_blocks()) + len(cpu_blocks()) + len(skipped) == len(blocks)
-    assert cpu_blocks(), "the README shows at least one command that runs on a CPU"
+    assert any(page == "README.md" for page, _ in cpu_blocks()), "the README shows a command that runs on a CPU"
 
 
 def scratch(tmp_path: Path) -> Path:
@@ -105,13 +130,18 @@ def scratch(tmp_path: Path) -> Path:
     return tmp_path
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("block", cpu_blocks())
-def test_a_cpu_shell_block_runs_verbatim(block: str, tmp_path: Path) -> None:
-    where = scratch(tmp_path)
+def shell(block: str, where: Path) -> subprocess.CompletedProcess[str]:
     env = os.environ | {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     done = subprocess.run(["bash", "-c", block], cwd=where, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"{block}\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}"
+    return done
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("page", "block"), cpu_blocks())
+def test_a_cpu_shell_block_runs_verbatim(page: str, block: str, tmp_path: Path) -> None:
+    where = scratch(tmp_path)
+    done = shell(block, where)
     if "examples/embed.py" in block:  # the API example: every step trains, the first two restores verify
         steps = int(block.split()[-1]) if block.split()[-1].isdigit() else 5
         assert done.stdout.count("mean reward") == steps, done.stdout
@@ -121,12 +151,27 @@ def test_a_cpu_shell_block_runs_verbatim(block: str, tmp_path: Path) -> None:
         check_tree_against(trace)
 
 
+REWARD = re.compile(r"(\d\.\d{3}) over the first 5 steps, (\d\.\d{3}) over the last 5")
+
+
+@pytest.mark.slow
+def test_the_reward_the_readme_quotes_is_what_colocate_run_gives(tmp_path: Path) -> None:
+    """The quick start's `colocate run`, as written (its defaults: 30 steps, 2 ranks, seed 0), on
+    the CPU: the mean reward of its first and last five steps, to the three decimals quoted."""
+    (quoted,) = REWARD.findall(section(README, "## Quick start"))
+    shell("colocate run --report run.json", scratch(tmp_path))
+    rewards = [step["reward_mean"] for step in json.loads((tmp_path / "run.json").read_text())["steps"]]
+    assert len(rewards) == 30
+    given = (f"{sum(rewards[:5]) / 5:.3f}", f"{sum(rewards[-5:]) / 5:.3f}")
+    assert given == quoted, f"colocate run gives {given[0]} / {given[1]}; the README says {quoted[0]} / {quoted[1]}"
+
+
 # ---- flags ------------------------------------------------------------------------------------
 
 
 def colocate_commands() -> list[tuple[tuple[str, ...], list[str]]]:
-    """(subcommand path, words after it) of every `colocate ...` the README shows, in code."""
-    code = [body for _, body in fenced(README)] + re.findall(r"`([^`\n]+)`", README)
+    """(subcommand path, words after it) of every `colocate ...` a page shows, in code."""
+    code = [body for _, body in fenced(ALL)] + re.findall(r"`([^`\n]+)`", ALL)
     found = []
     for text in code:
         text = text.replace("\\\n", " ").replace("\n   ", " ")
@@ -194,8 +239,8 @@ def test_flags_in_the_prose_belong_to_colocate_run_or_their_own_tool() -> None:
     """An inline `--flag value` with no command before it is `colocate run`'s, unless it sits in a
     command of another tool (a benchmark's, pip's, SGLang's server's: SGLang is not installed)."""
     known = options(("run",))
-    others = " ".join(body for _, body in fenced(README)) + " ".join(re.findall(r"`([^`\n]+)`", README))
-    for span in re.findall(r"`(--[a-z][^`\n]*)`", README):
+    others = " ".join(body for _, body in fenced(ALL)) + " ".join(re.findall(r"`([^`\n]+)`", ALL))
+    for span in re.findall(r"`(--[a-z][^`\n]*)`", ALL):
         flag, *value = span.split()
         if flag not in known:
             assert re.search(rf"(python|pip|sglang)\S*[^`\n]*{re.escape(flag)}", others), f"`{span}`: no command has it"
@@ -207,7 +252,7 @@ def test_flags_in_the_prose_belong_to_colocate_run_or_their_own_tool() -> None:
 
 @pytest.mark.slow
 def test_flags_of_other_commands_are_in_their_help() -> None:
-    code = [body for _, body in fenced(README)] + re.findall(r"`([^`\n]+)`", README)
+    code = [body for _, body in fenced(ALL)] + re.findall(r"`([^`\n]+)`", ALL)
     helps: dict[str, str] = {}
     checked = 0
     for text in code:
@@ -224,10 +269,10 @@ def test_flags_of_other_commands_are_in_their_help() -> None:
             for flag, _ in flag_uses(words[2:]):
                 assert flag in helps[words[1]], f"{words[1]} has no {flag}"
                 checked += 1
-    if "--index-url" in README:
+    if "--index-url" in ALL:
         pip = subprocess.run([sys.executable, "-m", "pip", "install", "--help"], capture_output=True, text=True)
         assert "--index-url" in pip.stdout
-    assert checked, "the README shows benchmark flags; none were found to check"
+    assert checked, "the pages show benchmark flags; none were found to check"
 
 
 # ---- numbers ------------------------------------------------------------------------------------
@@ -236,13 +281,13 @@ MEASURED = re.compile(r"^Measured on (\d{4}-\d{2}-\d{2})\b[^\n`]*? with `([^`]+)
 
 
 def test_every_measured_block_names_the_date_and_command_of_its_run() -> None:
-    lines = [line for line in README.splitlines() if line.startswith("Measured")]
-    assert lines, "the README quotes measured numbers"
+    lines = [line for line in ALL.splitlines() if line.startswith("Measured")]
+    assert lines, "the pages quote measured numbers"
     for line in lines:
         match = MEASURED.match(line)
         assert match, f"not 'Measured on <YYYY-MM-DD> ... with `<command>`': {line}"
         assert datetime.date.fromisoformat(match[1]) <= datetime.datetime.now(datetime.UTC).date()
-    for text in re.split(r"^#{2,3} ", README, flags=re.M):
+    for text in (part for page in PAGES.values() for part in re.split(r"^#{1,3} ", page, flags=re.M)):
         first = MEASURED.search(text)
         for word in re.finditer(r"\bmeasured\b", text, flags=re.I):
             assert first and first.start() <= word.start(), (
@@ -251,7 +296,7 @@ def test_every_measured_block_names_the_date_and_command_of_its_run() -> None:
 
 
 def test_measured_colocate_commands_use_real_flags() -> None:
-    for _, command in MEASURED.findall(README):
+    for _, command in MEASURED.findall(ALL):
         words = command.split()
         if words[0] != "colocate":
             continue
@@ -263,7 +308,7 @@ def test_measured_colocate_commands_use_real_flags() -> None:
 
 
 def test_every_path_in_the_layout_table_exists() -> None:
-    rows = re.findall(r"^\| (`[^|]+`) \|", section(README, "## Layout"), flags=re.M)
+    rows = re.findall(r"^\| (`[^|]+`) \|", section(PAGES["docs/ARCHITECTURE.md"], "## Layout"), flags=re.M)
     assert len(rows) > 10
     for row in rows:
         first, *more = re.findall(r"`([^`]+)`", row)
@@ -273,8 +318,8 @@ def test_every_path_in_the_layout_table_exists() -> None:
 
 
 def readme_tree() -> set[tuple[str, str]]:
-    """(parent, child) span names of the README's tree."""
-    trees = [body for lang, body in fenced(section(README, "## Tracing")) if lang == "" and "colocate.st" in body]
+    """(parent, child) span names of docs/tracing.md's tree."""
+    trees = [body for lang, body in fenced(PAGES["docs/tracing.md"]) if lang == "" and "colocate.st" in body]
     edges: set[tuple[str, str]] = set()
     stack: list[str] = []
     for line in "".join(trees).splitlines():
@@ -307,8 +352,8 @@ def trace_edges(path: Path) -> set[tuple[str, str]]:
 
 def check_tree_against(trace: Path) -> None:
     tree, seen = readme_tree(), trace_edges(trace)
-    assert tree - seen == set(), f"the README's tree has edges the trace lacks: {sorted(tree - seen)}"
-    assert seen - tree == set(), f"the trace has edges the README's tree lacks: {sorted(seen - tree)}"
+    assert tree - seen == set(), f"docs/tracing.md's tree has edges the trace lacks: {sorted(tree - seen)}"
+    assert seen - tree == set(), f"the trace has edges docs/tracing.md's tree lacks: {sorted(seen - tree)}"
 
 
 def test_the_span_tree_is_the_committed_sample_trace() -> None:
@@ -330,7 +375,7 @@ def test_the_layout_table_names_every_package_and_module_folder() -> None:
     """Every folder of Python code is in the Layout table: as a row of its own (or of a module in
     it), or named in its parent's row (`convert/` in `orchestrator/adapters/megatron/`'s); no row names a path that
     is gone."""
-    table = section(README, "Layout")
+    table = section(PAGES["docs/ARCHITECTURE.md"], "## Layout")
     rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| `([^`]+)`.*$", table, re.M)}
     folders = sorted(
         {
@@ -345,7 +390,7 @@ def test_the_layout_table_names_every_package_and_module_folder() -> None:
         if not any(path.startswith(f"{folder}/") and "/" not in path[len(folder) + 1 :].rstrip("/") for path in rows)
         and f"`{folder.rsplit('/', 1)[-1]}/`" not in rows.get(f"{folder.rsplit('/', 1)[0]}/", "")
     ]
-    assert missing == [], f"folders the README's Layout table does not name: {missing}"
+    assert missing == [], f"folders docs/ARCHITECTURE.md's Layout table does not name: {missing}"
     gone = [
         path
         for path in rows
@@ -357,6 +402,6 @@ def test_the_layout_table_names_every_package_and_module_folder() -> None:
 def test_the_readme_lists_the_families_the_converter_supports() -> None:
     from orchestrator.models import support_markdown
 
-    assert support_markdown() in section(README, "### Models it syncs"), (
+    assert support_markdown() in section(README, "## What it supports"), (
         "regenerate it from orchestrator.models.SUPPORT"
     )

@@ -1,7 +1,7 @@
 """`colocate run --engine sglang` as a user runs it, against servers that speak SGLang's HTTP API.
 
 No SGLang runs here (it needs a GPU and a CUDA torch). The servers are the contract stand-in
-(tests/support/sglang_server.py) in processes of their own, started as the README starts
+(tests/support/sglang_server.py) in processes of their own, started as docs/sglang.md starts
 SGLang (on the folder `colocate engine-config` writes), each serving a real transformers Llama:
 they check every request against SGLang's request classes, rebuild the weight buckets
 from SGLang's wire format (shared-memory files here, CUDA IPC on a GPU), load them into the

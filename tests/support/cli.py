@@ -26,7 +26,7 @@ def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
 def sglang_stand_ins(
     folder: Path, count: int = 1, device: str = "cpu", join_groups: bool = False
 ) -> Iterator[list[str]]:
-    """Servers speaking SGLang's HTTP API, started as the README starts SGLang: `colocate
+    """Servers speaking SGLang's HTTP API, started as docs/sglang.md starts SGLang: `colocate
     engine-config FOLDER`, then one server per URL loading it (tests/support/sglang_server.py)."""
     done = run("engine-config", str(folder))
     assert done.returncode == 0, done.stderr

@@ -265,7 +265,7 @@ class StandInState:
     join_groups: bool = False
     memory_saver: bool = True  # what /server_info reports as enable_memory_saver
     groups: dict[str, Any] = field(default_factory=dict)  # weight-update groups joined
-    skip_tokenizer_init: bool = True  # started as the README starts SGLang
+    skip_tokenizer_init: bool = True  # started as docs/sglang.md starts SGLang
     session_open: bool = False  # between /begin_weight_update and /end_weight_update
     sessions: int = 0  # sessions closed
     fault: tuple[str, float] | None = None  # the next memory call's lost answer (see the module docstring)

@@ -72,7 +72,7 @@ VERSION = sglang.__version__
 
 
 def server_args(model_path: Path) -> ServerArgs:
-    """The README's launch command, as SGLang parses it."""
+    """docs/sglang.md's launch command, as SGLang parses it."""
     return ServerArgs(
         model_path=str(model_path),
         load_format="dummy",
@@ -361,7 +361,7 @@ class Served:
 
 @contextmanager
 def sglang_app(model_path: Path) -> Iterator[Served]:
-    """SGLang's app on a local port, started as the README starts SGLang on `model_path`."""
+    """SGLang's app on a local port, started as docs/sglang.md starts SGLang on `model_path`."""
     args = server_args(model_path)
     publish(args, role="tokenizer")  # as SGLang's HTTP server process does at launch
     model_config = ModelConfig.from_server_args(args)

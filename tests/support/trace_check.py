@@ -4,7 +4,7 @@ mapping, not through `colocate trace`'s own reader), with the run's JSON log bes
 `problems(trace_file, log_file)` lists every breach, so a test shows them all at once:
 
 - each trace has one root (`colocate.start` or `colocate.step`), and every parent resolves in it;
-- every span carries the attributes the README promises for its kind;
+- every span carries the attributes docs/tracing.md promises for its kind;
 - a lifecycle span names a destination only if its event entered it: never a refused or failed
   one, and each step's destinations chain (an event leaves the phase the one before entered);
 - a failed action's span carries its cause's exception with a traceback, and so does the fault;

@@ -1,5 +1,5 @@
 """The bad day, through the public API: each test injects one failure of issue 10 and asserts the
-state the promise names afterwards (README: "recover", docs/lifecycle.md: the recovery table)."""
+state the promise names afterwards (docs/lifecycle.md: "Refusals and faults" and the recovery table)."""
 
 from __future__ import annotations
 
