@@ -151,13 +151,15 @@ def test_a_cpu_shell_block_runs_verbatim(page: str, block: str, tmp_path: Path) 
         check_tree_against(trace)
 
 
-REWARD = re.compile(r"(\d\.\d{3}) over the first 5 steps, (\d\.\d{3}) over the last 5")
+REWARD = re.compile(r"(\d\.\d{3}) over the first 5 steps,\s+(\d\.\d{3})\s+over the last 5")
 
 
 @pytest.mark.slow
 def test_the_reward_the_readme_quotes_is_what_colocate_run_gives(tmp_path: Path) -> None:
     """The quick start's `colocate run`, as written (its defaults: 30 steps, 2 ranks, seed 0), on
-    the CPU: the mean reward of its first and last five steps, to the three decimals quoted."""
+    the CPU: the mean reward of its first and last five steps, to the three decimals quoted. The
+    curve is the same run after run on one machine; another CPU may round otherwise (the README
+    says so), and then this test says which numbers that machine gives."""
     (quoted,) = REWARD.findall(section(README, "## Quick start"))
     shell("colocate run --report run.json", scratch(tmp_path))
     rewards = [step["reward_mean"] for step in json.loads((tmp_path / "run.json").read_text())["steps"]]
