@@ -15,6 +15,7 @@ import argparse
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 
 import structlog
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
@@ -36,6 +37,12 @@ class Discard(SpanExporter):
 
 
 class NullTrainer:
+    def __init__(self) -> None:
+        self.generation = 0
+
+    def optimizer_step(self) -> None:
+        self.generation += 1
+
     def layout(self) -> TrainerLayout:
         return TrainerLayout(sync_sources={f"layer{i}.w": Source.PARAM_BUFFER for i in range(8)})
 
@@ -55,7 +62,7 @@ class NullTrainer:
         return 0
 
     def mains_generation(self) -> int:
-        return 0
+        return self.generation
 
 
 class NullRegions:
@@ -131,16 +138,17 @@ def bare(cycles: int) -> float:
 
 
 def controller(cycles: int, listeners: Sequence[Listener]) -> float:
-    engine = NullEngine()
+    engine, trainer = NullEngine(), NullTrainer()
     lc = Lifecycle(
         config=LifecycleConfig(mode=Mode.REMATERIALIZE, verify_cycles=0),
-        trainer=NullTrainer(),
+        trainer=trainer,
         regions=NullRegions(),
         engine=engine,
         transport=NullTransport(engine),
         listeners=listeners,
     )
-    steps = [getattr(lc, event) for event in CYCLE]
+    # the step's own train is the actor's optimizer step: the next update has weights to push
+    steps = [partial(lc.train, trainer.optimizer_step) if event == "train" else getattr(lc, event) for event in CYCLE]
     start = time.perf_counter()
     for _ in range(cycles):
         with lc.step():

@@ -155,6 +155,7 @@ REWARD = re.compile(r"(\d\.\d{3}) over the first 5 steps,\s+(\d\.\d{3})\s+over t
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # 30 steps: about 2 minutes on 2 cores, several when they are loaded
 def test_the_reward_the_readme_quotes_is_what_colocate_run_gives(tmp_path: Path) -> None:
     """The quick start's `colocate run`, as written (its defaults: 30 steps, 2 ranks, seed 0), on
     the CPU: the mean reward of its first and last five steps, to the three decimals quoted. The
