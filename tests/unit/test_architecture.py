@@ -7,9 +7,11 @@ The contracts live in pyproject.toml ([tool.importlinter]); `lint-imports` is im
 from __future__ import annotations
 
 import ast
+import json
 import subprocess
 import sys
 import textwrap
+import tomllib
 from pathlib import Path
 
 # Small units (docs/style.md, 9): a module or class past these is split along a seam, not trimmed.
@@ -88,6 +90,36 @@ def test_the_contract_catches_an_import_against_the_layers(tmp_path: Path) -> No
     result = _lint_imports("--config", str(config))
     assert result.returncode == 1, result.stdout
     assert "orchestrator.cli is not allowed to import states" in " ".join(result.stdout.split())
+
+
+def test_the_acyclic_contract_catches_a_circle_closed_only_under_type_checking(tmp_path: Path) -> None:
+    # pyproject's own contract, pointed at a package whose two modules import each other, one of
+    # them only for a type: that is a circle too (what workers/ had: staging -> fanout -> staging).
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    (acyclic,) = [c for c in pyproject["contracts"] if c["type"] == "acyclic_siblings"]
+    package = tmp_path / "loop"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "fanout.py").write_text("from loop.staging import Slot\n")
+    (package / "staging.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from loop.fanout import ReplicaSet\nSlot = 1\n"
+    )
+    contract = {k: v for k, v in acyclic.items() if k != "ignore_imports"} | {"ancestors": ["loop"]}
+    settings = {k: v for k, v in pyproject.items() if k != "contracts"} | {"root_packages": ["loop"]}
+    lines = [f"{k} = {json.dumps(v)}" for k, v in settings.items()]
+    lines += ["", "[[tool.importlinter.contracts]]", *(f"{k} = {json.dumps(v)}" for k, v in contract.items())]
+    config = tmp_path / "loop.toml"
+    config.write_text("[tool.importlinter]\n" + "\n".join(lines) + "\n")
+    result = subprocess.run(
+        [str(LINT_IMPORTS), "--no-cache", "--config", str(config)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONPATH": str(tmp_path), "PATH": str(LINT_IMPORTS.parent)},
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "No cycles are allowed in loop." in result.stdout
 
 
 def test_colocate_diagram_runs_with_the_heavy_dependencies_unimportable() -> None:
