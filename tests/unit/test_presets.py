@@ -56,7 +56,7 @@ def test_a_spec_the_gpt_cannot_be_is_refused_naming_each_field() -> None:
     biased = replace(GPTS["tiny"], qkv_bias=True, moe_layers=(True, False), num_experts=2, moe_ffn_hidden_size=128)
     with pytest.raises(ConfigError) as refused:
         TinyGPTConfig.from_spec(biased, seq_len=10)
-    assert [v.split("=")[0] for v in refused.value.violations] == [
+    assert [str(v).split("=")[0] for v in refused.value.violations] == [
         "tiny: qkv_bias",
         "tiny: moe_layers",
         "tiny: expert_bias",
