@@ -24,8 +24,9 @@ from typing import Any
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from orchestrator.adapters.megatron.gpt import TinyGPTConfig
 from orchestrator.plan.memory import Parallelism, Plan, plan
-from orchestrator.plan.presets import TINY_GPTS, from_tiny_gpt
+from orchestrator.plan.presets import GPTS
 from states import Mode, Offload
 
 LIMIT = 0.05
@@ -33,10 +34,23 @@ LIMIT = 0.05
 
 def planned(preset: str, dp: int, ep: int = 1) -> Plan:
     # The measurement pauses every region, so the plan it is checked against moves every one.
-    return plan(from_tiny_gpt(TINY_GPTS[preset](), preset), Parallelism(dp=dp, ep=ep), offload=Offload.ALWAYS)
+    return plan(GPTS[preset], Parallelism(dp=dp, ep=ep), offload=Offload.ALWAYS)
 
 
 # ---- measuring (imports torch and megatron-core) ----------------------------------------
+
+
+def _built(preset: str) -> TinyGPTConfig:
+    """The job's config of the planner's GPT `preset`: `cpu` and `gpu-1b` are the restore
+    benchmark's `cpu` and `llama-1b`, the others the presets of their names."""
+    from orchestrator.job.presets import benchmark_model
+    from orchestrator.job.presets import preset as job_preset
+
+    if preset == "cpu":
+        return benchmark_model("cpu")
+    if preset == "gpu-1b":
+        return benchmark_model("llama-1b")
+    return job_preset(preset)
 
 
 def _used() -> int:
@@ -65,7 +79,7 @@ def _rank(rank: int, world: int, port: int, preset: str, out: str, ep: int) -> N
     warm @ warm
     del warm
     base = _used() if cuda else 0
-    cfg = TINY_GPTS[preset]()
+    cfg = _built(preset)
     chunks, optimizer = build_gpt(cfg)
     train_step(chunks, optimizer, torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1)))
     print(f"rank {rank}: built and trained one step", file=sys.stderr, flush=True)
@@ -307,7 +321,7 @@ def show(measured: dict[str, Any]) -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", choices=sorted(TINY_GPTS), default="gpu-1b")
+    parser.add_argument("--preset", choices=sorted(GPTS), default="gpu-1b")
     parser.add_argument("--measure", action="store_true", help="build and measure here (GPU: torch_memory_saver)")
     parser.add_argument("--dp", type=int, nargs="+", default=[1], help="data-parallel sizes to measure")
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (divides every DP size)")

@@ -10,10 +10,10 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
+from orchestrator.cli.plan.command import PLAN_HELP, plan_command
 from orchestrator.core import diagram
 from orchestrator.core.config import Device, DigestMethod, EngineKind, EnginePause, WeightSync
 from orchestrator.errors import ConfigError, TraceError
-from orchestrator.plan.command import PLAN_HELP, plan_command
 from states import Mode, Offload
 
 

@@ -35,6 +35,7 @@ import torch
 
 from orchestrator.adapters.megatron.gpt import TinyGPTConfig
 from orchestrator.errors import ConfigError
+from orchestrator.plan.presets import GPTS
 
 if TYPE_CHECKING:
     from megatron.core.distributed import DistributedDataParallel
@@ -267,18 +268,7 @@ def grpo_train_step(
 
 def _default_model() -> TinyGPTConfig:
     task = TaskConfig()
-    # Hidden 128 learned no faster per step; the batch size, not the width, limits this task.
-    return TinyGPTConfig(
-        hidden_size=64,
-        num_layers=2,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=128,
-        vocab_size=task.vocab_size,
-        seq_len=task.prompt_len + task.length,
-        lr=5e-3,
-        clip_grad=1.0,
-    )
+    return TinyGPTConfig.from_spec(GPTS["tiny"], seq_len=task.prompt_len + task.length, lr=5e-3, clip_grad=1.0)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,7 +1,9 @@
 """Model presets by name: the CPU default and two GPU-size Llama/Qwen-shaped GPTs.
 
 Every preset is a `TinyGPTConfig`: `megatron_build.build_gpt` builds it with random init (nothing
-is downloaded), and `convert.hf_llama_config` gives the Hugging Face Llama an engine serves.
+is downloaded), and `convert.hf_llama_config` gives the Hugging Face Llama an engine serves. Its
+shape is the planner's spec of the same name (`orchestrator.plan.presets.GPTS`); what a spec does
+not hold (sequence length, learning rate, RoPE base) is set here.
 
 - `tiny`: the job's default, `GRPOConfig().model` (about 0.1 M params; learns the copy task on CPU).
 - `qwen-0.5b`: Qwen2.5-0.5B's blocks (hidden 896, 24 layers, 14 heads in 2 KV groups, SwiGLU 4864)
@@ -18,10 +20,10 @@ the 8 symbols as 8 ids only, a random policy's completion token was a symbol onc
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from orchestrator.adapters.megatron.gpt import TinyGPTConfig
+from orchestrator.plan.presets import GPTS, with_extras
 
 if TYPE_CHECKING:
     from orchestrator.job.grpo import GRPOConfig
@@ -36,11 +38,9 @@ def _tiny() -> TinyGPTConfig:
 
 
 _GPU: dict[str, TinyGPTConfig] = {
-    "qwen-0.5b": TinyGPTConfig(hidden_size=896, num_layers=24, num_attention_heads=14, num_query_groups=2,
-                               ffn_hidden_size=4864, vocab_size=65536, seq_len=128, rotary_base=1_000_000, lr=3e-4),
-    "llama-1b": TinyGPTConfig(hidden_size=2048, num_layers=16, num_attention_heads=16, num_query_groups=8,
-                              ffn_hidden_size=7168, vocab_size=32768, seq_len=128, rotary_base=500_000, lr=2e-4),
-}  # fmt: skip
+    "qwen-0.5b": TinyGPTConfig.from_spec(GPTS["qwen-0.5b"], seq_len=128, rotary_base=1_000_000, lr=3e-4),
+    "llama-1b": TinyGPTConfig.from_spec(GPTS["llama-1b"], seq_len=128, rotary_base=500_000, lr=2e-4),
+}
 
 PRESETS: tuple[str, ...] = ("tiny", *_GPU)
 
@@ -63,17 +63,16 @@ def grpo_config(name: str) -> GRPOConfig:
     return GRPOConfig(model=model, task=TaskConfig(vocab_size=model.vocab_size))
 
 
-# The CPU-size model of the restore benchmark and the planner's byte-for-byte check.
-_CPU = TinyGPTConfig(hidden_size=512, num_layers=4, num_attention_heads=8, num_query_groups=4,
-                     ffn_hidden_size=1536, vocab_size=8192)  # fmt: skip
 BENCHMARK_MODELS: tuple[str, ...] = ("cpu", *PRESETS)
 
 
 def benchmark_model(name: str) -> TinyGPTConfig:
-    """`cpu` or a preset, with every kind of extra a restore must handle: an MoE last layer
-    (expert_bias), an fp32 param and a frozen param."""
-    base = _CPU if name == "cpu" else preset(name)
-    return replace(base, num_experts=2, fp32_param=True, frozen_param=True)
+    """`cpu` (the planner's, extras and all) or a preset, with every kind of extra a restore must
+    handle (`plan.presets.with_extras`): an MoE last layer (expert_bias), an fp32 param and a
+    frozen param."""
+    if name == "cpu":
+        return TinyGPTConfig.from_spec(GPTS["cpu"])
+    return TinyGPTConfig.from_spec(with_extras(GPTS[name]), **preset(name).settings())
 
 
 def param_count(cfg: TinyGPTConfig) -> int:

@@ -1,48 +1,59 @@
-"""Models the planner knows by name: colocate's own test and benchmark GPTs, and published ones.
+"""Models the planner knows by name: colocate's own GPTs, and published ones.
 
-The published configs are written out here from their model cards' `config.json` values, so
-planning never downloads anything.
+colocate's GPTs are declared here, once, as plain numbers: orchestrator/job/presets.py builds each
+as the `TinyGPTConfig` it trains, adding what a spec does not hold (sequence length, learning rate,
+RoPE base). The published configs are written out from their model cards' `config.json` values,
+so planning never downloads anything.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
-from orchestrator.adapters.megatron.gpt import TinyGPTConfig
 from orchestrator.errors import ConfigError
-from orchestrator.job.presets import benchmark_model, preset
 from orchestrator.plan.model import ModelSpec, from_config, from_hf_config
 
-# colocate's own GPTs: the job's default, and the restore benchmark's models (orchestrator/job/presets.py);
-# `gpu-1b` is the benchmark's `llama-1b`, extras included.
-# Built on demand: the job's default lives with GRPOConfig, which imports torch; planning never does.
-TINY_GPTS: dict[str, Callable[[], TinyGPTConfig]] = {
-    "tiny": lambda: preset("tiny"),
-    "cpu": lambda: benchmark_model("cpu"),
-    "gpu-1b": lambda: benchmark_model("llama-1b"),
-}
+# The param colocate's GPT builds with requires_grad=False when it is asked for a frozen one.
+FROZEN_PARAM = "decoder.layers.0.input_layernorm.weight"
 
 
-def from_tiny_gpt(cfg: TinyGPTConfig, name: str = "tiny-gpt") -> ModelSpec:
-    """The ModelSpec of `megatron_build.build_gpt(cfg)`: its last layer is MoE when it has experts."""
-    moe = cfg.num_experts > 0
-    return ModelSpec(
-        name=name,
-        hidden_size=cfg.hidden_size,
-        num_layers=cfg.num_layers,
-        vocab_size=cfg.vocab_size,
-        num_attention_heads=cfg.num_attention_heads,
-        num_query_groups=cfg.num_query_groups,
-        ffn_hidden_size=cfg.ffn_hidden_size,
-        moe_layers=(False,) * (cfg.num_layers - 1) + (moe,),
-        num_experts=cfg.num_experts,
-        moe_ffn_hidden_size=cfg.ffn_hidden_size if moe else 0,
-        moe_router_topk=cfg.moe_router_topk,
-        expert_bias=moe,
-        fp32_param_numel=cfg.hidden_size if cfg.fp32_param else 0,
-        frozen=("decoder.layers.0.input_layernorm.weight",) if cfg.frozen_param else (),
+def with_extras(spec: ModelSpec, name: str | None = None) -> ModelSpec:
+    """`spec` with every kind of extra a restore must handle, as colocate's GPT builds them: its
+    last layer MoE (2 experts of its dense width, with expert_bias), an fp32 param (a vector of
+    `hidden_size`) and a frozen param (`FROZEN_PARAM`)."""
+    return replace(
+        spec,
+        name=name or spec.name,
+        moe_layers=(False,) * (spec.num_layers - 1) + (True,),
+        num_experts=2,
+        moe_ffn_hidden_size=spec.ffn_hidden_size,
+        expert_bias=True,
+        fp32_param_numel=spec.hidden_size,
+        frozen=(FROZEN_PARAM,),
     )
+
+
+# What `colocate run --model` trains (orchestrator/job/presets.py says what each is). `tiny`'s
+# vocabulary is its copy task's (8 symbols, BOS and SEP); a hidden size of 128 learned it no faster
+# per step: the batch size, not the width, limits that task.
+_TRAINED = (
+    ModelSpec(name="tiny", hidden_size=64, num_layers=2, num_attention_heads=4, num_query_groups=2,
+              ffn_hidden_size=128, vocab_size=10),
+    ModelSpec(name="qwen-0.5b", hidden_size=896, num_layers=24, num_attention_heads=14, num_query_groups=2,
+              ffn_hidden_size=4864, vocab_size=65536),
+    ModelSpec(name="llama-1b", hidden_size=2048, num_layers=16, num_attention_heads=16, num_query_groups=8,
+              ffn_hidden_size=7168, vocab_size=32768),
+)  # fmt: skip
+# The restore benchmark's models, extras included: `cpu`, the size the planner's byte-for-byte
+# check builds (tests/integration/test_plan_vs_megatron.py), and `gpu-1b`, its `llama-1b`.
+_CPU = ModelSpec(name="cpu", hidden_size=512, num_layers=4, num_attention_heads=8, num_query_groups=4,
+                 ffn_hidden_size=1536, vocab_size=8192)  # fmt: skip
+GPTS: dict[str, ModelSpec] = {spec.name: spec for spec in _TRAINED} | {
+    "cpu": with_extras(_CPU),
+    "gpu-1b": with_extras(_TRAINED[2], "gpu-1b"),
+}
 
 
 # Qwen/Qwen3-4B's config.json (the values that size it).
@@ -89,21 +100,19 @@ GLM5 = {
 }
 
 
-def _tiny(name: str) -> Callable[[], ModelSpec]:
-    return lambda: from_tiny_gpt(TINY_GPTS[name](), name)
-
-
-PRESETS: dict[str, Callable[[], ModelSpec]] = {
-    **{name: _tiny(name) for name in TINY_GPTS},
+PUBLISHED: dict[str, Callable[[], ModelSpec]] = {
     "qwen3-4b": lambda: from_config(QWEN3_4B, source="preset qwen3-4b", name="qwen3-4b"),
     "glm-5": lambda: from_config(GLM5, source="preset glm-5", name="glm-5"),
 }
+PRESETS: tuple[str, ...] = (*GPTS, *PUBLISHED)
 
 
 def load_model(source: str | Path) -> ModelSpec:
     """A preset's name, or the path of an HF `config.json` (or of the folder that holds one)."""
-    if isinstance(source, str) and source in PRESETS:
-        return PRESETS[source]()
+    if isinstance(source, str) and source in GPTS:
+        return GPTS[source]
+    if isinstance(source, str) and source in PUBLISHED:
+        return PUBLISHED[source]()
     path = Path(source)
     if path.is_dir():
         path = path / "config.json"

@@ -64,7 +64,6 @@ from orchestrator.adapters.megatron.convert import (
 from orchestrator.adapters.megatron.convert.served import served_problems
 from orchestrator.adapters.megatron.trainer import ALL_EXTRAS, Extra, MegatronTrainer, megatron_setup
 from orchestrator.adapters.megatron.transport import Converter, MegatronTransport
-from orchestrator.adapters.registry import REGIONS
 from orchestrator.core.config import LifecycleConfig
 from orchestrator.core.lifecycle import Lifecycle, require_restore_coverage
 from orchestrator.errors import ConfigError
@@ -151,9 +150,16 @@ def otel_listeners(rank: int) -> list[Listener]:
 
 
 def _regions(trainer: MegatronTrainer) -> MemoryRegions:
-    """The registry's regions for the device the param buffers are on."""
-    on_gpu = any(t.is_cuda for t in trainer.region_tensors()["param_buffer"])
-    return REGIONS["cuda" if on_gpu else "cpu"](trainer.region_tensors)
+    """torch_memory_saver's regions where the param buffers are on a GPU, storage-freeing ones on
+    the CPU: what the registry's `REGIONS` gives for that device. Not through the registry: its
+    engines convert with this package, and the embedding stays below it."""
+    if any(t.is_cuda for t in trainer.region_tensors()["param_buffer"]):
+        from orchestrator.adapters.regions.tms import TorchMemorySaverRegions
+
+        return TorchMemorySaverRegions(trainer.region_tensors)
+    from orchestrator.adapters.regions.storage import StorageRegions
+
+    return StorageRegions(trainer.region_tensors)
 
 
 def _any_rank(flag: bool) -> bool:

@@ -12,15 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from orchestrator.adapters.transport.bucketed import nbytes
 from orchestrator.protocols import Named
-
-if TYPE_CHECKING:
-    from orchestrator.job.workers.fanout import ReplicaSet
 
 ALIGN = 256  # bytes: every slot starts aligned for any dtype's view
 
@@ -42,6 +39,13 @@ class Slot:
         return buffer[self.offset : self.offset + self.nbytes].view(self.dtype).view(self.shape)
 
 
+class LoadsStaged(Protocol):
+    """What a staged push needs of the replicas (`fanout.ReplicaSet`): replica `index` loads
+    `slots` of the buffer it attached, as weights of `version`, and returns the bytes it wrote."""
+
+    def load_staged(self, index: int, slots: Sequence[Slot], version: int) -> int: ...
+
+
 class StagingBuffer:
     """A rank's plain device buffer of `capacity` bytes, shared with its replica by CUDA IPC."""
 
@@ -54,7 +58,7 @@ class StagingBuffer:
 
         return reduce_tensor(self.buffer)
 
-    def sink(self, replicas: ReplicaSet, index: int) -> StagedSink:
+    def sink(self, replicas: LoadsStaged, index: int) -> StagedSink:
         return StagedSink(self.buffer, replicas, index)
 
 
@@ -68,7 +72,7 @@ class StagedSink:
     """A `BucketSink`: packs each bucket into the staging buffer, then has replica `index` load
     it. A bucket larger than the buffer goes in several loads."""
 
-    def __init__(self, buffer: torch.Tensor, replicas: ReplicaSet, index: int) -> None:
+    def __init__(self, buffer: torch.Tensor, replicas: LoadsStaged, index: int) -> None:
         self.buffer, self.replicas, self.index = buffer, replicas, index
 
     def update_weights(self, named: Sequence[Named], version: int) -> int:

@@ -22,8 +22,7 @@ from states import Mode, TrainerLayout, TrainingSetup
 if TYPE_CHECKING:
     from orchestrator.adapters.engines.sglang import WeightBroadcaster
     from orchestrator.adapters.registry import OwnedRegions
-    from orchestrator.job.workers.fanout import ReplicaSet
-    from orchestrator.job.workers.staging import StagingBuffer
+    from orchestrator.job.workers.staging import LoadsStaged, StagingBuffer
 
 
 # The name of the weight-update group rank 0 hosts for SGLang servers off its GPUs (`--weight-sync broadcast`).
@@ -219,7 +218,7 @@ class TrainerRank(Traced, PayloadSource):
         self._staging = StagingBuffer(max(bucket_bytes, largest))
         return self._staging.handle()
 
-    def push_to_replica(self, replicas: ReplicaSet, version: int) -> TransferReport:
+    def push_to_replica(self, replicas: LoadsStaged, version: int) -> TransferReport:
         """Every (converted) weight into the engine replica on this rank's GPU, through the
         staging buffer: each rank holds every weight (DP), and its replica reads them by CUDA IPC.
         A bucket is as large as the buffer: each one costs a call to the replica."""

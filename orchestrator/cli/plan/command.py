@@ -8,13 +8,13 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from orchestrator.cli.plan.show import show, to_json
 from orchestrator.errors import ConfigError
 from orchestrator.models import support_table
 from orchestrator.plan.memory import EngineSpec, GradDtype, OptimizerSpec, Parallelism, plan
 from orchestrator.plan.model import LayerSpec, ModelSpec
 from orchestrator.plan.offload import PINNED_COPY_GBPS
 from orchestrator.plan.presets import PRESETS, load_model
-from orchestrator.plan.show import show, to_json
 from states import Mode, Offload
 
 # `\b` keeps click from re-flowing the table's lines into one paragraph.
