@@ -408,3 +408,27 @@ def test_the_readme_lists_the_families_the_converter_supports() -> None:
     assert support_markdown() in section(README, "## What it supports"), (
         "regenerate it from orchestrator.models.SUPPORT"
     )
+
+
+def test_the_qwen3_4b_host_rows_are_the_planners() -> None:
+    """docs/plan.md's pinned-host rows for Qwen3-4B at TP2 × DP2: per rank and per node of 4, for
+    each mode, under `auto` (the optimizer state stays) and `always` (its host arena counts too)."""
+    from orchestrator.plan.memory import Parallelism, plan
+    from orchestrator.plan.presets import load_model
+    from states import Mode, Offload
+
+    page = PAGES["docs/plan.md"]
+    for offload in (Offload.AUTO, Offload.ALWAYS):
+        row = re.search(rf"^\| pinned host, rematerialize / backup, `--offload {offload.value}` \|.*$", page, re.M)
+        assert row, f"docs/plan.md has no Qwen3-4B pinned-host row for --offload {offload.value}"
+        quoted = [float(n) for n in re.findall(r"\d+\.\d+|\b0\b", row[0].split("|", 3)[3])]
+        given = []
+        for mode in (Mode.REMATERIALIZE, Mode.BACKUP):
+            planned = plan(load_model("qwen3-4b"), Parallelism(tp=2, dp=2), mode=mode, offload=offload, gpus_per_node=4)
+            given.append(max(host for _, host in planned.phases(planned.ranks[0]).values()))
+            given.append(planned.node_totals()[0][2])
+        per_rank = [round(given[0] / 1e9, 2), round(given[2] / 1e9, 2)]
+        per_node = [round(given[1] / 1e9, 2), round(given[3] / 1e9, 2)]
+        assert quoted == per_rank + per_node, (
+            f"--offload {offload.value}: the planner gives {per_rank}, per node {per_node}"
+        )
