@@ -14,15 +14,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from orchestrator.adapters.megatron.convert.fields import SpecFields
 from orchestrator.adapters.megatron.convert.rules import ANY, LAYER, compile_rules, same
 from orchestrator.models import Family
-
-if TYPE_CHECKING:
-    from orchestrator.adapters.megatron.convert.spec import ModelSpec
 
 __all__ = ["PARTIAL_ROTARY_FAMILIES", "QKV_BIAS_FAMILIES", "RULES", "hf_config_keys", "spec_problems", "split_qkv_bias"]
 
@@ -30,7 +28,7 @@ QKV_BIAS_FAMILIES = frozenset({Family.GLM4_MOE})
 PARTIAL_ROTARY_FAMILIES = frozenset({Family.GLM4_MOE})
 
 
-def split_qkv_bias(tensor: torch.Tensor, spec: ModelSpec) -> list[torch.Tensor]:
+def split_qkv_bias(tensor: torch.Tensor, spec: SpecFields) -> list[torch.Tensor]:
     """Per query group `[q of nh/ng heads, k, v]`, as `linear_qkv.weight`'s rows."""
     groups, head_dim = spec.num_query_groups, spec.head_dim
     heads_per_group = spec.num_attention_heads // groups
@@ -56,7 +54,7 @@ RULES = compile_rules(
 )
 
 
-def spec_problems(spec: ModelSpec) -> list[str]:
+def spec_problems(spec: SpecFields) -> list[str]:
     """Why HF would rotate other dims than Megatron does."""
     rotated = spec.head_dim * spec.rotary_percent
     if spec.family in PARTIAL_ROTARY_FAMILIES and (rotated != int(rotated) or int(rotated) % 2):
@@ -64,7 +62,7 @@ def spec_problems(spec: ModelSpec) -> list[str]:
     return []
 
 
-def hf_config_keys(spec: ModelSpec) -> dict[str, Any]:
+def hf_config_keys(spec: SpecFields) -> dict[str, Any]:
     """The GLM-4.5 config keys of the attention."""
     return dict(
         attention_bias=spec.qkv_bias,

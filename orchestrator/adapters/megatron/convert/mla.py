@@ -36,13 +36,11 @@ its spec is checked by `spec_problems`) and builds its HF config with `hf_config
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from orchestrator.adapters.megatron.convert.fields import SpecFields
 from orchestrator.adapters.megatron.convert.rules import ANY, LAYER, compile_rules, same
 from orchestrator.models import Family
-
-if TYPE_CHECKING:
-    from orchestrator.adapters.megatron.convert.spec import ModelSpec
 
 __all__ = [
     "MLA_FAMILIES",
@@ -114,7 +112,7 @@ def megatron_problems(config: Any) -> list[str]:
     return ["rope_type='rope' with mscale_all_dim (Megatron still scales the softmax by it)"] if unscaled_rope else []
 
 
-def spec_problems(spec: ModelSpec) -> list[str]:
+def spec_problems(spec: SpecFields) -> list[str]:
     """Why an MLA family's HF model would compute otherwise than the spec says."""
     if spec.family not in MLA_FAMILIES:
         return []
@@ -132,7 +130,7 @@ def spec_problems(spec: ModelSpec) -> list[str]:
     return out
 
 
-def shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+def shapes(spec: SpecFields) -> dict[str, tuple[int, ...]]:
     """HF shapes by module name; they replace GQA's `q_proj` and `o_proj`."""
     if not spec.multi_latent_attention:
         return {}
@@ -150,14 +148,14 @@ def shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     }
 
 
-def attention_names(spec: ModelSpec) -> list[str]:
+def attention_names(spec: SpecFields) -> list[str]:
     """A layer's attention tensors, as HF names them under `model.layers.<i>.`."""
     q = ["q_a_proj", "q_a_layernorm", "q_b_proj"] if spec.q_lora_rank else ["q_proj"]
     modules = [*q, "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"]
     return [f"self_attn.{module}.weight" for module in modules]
 
 
-def rope_parameters(spec: ModelSpec) -> dict[str, Any]:
+def rope_parameters(spec: SpecFields) -> dict[str, Any]:
     """HF's `rope_parameters`: YaRN's keys where the spec has a YaRN factor."""
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": spec.rotary_base}
     if not spec.yarn_factor:
@@ -173,7 +171,7 @@ def rope_parameters(spec: ModelSpec) -> dict[str, Any]:
     }
 
 
-def hf_config_keys(spec: ModelSpec) -> dict[str, Any]:
+def hf_config_keys(spec: SpecFields) -> dict[str, Any]:
     """The DeepSeek-V3 config keys of the attention."""
     return dict(
         q_lora_rank=spec.q_lora_rank or None,

@@ -26,13 +26,11 @@ The router computes the same on both sides (Megatron's `topk_routing_with_score_
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from orchestrator.adapters.megatron.convert.fields import SpecFields
 from orchestrator.adapters.megatron.convert.rules import EXPERT, LAYER, MOE, compile_rules, gate_up, same
 from orchestrator.models import Family
-
-if TYPE_CHECKING:
-    from orchestrator.adapters.megatron.convert.spec import ModelSpec
 
 __all__ = [
     "ROUTED_FAMILIES",
@@ -88,7 +86,7 @@ def megatron_problems(config: Any) -> list[str]:
     return []
 
 
-def spec_problems(spec: ModelSpec) -> list[str]:
+def spec_problems(spec: SpecFields) -> list[str]:
     """Why a routed family's HF model would compute otherwise than the spec says."""
     if spec.family not in ROUTED_FAMILIES:
         return []
@@ -117,7 +115,7 @@ def spec_problems(spec: ModelSpec) -> list[str]:
     return out
 
 
-def shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+def shapes(spec: SpecFields) -> dict[str, tuple[int, ...]]:
     """HF shapes by module name (a shared expert's as `shared.<module>`)."""
     hidden, shared = spec.hidden_size, spec.moe_shared_ffn_hidden_size
     return {
@@ -128,14 +126,14 @@ def shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     }
 
 
-def moe_names(spec: ModelSpec) -> list[str]:
+def moe_names(spec: SpecFields) -> list[str]:
     """An MoE layer's tensors, as HF names them under `model.layers.<i>.`."""
     experts = [f"mlp.experts.{e}.{p}.weight" for e in range(spec.num_experts) for p in _GATED]
     shared = [f"mlp.shared_experts.{p}.weight" for p in _GATED]
     return ["mlp.gate.weight", "mlp.gate.e_score_correction_bias", *experts, *shared]
 
 
-def hf_config_keys(spec: ModelSpec) -> dict[str, Any]:
+def hf_config_keys(spec: SpecFields) -> dict[str, Any]:
     """The HF config keys of the MoE layers (DeepSeek-V3's and GLM-4.5's are the same)."""
     return dict(
         n_routed_experts=spec.num_experts,
