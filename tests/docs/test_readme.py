@@ -163,10 +163,17 @@ def test_the_reward_the_readme_quotes_is_what_colocate_run_gives(tmp_path: Path)
     says so), and then this test says which numbers that machine gives."""
     (quoted,) = REWARD.findall(section(README, "## Quick start"))
     shell("colocate run --report run.json", scratch(tmp_path))
-    rewards = [step["reward_mean"] for step in json.loads((tmp_path / "run.json").read_text())["steps"]]
+    report = json.loads((tmp_path / "run.json").read_text())
+    rewards = [step["reward_mean"] for step in report["steps"]]
     assert len(rewards) == 30
     given = (f"{sum(rewards[:5]) / 5:.3f}", f"{sum(rewards[-5:]) / 5:.3f}")
     assert given == quoted, f"colocate run gives {given[0]} / {given[1]}; the README says {quoted[0]} / {quoted[1]}"
+    # and the rest of the summary the quick start shows
+    summary = section(README, "## Quick start")
+    assert f"│ pinned host bytes per rank        │ {report['host_pinned_bytes_per_rank']} " in summary
+    assert f"│ freed at drop, all ranks          │ {report['steps'][0]['bytes_freed_at_drop']:,} bytes" in summary
+    assert [step["restore_verified"] for step in report["steps"][:3]] == [True, True, None]  # "2 of 2 checked"
+    assert report["engine_matches_trainer"] is True
 
 
 # ---- flags ------------------------------------------------------------------------------------
