@@ -12,8 +12,8 @@
 - Every "Measured" line names the date (ISO) and the command of its run, and no section speaks of
   a measurement without one.
 - docs/ARCHITECTURE.md's layout table names every package folder; docs/tracing.md's span tree is
-  the trace's: every edge and every span name (against the committed sample, and against the
-  trace its own command writes).
+  the committed sample trace's, every edge and every span name (tests/e2e/test_trace_files.py
+  holds the sample to a fresh run's).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import os
 import re
 import subprocess
 import sys
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +32,7 @@ import typer.main
 from typer.testing import CliRunner
 
 from orchestrator.cli.app import app
-from orchestrator.telemetry.tracing import parse_otlp_json
+from tests.support.trace_check import edges
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
@@ -146,9 +145,6 @@ def test_a_cpu_shell_block_runs_verbatim(page: str, block: str, tmp_path: Path) 
         steps = int(block.split()[-1]) if block.split()[-1].isdigit() else 5
         assert done.stdout.count("mean reward") == steps, done.stdout
         assert done.stdout.count("restore bit-identical") == min(steps, 2), done.stdout
-    if "--trace-dir runs/" in block:
-        (trace,) = (where / "runs").glob("*.otlp.jsonl")
-        check_tree_against(trace)
 
 
 REWARD = re.compile(r"(\d\.\d{3}) over the first 5 steps,\s+(\d\.\d{3})\s+over the last 5")
@@ -343,25 +339,8 @@ def readme_tree() -> set[tuple[str, str]]:
     return edges
 
 
-def trace_edges(path: Path) -> set[tuple[str, str]]:
-    names: dict[bytes, str] = {}
-    parents: dict[bytes, bytes] = {}
-    for line in path.read_text().splitlines():
-        for resource in parse_otlp_json(line).resource_spans:
-            for scope in resource.scope_spans:
-                for span in scope.spans:
-                    names[span.span_id] = span.name
-                    if span.parent_span_id:
-                        parents[span.span_id] = span.parent_span_id
-    by_parent: dict[str, set[str]] = defaultdict(set)
-    for child, parent in parents.items():
-        if parent in names:
-            by_parent[names[parent]].add(names[child])
-    return {(p, c) for p, children in by_parent.items() for c in children}
-
-
 def check_tree_against(trace: Path) -> None:
-    tree, seen = readme_tree(), trace_edges(trace)
+    tree, seen = readme_tree(), edges(trace)
     assert tree - seen == set(), f"docs/tracing.md's tree has edges the trace lacks: {sorted(tree - seen)}"
     assert seen - tree == set(), f"the trace has edges docs/tracing.md's tree lacks: {sorted(seen - tree)}"
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.telemetry.tracing import parse_otlp_json
+from tests.support.trace_check import edges
 
 pytest.importorskip("ray")
 
@@ -71,6 +72,13 @@ def test_the_committed_sample_still_reads() -> None:
     sample = ROOT / "traces" / "sample.otlp.jsonl"
     assert len(processes_per_trace(sample)) >= 3
     assert colocate("trace", "summarize", str(sample)).returncode == 0
+
+
+def test_the_committed_sample_has_the_span_tree_of_a_fresh_run(trace_file: Path) -> None:
+    """docs/tracing.md's tree is the sample's (tests/docs); this keeps the sample a run's of today."""
+    sample, fresh = edges(ROOT / "traces" / "sample.otlp.jsonl"), edges(trace_file)
+    assert fresh - sample == set(), f"a fresh run has parent-child pairs the sample lacks: {sorted(fresh - sample)}"
+    assert sample - fresh == set(), f"the sample has parent-child pairs a fresh run lacks: {sorted(sample - fresh)}"
 
 
 def test_a_malformed_file_is_a_clear_error(tmp_path: Path) -> None:

@@ -68,6 +68,13 @@ def read(trace_file: Path) -> list[Raw]:
     return spans
 
 
+def edges(trace_file: Path) -> set[tuple[str, str]]:
+    """(parent, child) span names of every parent-child pair in the file."""
+    spans = read(trace_file)
+    names = {span.id: span.name for span in spans}
+    return {(names[span.parent], span.name) for span in spans if span.parent in names}
+
+
 def problems(trace_file: Path, log_file: Path | None = None) -> list[str]:
     spans = read(trace_file)
     found: list[str] = []
