@@ -1,4 +1,4 @@
-"""Decoding on an HF Llama over one preallocated KV slab: what `TransformersEngine.generate` runs.
+"""Decoding on an HF causal LM (Llama, Qwen3, ...) over one preallocated KV slab: what `TransformersEngine.generate` runs.
 
 The slab is one tensor for every layer's keys and values, sized (max_batch, max_len), so the
 engine frees and retakes the KV cache as one storage. Each call decodes through a transformers
@@ -9,7 +9,7 @@ and nothing is allocated.
 from __future__ import annotations
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import Cache, StaticLayer
 
 
@@ -44,7 +44,7 @@ def _sample(logits: torch.Tensor, temperature: float, generator: torch.Generator
     return tokens.squeeze(1), logprobs.gather(1, tokens).squeeze(1)
 
 
-def kv_slab(config: LlamaConfig, model: LlamaForCausalLM, max_batch: int, max_len: int) -> torch.Tensor:
+def kv_slab(config: PretrainedConfig, model: PreTrainedModel, max_batch: int, max_len: int) -> torch.Tensor:
     """[keys | values, layer, batch, kv head, position, head dim]: one storage to free and retake."""
     head_dim = config.head_dim or config.hidden_size // config.num_attention_heads
     kv_heads = config.num_key_value_heads or config.num_attention_heads
@@ -81,7 +81,7 @@ def prompt_problems(
 
 
 def decode(
-    model: LlamaForCausalLM,
+    model: PreTrainedModel,
     kv: torch.Tensor,
     prompts: torch.Tensor,
     *,

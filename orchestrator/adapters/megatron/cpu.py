@@ -126,7 +126,7 @@ def _cuda_is_host() -> Iterator[None]:
     def cuda(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         return self if self.device.type == "cpu" else real(self, *args, **kwargs)
 
-    torch.Tensor.cuda = cuda  # type: ignore[method-assign]
+    torch.Tensor.cuda = cuda  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
