@@ -1,4 +1,4 @@
-"""Decoding on an HF causal LM (Llama, Qwen3, ...) over one preallocated KV slab: what `TransformersEngine.generate` runs.
+"""Decoding on an HF causal LM over one preallocated KV slab: what `TransformersEngine.generate` runs.
 
 The slab is one tensor for every layer's keys and values, sized (max_batch, max_len), so the
 engine frees and retakes the KV cache as one storage. Each call decodes through a transformers
