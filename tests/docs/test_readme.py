@@ -12,7 +12,7 @@
 - Every "Measured" line names the date (ISO) and the command of its run, and no section speaks of
   a measurement without one.
 - docs/ARCHITECTURE.md's layout table names every package folder; docs/tracing.md's span tree is
-  the committed sample trace's, every edge and every span name (tests/e2e/test_trace_files.py
+  the committed sample trace's, every edge and every span name (tests/e2e/test_cli_run.py
   holds the sample to a fresh run's).
 """
 

@@ -87,7 +87,7 @@ def test_a_private_run_listens_on_loopback_only(temp: Path, tmp_path: Path) -> N
     log = tmp_path / "log.jsonl"
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")} | {"TMPDIR": str(temp)}
     proc = subprocess.Popen(
-        colocate("run", "--steps", "4", "--ranks", "2", "--log", str(log)),
+        colocate("run", "--steps", "3", "--ranks", "2", "--log", str(log)),  # still going while step 2 is looked at
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
@@ -211,7 +211,7 @@ def test_attach_runs_on_the_users_cluster_and_leaves_it_up(
         f"{cluster.address} has 4" in " ".join(too_many.stderr.split())
     ), too_many.stderr
     proc = subprocess.Popen(
-        colocate("run", "--steps", "2", "--ranks", "2", "--report", str(report)),
+        colocate("run", "--steps", "1", "--ranks", "2", "--report", str(report)),
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     new_gcs: set[int] = set()

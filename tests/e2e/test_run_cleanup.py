@@ -3,18 +3,19 @@ it does not handle at all. Afterwards the spans are flushed and merged into one 
 is closed, the tracer provider shut down, the report written, Ray and the actors gone, and the
 exit code (or the exception itself) says the run failed.
 
-Each run is in a spawned process of its own: it sets the global tracer provider and puts Ray's
+Each run is in a process of its own (tests/support/spawn.py): it sets the global tracer provider and puts Ray's
 driver in token mode, both for the life of its process."""
 
 from __future__ import annotations
 
 import io
 import json
-import multiprocessing as mp
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.support.spawn import context
 
 psutil = pytest.importorskip("psutil")
 pytest.importorskip("megatron.core")
@@ -92,7 +93,7 @@ def _run_failing_at_step_2(folder: str, ranks: int, raise_: str) -> None:
 
 
 def _run(tmp_path: Path, ranks: int, raise_: str) -> dict[str, Any]:
-    process = mp.get_context("spawn").Process(target=_run_failing_at_step_2, args=(str(tmp_path), ranks, raise_))
+    process = context().Process(target=_run_failing_at_step_2, args=(str(tmp_path), ranks, raise_))
     process.start()
     process.join(400)
     if process.is_alive():

@@ -299,12 +299,10 @@ def _megatron_rank(port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def megatron(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     pytest.importorskip("megatron.core")
-    import torch.multiprocessing as mp
-
-    from tests.support.spawn import free_port
+    from tests.support.spawn import context, free_port
 
     out = tmp_path_factory.mktemp("convert") / "rank0.pt"
-    process = mp.get_context("spawn").Process(target=_megatron_rank, args=(free_port(), str(out)))
+    process = context().Process(target=_megatron_rank, args=(free_port(), str(out)))
     process.start()
     process.join(240)
     if process.is_alive():

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
 from pathlib import Path
 
 import pytest
+
+from tests.support.spawn import context
 
 pytest.importorskip("megatron.core")
 pytest.importorskip("transformers")
@@ -39,7 +40,7 @@ def _job_with_overlapping_param_gather(out: str) -> None:
 
 def test_overlap_param_gather_in_the_real_ddp_config_is_refused(tmp_path: Path) -> None:
     out = tmp_path / "result.txt"
-    process = mp.get_context("spawn").Process(target=_job_with_overlapping_param_gather, args=(str(out),))
+    process = context().Process(target=_job_with_overlapping_param_gather, args=(str(out),))
     process.start()
     process.join(240)
     if process.is_alive():

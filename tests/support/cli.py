@@ -6,7 +6,7 @@ import contextlib
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -18,8 +18,8 @@ def colocate(*args: str) -> list[str]:
     return [exe, *args] if exe else [sys.executable, "-m", "orchestrator.cli", *args]
 
 
-def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(colocate(*args), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+def run(*args: str, timeout: float = 300, env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(colocate(*args), cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 @contextlib.contextmanager

@@ -1,4 +1,4 @@
-"""Rank processes for tests: spawned, bounded, each writing its result as `rank<N>.json`."""
+"""Rank processes for tests: started fresh, bounded, each writing its result as `rank<N>.json`."""
 
 from __future__ import annotations
 
@@ -16,12 +16,27 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def context() -> mp.context.BaseContext:
+    """Where rank processes come from. Without CUDA: a fork server of this test process that has
+    imported torch, Megatron-core and transformers (tests/support/preload.py), so a rank starts in
+    moments instead of after its own ~12 s of imports; each is still a process of its own, forked
+    from a server that ran nothing else. With CUDA: spawn, a fresh interpreter, since a process
+    forked after Megatron's import may find CUDA already initialized in its parent."""
+    import torch
+
+    if torch.cuda.is_available():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["tests.support.preload"])
+    return ctx
+
+
 def spawn_ranks(
     target: Callable[..., None], world_size: int, out: Path, *, args: tuple[Any, ...] = (), timeout: float = 240
 ) -> list[dict[str, Any]]:
-    """Run `target(rank, world_size, port, out, *args)` in one spawned process per rank. Every wait
-    is bounded; a rank that wrote an `error` fails the call with its traceback."""
-    ctx = mp.get_context("spawn")
+    """Run `target(rank, world_size, port, out, *args)` in one new process per rank (`context()`).
+    Every wait is bounded; a rank that wrote an `error` fails the call with its traceback."""
+    ctx = context()
     port = free_port()
     procs = [ctx.Process(target=target, args=(r, world_size, port, str(out), *args)) for r in range(world_size)]
     for p in procs:

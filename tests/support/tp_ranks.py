@@ -9,7 +9,6 @@ payload's shared memory is that process's.
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.managers import BaseManager
@@ -18,6 +17,7 @@ from orchestrator.job.workers.pool import WorkerPool
 from orchestrator.job.workers.trainer_rank import TrainerRank
 from orchestrator.protocols import Named
 from tests.support.sglang_weights import tensors
+from tests.support.spawn import context
 
 
 class GivenWeightsRank(TrainerRank):
@@ -50,7 +50,7 @@ def rank_processes(count: int, device: str = "cpu") -> Iterator[WorkerPool[Train
     """`count` `GivenWeightsRank`s, rank r in a process of its own (its weights on `device`), as a pool the driver calls.
     The pool holds proxies (`remote=False`: each call returns once the rank's process answered);
     `pids` holds each rank's process id."""
-    hosts = [_Host(ctx=multiprocessing.get_context("spawn")) for _ in range(count)]
+    hosts = [_Host(ctx=context()) for _ in range(count)]
     started: list[_Host] = []
     ranks: WorkerPool[TrainerRank] = WorkerPool([], label="rank", remote=False)
     try:

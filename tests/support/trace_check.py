@@ -75,6 +75,23 @@ def edges(trace_file: Path) -> set[tuple[str, str]]:
     return {(names[span.parent], span.name) for span in spans if span.parent in names}
 
 
+def processes_per_trace(trace_file: Path) -> dict[str, set[tuple[str, int | None]]]:
+    """The processes, as (role, rank), with spans in each step's trace (the start-up's trace is not a step's)."""
+    seen: dict[str, set[tuple[str, int | None]]] = defaultdict(set)
+    steps: set[str] = set()
+    for line in trace_file.read_text().splitlines():
+        for resource in parse_otlp_json(line).resource_spans:
+            where = {a.key: a.value for a in resource.resource.attributes}
+            rank = where["colocate.rank"].int_value if "colocate.rank" in where else None  # the engine has none
+            process = (where["colocate.role"].string_value, rank)
+            for scope in resource.scope_spans:
+                for span in scope.spans:
+                    seen[span.trace_id.hex()].add(process)
+                    if span.name == "colocate.step":
+                        steps.add(span.trace_id.hex())
+    return {trace: processes for trace, processes in seen.items() if trace in steps}
+
+
 def problems(trace_file: Path, log_file: Path | None = None) -> list[str]:
     spans = read(trace_file)
     found: list[str] = []
