@@ -57,8 +57,7 @@ class Push:
         return push_in_buckets(tensors(seed=version), self.sink, version, bucket_bytes=BUCKET_BYTES)
 
 
-def lifecycle(group: SGLangGroup, sink: BucketSink) -> Lifecycle:
-    trainer = InMemoryTrainer()
+def lifecycle(group: SGLangGroup, sink: BucketSink, trainer: InMemoryTrainer) -> Lifecycle:
     return Lifecycle(
         config=LifecycleConfig(mode=Mode.REMATERIALIZE),
         trainer=trainer,
@@ -80,13 +79,16 @@ def test_the_lifecycle_moves_the_version_once_after_the_last_bucket_and_never_fo
 ) -> None:
     group = SGLangGroup([server.url])
     sink = group if path == "in process" else pickle.loads(pickle.dumps(group))
-    lc = lifecycle(group, sink)
+    trainer = InMemoryTrainer()
+    lc = lifecycle(group, sink, trainer)
     lc.pause_grads()
     lc.update_weights()
     assert server.state.versions == served_across(server, "default", "1", buckets=3)
 
-    for event in (lc.drop_params, lc.rollout, lc.restore, lc.train, lc.pause_grads):  # the next step
+    for event in (lc.drop_params, lc.rollout, lc.restore):
         event()
+    lc.train(trainer.optimizer_step)  # the next step has weights to push
+    lc.pause_grads()
     server.state.versions.clear()
     server.state.fail_at_bucket = 2  # the second of three buckets fails
     with pytest.raises(ActionFailed, match="Failed to load bucket 2"):
