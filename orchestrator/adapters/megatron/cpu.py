@@ -62,6 +62,8 @@ _DEVICE_MODULES = (  # each one was seen to fail without the view (ablation, 0.1
     "megatron.core.utils",
     "megatron.core.transformer.multi_token_prediction",  # MTP: its loss tracker's device
     "megatron.core.transformer.experimental_attention_variant.dsa",  # DSA: its indexer-loss tracker's
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",  # save: the D2H copies' synchronize
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",  # save: the failure flag's device
 )
 _applied = False
 
