@@ -204,7 +204,7 @@ def _refuse_on_gpu(trainer: Any, ledger: Any) -> dict[str, Any]:
         return Snapshot(
             phase=Phase.ROLLOUT, mode=Mode.REMATERIALIZE, step=1, paused=ledger.paused, engine_attached=True,
             engine_resident=frozenset(), engine_idle=True, engine_synced=True, engine_version=1,
-            weight_version=1, cache_flushed=True, trained_since_sync=False, extras_stashed=True,
+            weight_version=1, cache_flushed=True, trained_since_sync=False, extras_stashed=True, params_valid=False,
             layout=TrainerLayout(), memory=probe(),
         )  # fmt: skip
 

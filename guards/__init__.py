@@ -15,12 +15,14 @@ GUARDS: dict[str, SnapshotGuard] = {
     check.__name__: check
     for check in (
         trainer.trainer_resident,
+        trainer.params_valid,
         trainer.sync_source_resident,
         trainer.restore_coverage,
         trainer.params_dropped,
         engine.engine_attached,
         engine.engine_idle,
         engine.engine_synced,
+        engine.engine_version_known,
         engine.cache_flushed,
         engine.version_increasing,
         engine.engine_kv_released,

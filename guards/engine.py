@@ -33,6 +33,18 @@ def engine_synced(snap: Snapshot) -> str | None:
 
 
 @guard
+def engine_version_known(snap: Snapshot) -> str | None:
+    """A checkpoint names the weight version the engine serves; a resume pushes the one after it."""
+    if not snap.engine_attached:
+        return None  # train-only: no engine, no version to name
+    if not snap.engine_synced:
+        return "the engine has had no sync since it started or recovered: its weight version is not known"
+    if snap.engine_version != snap.weight_version:
+        return f"the engine serves version {snap.engine_version}, colocate pushed {snap.weight_version}"
+    return None
+
+
+@guard
 def cache_flushed(snap: Snapshot) -> str | None:
     if not snap.cache_flushed:
         return "the engine cache was not flushed after the last update: it would serve stale KV / prefixes"

@@ -14,6 +14,14 @@ def trainer_resident(snap: Snapshot) -> str | None:
 
 
 @guard
+def params_valid(snap: Snapshot) -> str | None:
+    """A checkpoint holds the params as they are: they must be cast(mains), not dropped or stale."""
+    if not snap.params_valid:
+        return "the params are not cast(mains) now (dropped, or a step began since they were rebuilt or verified)"
+    return None
+
+
+@guard
 def sync_source_resident(snap: Snapshot) -> str | None:
     """Every tensor handed to the sync is in a resident param buffer or in the extras backup."""
     sources = snap.layout.sync_sources

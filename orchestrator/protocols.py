@@ -218,6 +218,30 @@ class TransferReport:
     buckets: int
 
 
+@dataclass(frozen=True, slots=True)
+class SavedCheckpoint:
+    """What a save wrote: the complete checkpoint's directory, its files and their bytes."""
+
+    path: str
+    files: int
+    bytes: int
+
+
+@runtime_checkable
+class Checkpointer(Protocol):
+    """Saves a run at the end of the steps it says are due (`Lifecycle(checkpointer=...)`): the
+    lifecycle fires `save` then, in TRAIN, under its guards, and the save is that event's work."""
+
+    def due(self, step: int) -> bool:
+        """Whether the step that just ended is saved."""
+        ...
+
+    def save(self, step: int, weight_version: int) -> SavedCheckpoint:
+        """Write the checkpoint of `step`, whose weights the engine serves as `weight_version`.
+        It is complete only once this returns: a failure or a kill before leaves the last one."""
+        ...
+
+
 @runtime_checkable
 class WeightTransport(Protocol):
     """Moves the trainer's sync tensors into the engine, tagged with a weight version."""

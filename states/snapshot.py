@@ -69,6 +69,7 @@ class Snapshot:
     cache_flushed: bool  # no cache entry computed with older weights survives
     trained_since_sync: bool  # an optimizer step ran since the last sync
     extras_stashed: bool  # the extras backup holds this step's values
+    params_valid: bool  # the params are cast(mains) now: seen so since the mains last moved
     layout: TrainerLayout
     memory: MemoryBudget | None = None  # None: no plan given, the memory guard admits
     # The regions the offload choice keeps on the device through the rollout: never paused, so

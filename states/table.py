@@ -27,7 +27,8 @@ P, E = Phase, Event
 TABLE: tuple[Transition, ...] = (
     #          source            event              dest              guards                                        action
     Transition(P.TRAIN,          E.TRAIN,           P.TRAIN,          ("trainer_resident",),                        "train_step"),
-    Transition(P.TRAIN,          E.SAVE,            P.TRAIN,          ("trainer_resident",),                        "save_checkpoint"),
+    Transition(P.TRAIN,          E.SAVE,            P.TRAIN,          ("trainer_resident", "params_valid",
+                                                                       "engine_version_known"),                     "save_checkpoint"),
     Transition(P.TRAIN,          E.PAUSE_GRADS,     P.GRADS_PAUSED,   ("engine_attached", "trainer_resident",
                                                                        "restore_coverage", "memory_fits"),          "pause_trainer_state"),
     Transition(P.GRADS_PAUSED,   E.UPDATE_WEIGHTS,  P.WEIGHTS_SYNCED, ("weights_changed", "sync_source_resident",

@@ -20,7 +20,13 @@ from orchestrator.core.known import Known
 from orchestrator.core.observed import ALL, Observed
 from orchestrator.core.regions import RegionLedger
 from orchestrator.errors import EngineError, RecoveryRefused, RestoreMismatch
-from orchestrator.protocols import RolloutEngine, TrainerControl, WeightTransport, WeightUpdateSessions
+from orchestrator.protocols import (
+    RolloutEngine,
+    SavedCheckpoint,
+    TrainerControl,
+    WeightTransport,
+    WeightUpdateSessions,
+)
 from orchestrator.telemetry import semconv
 from orchestrator.telemetry.listeners import TransitionRecord
 from states import EngineMemory, Region
@@ -81,7 +87,11 @@ class Actions:
         return result
 
     def save_checkpoint(self, record: TransitionRecord, work: Work | None) -> Any:
-        return work() if work is not None else None
+        saved = work() if work is not None else None
+        record.attributes[semconv.WEIGHT_VERSION] = self.known.weight_version
+        if isinstance(saved, SavedCheckpoint):
+            record.attributes.update({semconv.CHECKPOINT: saved.path, semconv.BYTES_WRITTEN: saved.bytes})
+        return saved
 
     def pause_trainer_state(self, record: TransitionRecord, work: Work | None) -> None:
         # The extras are stashed first: expert_bias lives in `default`, which is paused next.

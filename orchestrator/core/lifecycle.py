@@ -30,7 +30,7 @@ from orchestrator.errors import (
     IllegalTransition,
     LifecycleError,
 )
-from orchestrator.protocols import MemoryRegions, RolloutEngine, TrainerControl, WeightTransport
+from orchestrator.protocols import Checkpointer, MemoryRegions, RolloutEngine, TrainerControl, WeightTransport
 from orchestrator.telemetry import semconv
 from orchestrator.telemetry.listeners import FanOut, Listener, TransitionRecord
 from states import Event, Mode, Phase, Snapshot, TrainerLayout
@@ -61,6 +61,7 @@ class Lifecycle(CycleEvents):
 
     The engine is taken over at construction: its memory is released so the trainer starts
     alone on the device, as in the TRAIN row of the memory table (docs/lifecycle.md).
+    `checkpointer`: see `step`. `resumed_version`: the loaded checkpoint's; the first sync is after it.
     """
 
     def __init__(
@@ -72,8 +73,10 @@ class Lifecycle(CycleEvents):
         engine: RolloutEngine | None = None,
         transport: WeightTransport | None = None,
         listeners: list[Listener] | tuple[Listener, ...] = (),
+        checkpointer: Checkpointer | None = None,
+        resumed_version: int = 0,
     ) -> None:
-        self.config = config
+        self.config, self.checkpointer = config, checkpointer
         check_wiring(config.mode, engine, transport)
         self._engine = engine
         self._regions = RegionLedger(regions)
@@ -81,9 +84,10 @@ class Lifecycle(CycleEvents):
         if config.mode is not Mode.TRAIN_ONLY:
             require_restore_coverage(self._layout)
         self.listeners = FanOut(listeners)
-        # Versions continue from what an attached engine already serves (an earlier job's
-        # weights), so they keep increasing; it still serves nothing of this job's before a sync.
-        self._known = Known(weight_version=(engine.weight_version() or 0) if engine is not None else 0)
+        # Versions continue past what an attached engine serves (an earlier job's weights) and a
+        # resumed checkpoint's; the engine still serves nothing of this job's before a sync.
+        served = (engine.weight_version() or 0) if engine is not None else 0
+        self._known = Known(weight_version=max(served, resumed_version))
         self._actions = actions = Actions(config, self._known, trainer, self._regions, engine, transport)
         self.fault_cause: BaseException | None = None
         self._latch = FaultLatch()
@@ -129,6 +133,7 @@ class Lifecycle(CycleEvents):
             cache_flushed=known.cache_flushed,
             trained_since_sync=known.trained_since_sync,
             extras_stashed=known.extras_stashed,
+            params_valid=self._actions.observed.params_current(),
             layout=self._layout,
             memory=self.config.memory() if self.config.memory is not None else None,
             kept=self.residency.keep,
@@ -138,12 +143,15 @@ class Lifecycle(CycleEvents):
 
     @contextmanager
     def step(self, number: int | None = None) -> Iterator[int]:
-        """Group the transitions of one training step (one trace, one parent span)."""
+        """Group the transitions of one training step (one trace, one parent span); a step the
+        checkpointer says is due ends with `save` (refused out of TRAIN; FAULTED if it raises)."""
         known = self._known
         known.step = known.step + 1 if number is None else number
         self.listeners.on_step_start(known.step, self.config.rank)
         try:
             yield known.step
+            if (saver := self.checkpointer) is not None and saver.due(known.step):
+                self.save(lambda: saver.save(known.step, known.weight_version))
         except BaseException as exc:
             self.listeners.on_step_end(known.step, self.config.rank, exc)
             raise

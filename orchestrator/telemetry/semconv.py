@@ -47,6 +47,8 @@ ENGINE_MATCHES_TRAINER_SPAN: Final = "colocate.engine_matches_trainer"
 """The job's check, after every sync, that the engine serves what the trainer holds."""
 LIFECYCLE_PREFIX: Final = "lifecycle."
 """`lifecycle.<event>`: one span per transition, a child of the step (see `lifecycle_span`)."""
+RESUME_SPAN: Final = "start.resume"
+"""Start-up, `--resume`: the checkpoint verified, and its model, optimizer and RNG loaded by every rank."""
 
 ROLE_DRIVER: Final = "driver"
 """The process that runs the lifecycle: a value of `colocate.role`."""
@@ -112,7 +114,8 @@ HOST_PINNED_BYTES: Final = "colocate.host_pinned_bytes"
 """pause_grads and restore: pinned host memory the rank holds, its backups (the trainer's stash) and its
 regions' host arenas (kept across cycles), in bytes."""
 WEIGHT_VERSION: Final = "colocate.weight_version"
-"""update_weights, skip_update, recover: the weight version the engine serves afterwards (int)."""
+"""update_weights, skip_update, recover: the weight version the engine serves afterwards; save: the one
+the checkpoint names (int)."""
 TENSORS: Final = "colocate.tensors"
 """Tensors handed over: by a weight push on its lifecycle span, by a bucket or a digest (count)."""
 BYTES_MOVED: Final = "colocate.bytes_moved"
@@ -131,6 +134,10 @@ BYTES_FROM_HOST: Final = "colocate.bytes_from_host"
 """restore, recover: bytes copied back from the regions' host arenas (bytes)."""
 RECONCILED: Final = "colocate.reconciled"
 """recover: how what the adapters reported differed from TRAIN when it began, or `nothing` (list of str)."""
+CHECKPOINT: Final = "colocate.checkpoint"
+"""save: the directory of the complete checkpoint it wrote; the resume span: the one it loaded (str)."""
+BYTES_WRITTEN: Final = "colocate.bytes_written"
+"""save: bytes of the checkpoint's files, every rank's and the driver's (bytes)."""
 RESTORE_VERIFIED: Final = "colocate.restore_verified"
 """restore, recover, in verified cycles: the rebuilt params match the drop's digests (bool)."""
 
@@ -143,6 +150,7 @@ BYTES_BY_KIND: Final[Mapping[str, str]] = MappingProxyType(
         "rebuilt": BYTES_REBUILT,
         "to_host": BYTES_TO_HOST,
         "from_host": BYTES_FROM_HOST,
+        "written": BYTES_WRITTEN,
     }
 )
 """The byte counts a lifecycle span may carry, by the short name `colocate trace` shows them under."""

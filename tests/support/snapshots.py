@@ -25,6 +25,7 @@ def snap(**changes: object) -> Snapshot:
         cache_flushed=True,
         trained_since_sync=True,
         extras_stashed=True,
+        params_valid=False,
         layout=LAYOUT,
     )
     return replace(base, **changes)  # type: ignore[arg-type]

@@ -35,6 +35,7 @@ def _reach(phase: Phase) -> Rig:
 # On the natural path into each phase, these legal events are refused by a guard.
 GUARDED_THERE = {
     (Phase.GRADS_PAUSED, Event.SKIP_UPDATE),  # the engine was never synced
+    (Phase.TRAIN, Event.SAVE),  # no sync yet: the engine's weight version is not known
 }
 
 
