@@ -4,7 +4,8 @@ Megatron-core's DDP puts each rank's trainable params in flat buffers, one per (
 expert, dtype): each param starts on a multiple of 64 elements and the buffer ends on a
 multiple of lcm(DP, 128) under the distributed optimizer. The grad buffer mirrors it (fp32
 with `grad_reduce_in_fp32`). The DistributedOptimizer gives each rank 1/DP of the fp32 mains
-and Adam moments (1/expert-DP for experts). The planner counts those the same way.
+and Adam moments (1/expert-DP for experts). The planner counts those the same way, and what
+a `dist_checkpointing` save of the model and that optimizer state writes (`Plan.checkpoint_bytes`).
 """
 
 from __future__ import annotations
