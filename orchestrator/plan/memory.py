@@ -4,7 +4,8 @@ Megatron-core's DDP puts each rank's trainable params in flat buffers, one per (
 expert, dtype): each param starts on a multiple of 64 elements and the buffer ends on a
 multiple of lcm(DP, 128) under the distributed optimizer. The grad buffer mirrors it (fp32
 with `grad_reduce_in_fp32`). The DistributedOptimizer gives each rank 1/DP of the fp32 mains
-and Adam moments (1/expert-DP for experts). The planner counts those the same way.
+and Adam moments (1/expert-DP for experts). The planner counts those the same way, and what
+a `dist_checkpointing` save of the model and that optimizer state writes (`Plan.checkpoint_bytes`).
 """
 
 from __future__ import annotations
@@ -132,6 +133,14 @@ class RankBytes:
     extras: int  # expert_bias buffers, fp32 params, frozen params: what rematerialize pins
     frozen: int  # bytes of frozen params (resident, in no buffer)
     backup: int  # what backup mode pins: the param buffers and the extras
+    # What a checkpoint writes (`Plan.checkpoint_written`): its params and persistent buffers in
+    # their dtypes, the last stage's embedding copy left out (the first stage saves it) ...
+    model_shard: int
+    # ... and its optimizer shard as the distributed optimizer's `dp_reshardable` state holds it:
+    # the fp32 main (an fp32 param's own value) and the moments, over this rank's part of each
+    # buffer up to its last param (the 64-element alignment in, the end padding out).
+    optimizer_shard: int
+    stage_optimizer: int  # the same over every rank of the stage: each buffer once per DP group
 
     @property
     def optimizer_state(self) -> int:
@@ -173,6 +182,17 @@ class Plan:
             EngineMemory.KV_CACHE: self.kv_cache,
             EngineMemory.CUDA_GRAPH: self.engine.cuda_graph_bytes,
         }
+
+    def checkpoint_written(self, r: RankBytes) -> int:
+        """Bytes one `dist_checkpointing.save` (torch_dist) writes from the stage's busiest rank: the
+        data-parallel replica that saves its model shard, and its optimizer shard. The writer copies
+        each tensor to host memory first, so this is also the host memory a save needs, at most."""
+        return r.model_shard + r.optimizer_shard
+
+    def checkpoint_bytes(self) -> tuple[int, int]:
+        """(model, optimizer) bytes of the whole checkpoint: every model tensor once (replicas over
+        TP, DP and stages are saved by one of them), and every rank's optimizer shard."""
+        return self.model.total_bytes(self.parallel.tp), sum(r.stage_optimizer for r in self.ranks)
 
     def kept(self, r: RankBytes) -> frozenset[Region]:
         """The regions the offload choice keeps resident on this stage's ranks."""
@@ -221,13 +241,19 @@ def _pad(n: int, multiple: int) -> int:
     return math.ceil(n / multiple) * multiple
 
 
+def laid_out_numel(tensors: list[Tensor], distributed: bool) -> int:
+    """Elements of one Megatron DDP buffer holding `tensors` up to its last param's end: under the
+    distributed optimizer each param starts on a multiple of 64, and the params are laid out last
+    first (Megatron's reverse order), so the first of `tensors` ends the buffer unpadded."""
+    if not tensors or not distributed:
+        return sum(t.numel for t in tensors)
+    return sum(_pad(t.numel, 64) for t in tensors[1:]) + tensors[0].numel
+
+
 def buffer_numel(tensors: list[Tensor], dp: int, distributed: bool) -> int:
     """Elements of one Megatron DDP buffer holding `tensors` (one bucket: no overlapped reduce)."""
-    if not tensors:
-        return 0
-    if not distributed:
-        return sum(t.numel for t in tensors)
-    return _pad(sum(_pad(t.numel, 64) for t in tensors), math.lcm(dp, 128))
+    laid_out = laid_out_numel(tensors, distributed)
+    return _pad(laid_out, math.lcm(dp, 128)) if tensors and distributed else laid_out
 
 
 def rank_bytes(m: ModelSpec, par: Parallelism, opt: OptimizerSpec, stage: int) -> RankBytes:
@@ -235,13 +261,19 @@ def rank_bytes(m: ModelSpec, par: Parallelism, opt: OptimizerSpec, stage: int) -
     tensors = stage_tensors(
         m, layers, first=stage == 0, last=stage == par.pp - 1, tp=par.tp, ep=par.ep, etp=par.etp, spec=par.spec
     )
-    param_buffer = grad_buffer = mains = adam = 0
+    param_buffer = grad_buffer = mains = adam = optimizer_shard = stage_optimizer = 0
     grad_width = 4 if opt.grad_dtype is GradDtype.FP32 else 2
+    state_width = 12 if opt.adam else 4  # per element saved: the fp32 main, and Adam's two moments
     for expert, dp in ((False, par.dp), (True, par.expert_dp)):
         shard = dp if opt.distributed else 1
         for kind, width in ((Kind.PARAM, 2), (Kind.FP32, 4)):
             group = [t for t in tensors if t.expert is expert and t.kind is kind]
             numel = buffer_numel(group, dp, opt.distributed)
+            laid_out = laid_out_numel(group, opt.distributed)
+            optimizer_shard += state_width * min(numel // shard, laid_out)  # DP rank 0's part is whole
+            # One buffer per DP group: TP x DP // DP dense ones, EP x expert TP expert ones. (Without
+            # the distributed optimizer, state replicated over TP is counted once per TP rank.)
+            stage_optimizer += state_width * laid_out * (par.tp * par.dp // dp)
             param_buffer += width * numel
             grad_buffer += (4 if kind is Kind.FP32 else grad_width) * numel
             trainable = sum(t.numel for t in group)
@@ -249,8 +281,8 @@ def rank_bytes(m: ModelSpec, par: Parallelism, opt: OptimizerSpec, stage: int) -
                 mains += 4 * trainable // shard
             if opt.adam:
                 adam += 8 * trainable // shard
-    extras = sum(t.numel * (2 if t.kind is Kind.FROZEN else 4) for t in tensors if t.kind is not Kind.PARAM)
-    frozen = sum(2 * t.numel for t in tensors if t.kind is Kind.FROZEN)
+    extras = sum(t.nbytes for t in tensors if t.kind is not Kind.PARAM)
+    frozen = sum(t.nbytes for t in tensors if t.kind is Kind.FROZEN)
     return RankBytes(
         stage=stage,
         layers=len(layers),
@@ -262,6 +294,9 @@ def rank_bytes(m: ModelSpec, par: Parallelism, opt: OptimizerSpec, stage: int) -
         extras=extras,
         frozen=frozen,
         backup=param_buffer + extras,
+        model_shard=sum(t.nbytes for t in tensors if not t.copy),
+        optimizer_shard=optimizer_shard,
+        stage_optimizer=stage_optimizer,
     )
 
 

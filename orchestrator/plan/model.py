@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -48,12 +48,20 @@ class Kind(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class Tensor:
-    """One tensor as one rank holds it. `expert`: in Megatron's expert-parallel buffers."""
+    """One tensor as one rank holds it. `expert`: in Megatron's expert-parallel buffers. `copy`: a
+    stage's copy of a tensor another stage holds (the word embeddings on the last stage): held
+    and trained here, saved from there (Megatron gives it a nonzero replica id)."""
 
     name: str
     numel: int
     kind: Kind = Kind.PARAM
     expert: bool = False
+    copy: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes in its own dtype: bf16, but fp32 for fp32 params and the routers' expert_bias."""
+        return self.numel * (4 if self.kind in (Kind.FP32, Kind.EXPERT_BIAS) else 2)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -184,9 +192,20 @@ class ModelSpec:
     def total_params(self, tp: int = 1) -> int:
         """Unique parameters of Megatron's model (no TP/PP copies), extras and MTP included, with
         the vocabulary padded as Megatron pads it at tensor-parallel size `tp`."""
-        whole = stage_tensors(self, range(self.num_layers), first=True, last=True, tp=1, ep=1, etp=1)
-        counted = sum(t.numel for t in whole if t.kind is not Kind.EXPERT_BIAS)
-        return counted + (padded_vocab(self.vocab_size, tp) - padded_vocab(self.vocab_size, 1)) * self.vocab_row_params
+        counted = sum(t.numel for t in self._whole() if t.kind is not Kind.EXPERT_BIAS)
+        return counted + self._vocab_padding(tp)
+
+    def total_bytes(self, tp: int = 1) -> int:
+        """Bytes of those parameters in their dtypes (`Tensor.nbytes`), the routers' expert_bias
+        buffers included: the model as a checkpoint holds it, each tensor once."""
+        return sum(t.nbytes for t in self._whole()) + 2 * self._vocab_padding(tp)
+
+    def _whole(self) -> list[Tensor]:
+        return stage_tensors(self, range(self.num_layers), first=True, last=True, tp=1, ep=1, etp=1)
+
+    def _vocab_padding(self, tp: int) -> int:
+        """Parameters the vocabulary's padding at TP `tp` adds beyond its padding at TP 1 (bf16)."""
+        return (padded_vocab(self.vocab_size, tp) - padded_vocab(self.vocab_size, 1)) * self.vocab_row_params
 
     def mtp_params(self) -> int:
         """Parameters of the MTP layers (their embedding is the model's)."""
@@ -317,14 +336,14 @@ def stage_tensors(
         # Off the first stage the last one holds its own copy of the embedding when it needs one:
         # to compute tied logits, or to embed MTP's inputs.
         if not first and (m.tie_embeddings or m.num_mtp_layers):
-            out.append(Tensor("embedding.word_embeddings.weight (last-stage copy)", vocab * h))
+            out.append(Tensor("embedding.word_embeddings.weight (last-stage copy)", vocab * h, copy=True))
         if not m.tie_embeddings:
             out.append(Tensor("output_layer.weight", vocab * h))
     if m.fp32_param_numel and last:
         out.append(Tensor("fp32_params", m.fp32_param_numel, Kind.FP32))
     if m.frozen:
         frozen = set(m.frozen)
-        out = [Tensor(t.name, t.numel, Kind.FROZEN, t.expert) if t.name in frozen else t for t in out]
+        out = [replace(t, kind=Kind.FROZEN) if t.name in frozen else t for t in out]
     return out
 
 

@@ -156,3 +156,24 @@ def test_model_spec_refuses_what_the_reader_would() -> None:
             ffn_hidden_size=8,
         )  # fmt: skip
     assert GLM5["index_n_heads"] == 32  # the preset the refusal above is about is a DSA model
+
+
+def test_the_checkpoint_rows_say_what_a_save_writes_per_rank_and_in_all() -> None:
+    args = ("qwen3-4b", "--tp", "2", "--dp", "2")
+    done = colocate("plan", *args)
+    assert done.exit_code == 0, done.output
+    lines = done.stdout.splitlines()
+    rows = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in lines if line.count("│") == 3}
+    # Qwen3-4B is 4.02 B params: a TP2 shard of them in bf16, a quarter of 12 bytes each (mains + Adam).
+    assert rows["model shard (one DP replica)"] == "4.02"
+    assert rows["optimizer shard (fp32 state)"] == "12.07"
+    assert rows["written (host memory, at most)"] == "16.09"
+    assert "checkpoint in all: 56.32 GB (the model once: 8.05 GB; the optimizer state of all 4 ranks: 48.28 GB)" in (
+        done.stdout
+    )
+    got = planned(*args)["checkpoint"]
+    (stage,) = got["per_rank"]
+    assert (
+        got["total"] == got["model"] + got["optimizer"] and got["model"] == 2 * planned(*args)["model"]["total_params"]
+    )
+    assert stage["written"] == stage["host_for_save"] == stage["model_shard"] + stage["optimizer_shard"]

@@ -19,7 +19,8 @@ from states import Mode, Offload
 
 # `\b` keeps click from re-flowing the table's lines into one paragraph.
 PLAN_HELP = (
-    "Plan each rank's memory per lifecycle phase: params, grads, mains, Adam, backups, engine.\n\n"
+    "Plan each rank's memory per lifecycle phase: params, grads, mains, Adam, backups, engine; "
+    "and what a checkpoint save writes, per rank and in all.\n\n"
     "MODEL is an HF config.json (dense, MoE, MLA and DSA decoders; the text model of a multimodal "
     "config, whose other parts the plan names as not counted) or a preset. "
     "Weight sync to an engine converts these families, checked at these layouts:\n\n\b\n" + support_table()

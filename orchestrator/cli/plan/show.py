@@ -85,8 +85,28 @@ def to_json(p: Plan, *, gbps: float = PINNED_COPY_GBPS) -> dict[str, Any]:
         },
         "offload": {"policy": p.offload.value, "pinned_copy_gbps": gbps},
         "stages": [_stage_json(p, r, gbps) for r in p.ranks],
+        "checkpoint": _checkpoint_json(p),
         "nodes": [{"node": n, "device_peak": d, "host_peak": h} for n, d, h in p.node_totals()],
         "gpus_per_node": p.gpus_per_node,
+    }
+
+
+def _checkpoint_json(p: Plan) -> dict[str, Any]:
+    model, optimizer = p.checkpoint_bytes()
+    return {
+        "total": model + optimizer,
+        "model": model,  # each tensor once
+        "optimizer": optimizer,  # every rank's shard
+        "per_rank": [  # the busiest rank of each stage
+            {
+                "stage": r.stage,
+                "model_shard": r.model_shard,
+                "optimizer_shard": r.optimizer_shard,
+                "written": p.checkpoint_written(r),
+                "host_for_save": p.checkpoint_written(r),  # the writer stages all of it in host memory
+            }
+            for r in p.ranks
+        ],
     }
 
 
@@ -133,6 +153,26 @@ def show_offload(p: Plan, console: Console, *, gbps: float = PINNED_COPY_GBPS) -
         )
 
 
+def show_checkpoint(p: Plan, console: Console) -> None:
+    """What one save writes from the busiest rank of each stage, and in all."""
+    table = Table(
+        title="checkpoint: what one save writes from the busiest rank of each stage, GB (the writer "
+        "copies it all to host memory first)"
+    )
+    table.add_column("")
+    for r in p.ranks:
+        table.add_column(f"stage {r.stage}", justify="right")
+    table.add_row("model shard (one DP replica)", *(_gb(r.model_shard) for r in p.ranks))
+    table.add_row("optimizer shard (fp32 state)", *(_gb(r.optimizer_shard) for r in p.ranks))
+    table.add_row("written (host memory, at most)", *(_gb(p.checkpoint_written(r)) for r in p.ranks))
+    console.print(table)
+    model, optimizer = p.checkpoint_bytes()
+    console.print(
+        f"checkpoint in all: {_gb(model + optimizer)} GB (the model once: {_gb(model)} GB; "
+        f"the optimizer state of all {p.parallel.world} ranks: {_gb(optimizer)} GB)"
+    )
+
+
 def show(p: Plan, console: Console, *, gbps: float = PINNED_COPY_GBPS) -> None:
     console.print(headline(p), markup=False, highlight=False)
     per_rank = Table(title="per rank of each stage (GB; params in billions)")
@@ -158,6 +198,7 @@ def show(p: Plan, console: Console, *, gbps: float = PINNED_COPY_GBPS) -> None:
         f"CUDA graphs {_gb(p.engine.cuda_graph_bytes)} GB"
     )
     show_offload(p, console, gbps=gbps)
+    show_checkpoint(p, console)
     nodes = Table(title=f"per node of {p.gpus_per_node} GPUs, peak over phases (GB)")
     for col in ("node", "device", "host (pinned)"):
         nodes.add_column(col, justify="right")
