@@ -133,8 +133,14 @@ def run_command(
     model: Annotated[
         str, typer.Option(help="Model preset: tiny (CPU-size), qwen-0.5b or llama-1b (GPU-size, random init).")
     ] = "tiny",
+    save_every: Annotated[int, typer.Option(help="Save a checkpoint every N steps (0: never); needs --save-dir.")] = 0,
+    save_dir: Annotated[Path | None, typer.Option(help="Where checkpoints go: DIR/step-NNNNNN, each complete.")] = None,
+    resume: Annotated[
+        Path | None, typer.Option(metavar="DIR", help="Continue from the last complete checkpoint in DIR.")
+    ] = None,
 ) -> None:
     """Run the colocated GRPO job: Megatron-core ranks and a rollout engine, one full cycle per step."""
+    from orchestrator.job.checkpoint import resume_point
     from orchestrator.job.grpo import GRPOConfig
     from orchestrator.job.job import RunConfig
     from orchestrator.job.outputs import output_problems
@@ -142,7 +148,7 @@ def run_command(
     from orchestrator.job.run import run
     from orchestrator.telemetry.tracing import exporter_problems
 
-    problems: list[str] = output_problems(report=report, log=log, trace_dir=trace_dir) + exporter_problems()
+    problems: list[str] = output_problems(report=report, log=log, trace_dir=trace_dir, save_dir=save_dir) + exporter_problems()
     try:
         grpo = grpo_config(model)
     except ValueError as exc:
@@ -165,12 +171,18 @@ def run_command(
             weight_sync=weight_sync,
             engine_pause=engine_pause,
             ray_address=ray_address or None,
+            save_every=save_every,
+            save_dir=save_dir,
+            resume=resume,
         )
+        resumed = resume_point(config) if config.resume is not None and not problems else None
     except ConfigError as exc:
         problems += [str(v) for v in exc.violations]
     if problems:  # every problem at once, before any rank starts
         _fail(str(ConfigError(problems)), code=2)
-    code = run(config, report_path=report, trace_dir=trace_dir, log_path=log, console=Console(), err=err)
+    code = run(
+        config, resumed=resumed, report_path=report, trace_dir=trace_dir, log_path=log, console=Console(), err=err
+    )
     raise typer.Exit(code)
 
 

@@ -27,7 +27,7 @@ import math
 import socket
 import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -41,6 +41,7 @@ from orchestrator.core.lifecycle import Lifecycle
 from orchestrator.errors import ConfigError
 from orchestrator.job import interrupt
 from orchestrator.job.capacity import machine_problems
+from orchestrator.job.checkpoint import JobCheckpointer, ResumePoint, checkpoint_problems, resume_point
 from orchestrator.job.grpo import GRPOConfig, SyntheticTask, group_advantages
 from orchestrator.job.memory import MeasuredMemory
 from orchestrator.job.ray_cluster import address_problems, auth_problems, driver_ip
@@ -90,6 +91,10 @@ class RunConfig:
     # A running Ray cluster's GCS address (HOST:PORT) to run the ranks on; None: a private cluster
     # of the job's own, on loopback (`orchestrator.job.ray_cluster`).
     ray_address: str | None = None
+    # Checkpoints (job/checkpoint.py): every N steps (0: never) into save_dir; resume from the last in resume.
+    save_every: int = 0
+    save_dir: Path | None = None
+    resume: Path | None = None
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
 
     def __post_init__(self) -> None:
@@ -143,6 +148,7 @@ class RunConfig:
             problems.append(f"--seed must be >= 0 and < 2**64 (torch's generator takes 64 bits), got {self.seed}")
         if self.bucket_bytes < 1:
             problems.append(f"bucket size must be positive, got {self.bucket_bytes}")
+        problems += checkpoint_problems(self)
         if problems:
             raise ConfigError(problems)
 
@@ -197,8 +203,10 @@ class ColocatedJob:
         listeners: Sequence[Listener] = (),
         trace_dir: Path | None = None,
         stop: threading.Event | None = None,
+        resumed: ResumePoint | None = None,
     ) -> None:
         self.config, self.listeners, self.trace_dir, self.stop = config, tuple(listeners), trace_dir, stop
+        self.resumed = resumed  # verified up front by the CLI; else `start` reads config.resume
         self.task = SyntheticTask(config.grpo.task)
         self.report = RunReport(mode=config.mode.value, ranks=config.ranks)
         self._generator = torch.Generator().manual_seed(config.seed)
@@ -237,6 +245,8 @@ class ColocatedJob:
 
     def _start(self) -> None:
         cfg, grpo = self.config, self.config.grpo
+        if cfg.resume is not None and self.resumed is None:  # before anything starts: refused, nothing lost
+            self.resumed = resume_point(cfg)
         adapter = ENGINES[cfg.engine]
         spec = EngineSpec(
             model=grpo.model, max_batch=grpo.prompts_per_step * grpo.group_size, max_len=grpo.max_len,
@@ -255,6 +265,11 @@ class ColocatedJob:
         with _part(semconv.START_RANKS_SPAN):
             ranks = placement.start_ranks(int(self._store.port), grpo.model, grpo.clip_eps, cfg.digest)
         interrupt.check(self.stop)  # ranks built in this process do not look at it
+        if self.resumed is not None:
+            with _part(semconv.RESUME_SPAN):
+                loaded = self.resumed.load(DistributedTrainer(ranks), self._generator, cfg.ranks)
+                vars(self.report).update(vars(loaded))  # in place: the run holds this report
+                self._step = self.resumed.step
         with _part(semconv.START_ENGINE_SPAN):
             self.engine: JobEngine = served if served is not None else placement.start_engine(cfg.engine, spec)
         interrupt.check(self.stop)
@@ -280,7 +295,11 @@ class ColocatedJob:
             engine=self.engine,
             transport=WEIGHT_SYNCS[cfg.weight_sync](ranks, self.engine, cfg.bucket_bytes),
             listeners=listeners,
-        )
+            checkpointer=None if cfg.save_dir is None else JobCheckpointer(
+                cfg, self.trainer, self._generator, lambda: asdict(self.report)
+            ),
+            resumed_version=self.resumed.weight_version if self.resumed is not None else 0,
+        )  # fmt: skip
 
     def _memory(self) -> MeasuredMemory | None:
         """On GPUs, with an engine that knows its footprint, the measured budget the memory guard
@@ -317,11 +336,17 @@ class ColocatedJob:
             batch, reward = lc.rollout(self._rollout)
             lc.restore()
             loss = lc.train(lambda: self.trainer.train(batch))
-        current = self.report.steps[-1]
-        current.reward_mean, current.loss, current.engine_matches_trainer = reward, loss, matches
-        if matches is not None:
-            self.report.engine_matches_trainer = self.report.engine_matches_trainer is not False and matches
+            # In the step: a checkpoint saved at its end holds the step whole.
+            current = self.report.steps[-1]
+            current.reward_mean, current.loss, current.engine_matches_trainer = reward, loss, matches
+            if matches is not None:
+                self.report.engine_matches_trainer = self.report.engine_matches_trainer is not False and matches
         return StepOutcome(self._step, reward, loss, matches)
+
+    @property
+    def steps_begun(self) -> int:
+        """Steps begun, those before a resume included: once started, where the run continues from."""
+        return self._step
 
     @contextlib.contextmanager
     def _fault_on_error(self) -> Iterator[None]:

@@ -29,13 +29,16 @@ from pathlib import Path
 PROBE_PREFIX = ".colocate-probe-"  # a file of a trial in a folder, removed at once
 
 
-def output_problems(*, report: Path | None, log: Path | None, trace_dir: Path | None) -> list[str]:
+def output_problems(
+    *, report: Path | None, log: Path | None, trace_dir: Path | None, save_dir: Path | None = None
+) -> list[str]:
     """Every output path that cannot be written, each named with its option and the OS's reason:
     a run must not end after its work only to lose the report."""
     found = [
         _file_problem("--report", report, appended=False) if report is not None else None,
         _file_problem("--log", log, appended=True) if log is not None else None,
         _folder_problem("--trace-dir", trace_dir) if trace_dir is not None else None,
+        _folder_problem("--save-dir", save_dir) if save_dir is not None else None,
     ]
     if report is not None and log is not None and report.resolve() == log.resolve():
         found.append(f"--report and --log name the same file, {report}")

@@ -46,6 +46,17 @@ class RunReport:
     error: str | None = None
     interrupted: bool = False  # stopped by Ctrl-C (SIGINT): the steps before it are kept
     gpu_total_bytes: list[int] = field(default_factory=list)  # GPU runs: each rank's GPU, in rank order
+    # Where the run resumed: one "step N from PATH" per resume, oldest first
+    resumed: list[str] = field(default_factory=list)
+    resume_seconds: float | None = None  # the last resume's: verify the checkpoint and load every rank
+    weights_sha256: str | None = None  # of the engine-side (HF) weights, once every step is done
+
+    @classmethod
+    def from_dict(cls, saved: dict[str, Any]) -> RunReport:
+        """A report as `to_json` wrote it (a checkpoint's report so far)."""
+        fields = dict(saved)
+        fields["steps"] = [StepReport(**step) for step in saved["steps"]]
+        return cls(**fields)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -58,6 +69,7 @@ _COPIED = {
     Event.PAUSE_GRADS: (semconv.BYTES_TO_HOST,),
     Event.UPDATE_WEIGHTS: (semconv.BYTES_MOVED,),
     Event.RESTORE: (semconv.BYTES_FROM_HOST,),
+    Event.SAVE: (semconv.BYTES_WRITTEN,),
 }
 
 

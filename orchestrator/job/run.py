@@ -14,6 +14,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from orchestrator.errors import ConfigError, LifecycleError
+from orchestrator.job.checkpoint import ResumePoint
 from orchestrator.job.interrupt import CTRL_C
 from orchestrator.job.job import ColocatedJob, RunConfig
 from orchestrator.job.report import RunReport
@@ -21,7 +22,7 @@ from orchestrator.telemetry.listeners import Listener
 from orchestrator.telemetry.logs import LoggingListener, configure_logging
 from orchestrator.telemetry.sparkline import sparkline
 from orchestrator.telemetry.tracing import TracingListener, configure_tracing
-from states import CYCLE
+from states import CYCLE, Event
 
 
 def summary(report: RunReport, seconds: float) -> Table:
@@ -36,6 +37,8 @@ def summary(report: RunReport, seconds: float) -> Table:
         table.add_row("reward curve", f"{sparkline(rewards)}  {rewards[0]:.2f} → {rewards[-1]:.2f}")
         table.add_row("mean reward, first / last 5", f"{sum(first) / len(first):.3f} / {sum(last) / len(last):.3f}")
     for row in _phase_rows(report):
+        table.add_row(*row)
+    for row in _checkpoint_rows(report):
         table.add_row(*row)
     table.add_row("pinned host bytes per rank", _pinned(report))
     table.add_row("bf16 param bytes per rank", f"{report.param_bytes_bf16_per_rank:,}")
@@ -62,7 +65,7 @@ def _phase_rows(report: RunReport) -> list[tuple[str, str]]:
     done = [s for s in report.steps if s.loss is not None]
     steady = [s for s in done if s.step >= 3] or done
     rows = []
-    for event in (row.event for row in CYCLE):
+    for event in (*(row.event for row in CYCLE), Event.SAVE):
         steps = [s for s in steady if event in s.phase_seconds]
         if not steps:
             continue
@@ -70,6 +73,16 @@ def _phase_rows(report: RunReport) -> list[tuple[str, str]]:
         moved = sum(s.phase_bytes.get(event, 0) for s in steps) / len(steps)
         rate = f", {moved:,.0f} bytes at {moved / seconds / 1e9:.1f} GB/s" if moved and seconds else ""
         rows.append((f"{event} s (mean{', steps 3+' if steady is not done else ''})", f"{seconds:.4f}{rate}"))
+    return rows
+
+
+def _checkpoint_rows(report: RunReport) -> list[tuple[str, str]]:
+    """Where the run resumed, how long that took, and the final weights' SHA256."""
+    rows = [("resumed from", resumed) for resumed in report.resumed]
+    if report.resume_seconds is not None:
+        rows.append(("resume s (verify + load)", f"{report.resume_seconds:.2f}"))
+    if report.weights_sha256 is not None:
+        rows.append(("final weights SHA256", report.weights_sha256))
     return rows
 
 
@@ -164,12 +177,13 @@ def _drive(job: ColocatedJob, ending: Ending, progress: Progress, err: Console) 
     try:
         job.start()  # a Ctrl-C during it ends it (KeyboardInterrupt), and what it started
         description = f"{config.mode} x{config.ranks} {config.device}, {config.engine} engine"
-        progress.update(task, description=description)
-        for _ in range(config.steps):
+        progress.update(task, description=description, completed=job.steps_begun)  # a resumed run's steps
+        for _ in range(config.steps - job.steps_begun):
             if CTRL_C.requested.is_set():
                 raise KeyboardInterrupt
             outcome = job.run_step()
             progress.update(task, advance=1, reward=f"{outcome.reward_mean:.3f}")
+        job.report.weights_sha256 = job.trainer.weights_sha256()
     except KeyboardInterrupt:
         ending.interrupted = True
     except Exception as exc:  # a LifecycleError names what failed; anything else, its type
@@ -185,6 +199,7 @@ def _drive(job: ColocatedJob, ending: Ending, progress: Progress, err: Console) 
 def run(
     config: RunConfig,
     *,
+    resumed: ResumePoint | None = None,
     report_path: Path | None,
     trace_dir: Path | None,
     log_path: Path | None,
@@ -223,7 +238,7 @@ def run(
 
     try:
         with _telemetry(parts, trace_file, log_path) as listeners, _progress(console) as progress:
-            job = ColocatedJob(config, listeners, trace_dir=parts, stop=CTRL_C.requested)
+            job = ColocatedJob(config, listeners, trace_dir=parts, stop=CTRL_C.requested, resumed=resumed)
             report = job.report
             try:
                 _drive(job, ending, progress, err)

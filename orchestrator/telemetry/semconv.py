@@ -48,7 +48,7 @@ ENGINE_MATCHES_TRAINER_SPAN: Final = "colocate.engine_matches_trainer"
 LIFECYCLE_PREFIX: Final = "lifecycle."
 """`lifecycle.<event>`: one span per transition, a child of the step (see `lifecycle_span`)."""
 RESUME_SPAN: Final = "start.resume"
-"""Start-up, `--resume`: the checkpoint verified, and its model, optimizer and RNG loaded by every rank."""
+"""Start-up, `--resume`: every rank loads the checkpoint's model, optimizer and RNG; the run, its sampler and report."""
 
 ROLE_DRIVER: Final = "driver"
 """The process that runs the lifecycle: a value of `colocate.role`."""

@@ -73,13 +73,14 @@ def _files(directory: Path) -> list[Path]:
 def seal(partial: Path, root: Path, step: int) -> SavedCheckpoint:
     """Hash every file of `partial` into its manifest, flush it all to disk and rename it into
     place as the complete checkpoint of `step` (one that exists already is replaced whole)."""
-    files = {}
+    files: dict[str, dict[str, Any]] = {}
     for path in _files(partial):
         _fsync(path)
         files[path.relative_to(partial).as_posix()] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
     manifest = partial / MANIFEST
     manifest.write_text(json.dumps({"format": _FORMAT, "step": step, "files": files}, indent=1) + "\n")
     _fsync(manifest)
+    written = sum(int(entry["bytes"]) for entry in files.values()) + manifest.stat().st_size
     for directory in sorted({p.parent for p in partial.rglob("*")} | {partial}, key=lambda p: -len(p.parts)):
         _fsync(directory)
     final = root / _name(step)
@@ -92,7 +93,6 @@ def seal(partial: Path, root: Path, step: int) -> SavedCheckpoint:
     else:
         partial.rename(final)
     _fsync(root)
-    written = sum(int(entry["bytes"]) for entry in files.values()) + manifest.stat().st_size
     return SavedCheckpoint(path=str(final), files=len(files) + 1, bytes=written)
 
 

@@ -7,6 +7,7 @@ params, and no rank rebuilds before every replica has released.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import socket
 import sys
@@ -102,12 +103,23 @@ class DistributedTrainer:
         losses = self.ranks.all(TrainerRank.train, batch)
         return sum(losses) / len(losses)
 
+    def save_checkpoint(self, directory: str) -> None:
+        self.ranks.all(TrainerRank.save_checkpoint, directory)
+
+    def load_checkpoint(self, directory: str, rng: bool) -> None:
+        self.ranks.all(TrainerRank.load_checkpoint, directory, rng)
+
     def device_memory(self) -> list[tuple[int, int]]:
         """(free, total) bytes of each rank's GPU, in rank order."""
         return self.ranks.all(TrainerRank.device_memory)
 
     def converted_digests(self) -> dict[str, str]:
         return self.ranks.one(0, TrainerRank.converted_digests)
+
+    def weights_sha256(self) -> str:
+        """One SHA256 over rank 0's converted (HF) weights: each tensor's SHA256, by name."""
+        lines = "".join(f"{name} {digest}\n" for name, digest in sorted(self.converted_digests().items()))
+        return hashlib.sha256(lines.encode()).hexdigest()
 
 
 class ReplicaSet:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -173,6 +174,18 @@ class TrainerRank(Traced, PayloadSource):
     def paused(self) -> frozenset[str]:
         """The regions' `paused`, as a call: the driver reaches a rank by its methods (`WorkerPool`)."""
         return self.regions.paused
+
+    # Checkpoints: Megatron's dist checkpoint of the model, the optimizer and the RNG, collectively.
+    def save_checkpoint(self, directory: str) -> None:
+        from orchestrator.adapters.megatron import sharded
+
+        sharded.save(self.chunks, self.optimizer, Path(directory))
+
+    def load_checkpoint(self, directory: str, rng: bool) -> None:
+        """Load before the lifecycle is built; `rng`: the world size is the checkpoint's."""
+        from orchestrator.adapters.megatron import sharded
+
+        sharded.load(self.chunks, self.optimizer, Path(directory), rng=rng)
 
     # The work of a step.
     def train(self, batch: Batch) -> float:
