@@ -22,7 +22,7 @@ def _save(root: Path, step: int, payload: bytes = b"weights") -> Path:
     partial = begin(root, step)
     (partial / "trainer").mkdir()
     (partial / "trainer" / "__0_0.distcp").write_bytes(payload)
-    (partial / "colocate.json").write_text('{"step": %d}' % step)
+    (partial / "colocate.json").write_text(f'{{"step": {step}}}')
     return Path(seal(partial, root, step).path)
 
 
@@ -59,10 +59,10 @@ def test_damage_is_refused_naming_the_file(tmp_path: Path, damage, words: str) -
 def test_a_missing_or_unreadable_manifest_is_refused(tmp_path: Path) -> None:
     checkpoint = _save(tmp_path, 2)
     (checkpoint / "MANIFEST.json").write_text("{not json")
-    with pytest.raises(CheckpointRefused, match="MANIFEST.json: unreadable"):
+    with pytest.raises(CheckpointRefused, match=r"MANIFEST\.json: unreadable"):
         verify(checkpoint)
     (checkpoint / "MANIFEST.json").unlink()
-    with pytest.raises(CheckpointRefused, match="MANIFEST.json: missing: the checkpoint is not complete"):
+    with pytest.raises(CheckpointRefused, match=r"MANIFEST\.json: missing: the checkpoint is not complete"):
         verify(checkpoint)
 
 
