@@ -190,19 +190,13 @@ def _rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
-def _sink(
-    model: list[Any],
-    engine: RolloutEngine | None,
-    convert: Converter | None,
-    served_config: str | Path | Mapping[str, Any] | None,
-    mtp: bool,
-) -> tuple[LoadsWeights, Converter] | None:
-    """The engine the default transport sends to and its converter, both checked (ConfigError)."""
-    if engine is None:
+def _loads_weights(engine: RolloutEngine | None, transport: WeightTransport | None) -> LoadsWeights | None:
+    """The engine the default transport sends to (None where a transport is given, or no engine)."""
+    if engine is None or transport is not None:
         return None
     if not isinstance(engine, LoadsWeights):
         raise ConfigError([f"engine {engine.name!r} has no update_weights(named, version): pass transport="])
-    return engine, hf_converter(model, served_config, mtp=mtp) if convert is None else convert
+    return engine
 
 
 def _checkpointer(
@@ -278,7 +272,8 @@ def colocate_megatron(
     `save_dir`, `save_every`: a step `lifecycle.step(n)` with n a multiple of `save_every` ends
     with a save into `save_dir` (every rank's part; a directory every rank sees), with
     `checkpoint_state()`, called on rank 0, saved beside. `resume`: a directory whose last complete
-    checkpoint is loaded into the model and optimizer first; CheckpointRefused (a ConfigError) on
+    checkpoint is loaded into the model and optimizer before the trainer wraps them (so before
+    the restore-coverage and conversion checks, which the engine still waits on); CheckpointRefused (a ConfigError) on
     every rank, before anything is loaded, where there is none or it is damaged, and naming
     Megatron's message where it is another model's. The resume point (the step to continue
     after, the saved state) is `lifecycle.checkpointer.resumed`, and the first sync pushes the
@@ -300,7 +295,7 @@ def colocate_megatron(
         offload=offload,  # type: ignore[arg-type]  # the config takes "never" as well as Offload.NEVER
         memory=memory,
     )
-    sink = _sink(model, engine, convert, served_config, mtp) if transport is None else None
+    sink = _loads_weights(engine, transport)
     checkpointer = _checkpointer(model, optimizer, save_dir, save_every, resume, checkpoint_state)
     trainer = MegatronTrainer(model, optimizer, extras=extras, digest=digest)
     if config.mode is not Mode.TRAIN_ONLY:
@@ -309,8 +304,8 @@ def colocate_megatron(
         distributed = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
         transport = MegatronTransport(
             trainer,
-            sink[0],
-            convert=sink[1],
+            sink,
+            convert=hf_converter(model, served_config, mtp=mtp) if convert is None else convert,
             bucket_bytes=bucket_bytes,
             source=is_sync_source() if distributed else True,
             any_rank=_any_rank if distributed else None,
