@@ -65,6 +65,15 @@ def test_a_truncated_file_is_refused_on_every_rank_naming_it_with_the_model_unto
         assert rank["untouched"]
 
 
+def test_a_save_that_fails_on_rank_0_raises_on_every_rank(runs: dict[str, Any]) -> None:
+    """Rank 0 cannot make the partial directory: it raises its own error, rank 1 CheckpointFailed
+    naming it, and neither waits on the other."""
+    first, second = (rank["save_failed"] for rank in runs["resumed"])
+    assert first is not None and first.startswith(("FileExistsError", "NotADirectoryError")), first
+    assert second is not None and second.startswith("CheckpointFailed: making "), second
+    assert "failed on rank 0: " + first in second, (first, second)
+
+
 def test_a_dp2_checkpoint_resumes_at_dp1_resharded(runs: dict[str, Any]) -> None:
     """Rank 0 alone loads the DP=2 run's step 4: the params are the ones saved, and it trains on."""
     one = runs["resumed"][0]["one_rank"]

@@ -22,6 +22,7 @@ from orchestrator import ConfigError, colocate_megatron
 from orchestrator.adapters.digest import sha256_digests
 from orchestrator.adapters.megatron.build import TinyGPTConfig, build_gpt, destroy_process_group, init_process_group
 from orchestrator.adapters.megatron.build import train_step as lm_step
+from orchestrator.adapters.megatron.checkpointing import MegatronCheckpointer
 from orchestrator.adapters.megatron.embed import gpt_shape
 from states import Mode
 from tests.support.embed_parallel_ranks import RemoteEngine, SharedEngine, _connect, _generate_then_wait, _share
@@ -121,6 +122,15 @@ def resumed(out: Path) -> dict[str, Any]:
     except ConfigError as error:
         result["refused"] = f"{type(error).__name__}: {error}"
     result["untouched"] = digests(chunks, optimizer) == before
+
+    # A save whose directory rank 0 cannot make (a file is in the way): every rank raises.
+    (out / "a-file").touch()
+    failing = MegatronCheckpointer(chunks, optimizer, save_dir=out / "a-file", every=1)
+    try:
+        failing.save(1, 0)
+        result["save_failed"] = None
+    except Exception as error:
+        result["save_failed"] = f"{type(error).__name__}: {error}"
 
     position: dict[str, Any] = {}
     lifecycle = colocate_megatron(
