@@ -21,6 +21,7 @@ argument that replaces each choice:
 | transport | `MegatronTransport` through `hf_buckets` (`orchestrator.adapters.megatron.convert`): Megatron GPT → HF at any TP, PP and EP, the family read from the config (`family_of`); only sync sources send (`is_sync_source`) | `convert=`, `transport=` |
 | listeners | spans to the trainer's global tracer provider, else to one the `OTEL_*` variables ask for (set as the global one: `otel_listeners`); structlog lines | `listeners=` |
 | rank | torch.distributed's | `rank=` |
+| checkpoints | none saved, none loaded | `save_dir=`, `save_every=`, `resume=`, `checkpoint_state=` |
 
 On a CUDA-less host it applies `enable_cpu_path()` (idempotent): the restore's cast and
 all-gather run Megatron code that assumes CUDA. Building the model needs it too, so call it
@@ -38,6 +39,17 @@ An engine replica per rank (each rank's own, loading the whole model) is not wha
 rank that is no source would leave its replica empty, and its update fails naming the version the
 replica serves. Pass `transport=` for that layout.
 
+Checkpoints (`orchestrator.adapters.megatron.checkpointing`): with `save_every=N, save_dir=DIR`,
+every step numbered a multiple of N ends with a collective save of the model, the optimizer, the
+RNG and `checkpoint_state()` (rank 0's call: the trainer's own JSON-able state, its sampler's
+position say) into DIR/step-N/. With `resume=DIR`, the last complete checkpoint there is loaded
+before anything else is built, and the resume point is `lifecycle.checkpointer.resumed`:
+
+    lifecycle = colocate_megatron(model, optimizer, engine, save_dir=DIR, save_every=100, resume=DIR)
+    point = lifecycle.checkpointer.resumed      # ResumePoint: step, weight_version, state, path, resharded
+    for step in range(point.step + 1, last + 1):
+        with lifecycle.step(step): ...          # number the steps: a save is named by its step
+
 Nothing moves before every check has passed: a setup Megatron's configs refuse, a model the
 conversion cannot map, an engine that cannot load weights each raise `ConfigError`, naming the
 problems (a model-wide one once), with the engine untouched. Once they pass, the `Lifecycle`
@@ -49,7 +61,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -71,6 +83,9 @@ from orchestrator.models import Architecture, read_config
 from orchestrator.protocols import LoadsWeights, MemoryRegions, Named, RolloutEngine, WeightTransport
 from orchestrator.telemetry.listeners import Listener
 from states import MemoryBudget, Mode, Offload
+
+if TYPE_CHECKING:
+    from orchestrator.adapters.megatron.checkpointing import MegatronCheckpointer
 
 __all__ = ["colocate_megatron", "gpt_shape", "hf_converter", "otel_listeners"]
 
@@ -175,6 +190,36 @@ def _rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
+def _loads_weights(engine: RolloutEngine | None, transport: WeightTransport | None) -> LoadsWeights | None:
+    """The engine the default transport sends to (None where a transport is given, or no engine)."""
+    if engine is None or transport is not None:
+        return None
+    if not isinstance(engine, LoadsWeights):
+        raise ConfigError([f"engine {engine.name!r} has no update_weights(named, version): pass transport="])
+    return engine
+
+
+def _checkpointer(
+    model: list[Any],
+    optimizer: Any,
+    save_dir: str | Path | None,
+    save_every: int,
+    resume: str | Path | None,
+    state: Callable[[], dict[str, Any]] | None,
+) -> MegatronCheckpointer | None:
+    """The rank's checkpointer, if any of its arguments is given; with `resume`, the last complete
+    checkpoint loaded into the model and optimizer (before the trainer wraps the optimizer: its
+    step counter hooks it)."""
+    if not save_every and save_dir is None and resume is None and state is None:
+        return None
+    from orchestrator.adapters.megatron.checkpointing import MegatronCheckpointer  # imports megatron.core
+
+    checkpointer = MegatronCheckpointer(model, optimizer, save_dir=save_dir, every=save_every, state=state)
+    if resume is not None:
+        checkpointer.resume(resume)
+    return checkpointer
+
+
 def colocate_megatron(
     model: Sequence[Any] | Any,
     optimizer: Any,
@@ -194,6 +239,10 @@ def colocate_megatron(
     memory: Callable[[], MemoryBudget] | None = None,
     served_config: str | Path | Mapping[str, Any] | None = None,
     mtp: bool = False,
+    save_dir: str | Path | None = None,
+    save_every: int = 0,
+    resume: str | Path | None = None,
+    checkpoint_state: Callable[[], dict[str, Any]] | None = None,
     **flags: bool,
 ) -> Lifecycle:
     """The `Lifecycle` for one rank of a Megatron-core trainer (see the module docstring).
@@ -219,6 +268,16 @@ def colocate_megatron(
     cleanly and serve another policy. `mtp=True` syncs the MTP layers as well, as the checkpoint's
     layers after the last decoder layer, for an engine serving them as its NextN draft; without
     it they are left out, and the sync logs so once.
+
+    `save_dir`, `save_every`: a step `lifecycle.step(n)` with n a multiple of `save_every` ends
+    with a save into `save_dir` (every rank's part; a directory every rank sees), with
+    `checkpoint_state()`, called on rank 0, saved beside. `resume`: a directory whose last complete
+    checkpoint is loaded into the model and optimizer before the trainer wraps them (so before
+    the restore-coverage and conversion checks, which the engine still waits on); CheckpointRefused (a ConfigError) on
+    every rank, before anything is loaded, where there is none or it is damaged, and naming
+    Megatron's message where it is another model's. The resume point (the step to continue
+    after, the saved state) is `lifecycle.checkpointer.resumed`, and the first sync pushes the
+    saved weight version + 1. ConfigError names `save_every` below 0, or given without `save_dir`.
     """
     model = _chunks(model)
     if not torch.cuda.is_available():
@@ -236,16 +295,16 @@ def colocate_megatron(
         offload=offload,  # type: ignore[arg-type]  # the config takes "never" as well as Offload.NEVER
         memory=memory,
     )
+    sink = _loads_weights(engine, transport)
+    checkpointer = _checkpointer(model, optimizer, save_dir, save_every, resume, checkpoint_state)
     trainer = MegatronTrainer(model, optimizer, extras=extras, digest=digest)
     if config.mode is not Mode.TRAIN_ONLY:
         require_restore_coverage(trainer.layout())  # before regions re-home anything
-    if engine is not None and transport is None:
-        if not isinstance(engine, LoadsWeights):
-            raise ConfigError([f"engine {engine.name!r} has no update_weights(named, version): pass transport="])
+    if sink is not None:
         distributed = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
         transport = MegatronTransport(
             trainer,
-            engine,
+            sink,
             convert=hf_converter(model, served_config, mtp=mtp) if convert is None else convert,
             bucket_bytes=bucket_bytes,
             source=is_sync_source() if distributed else True,
@@ -258,4 +317,6 @@ def colocate_megatron(
         engine=engine,
         transport=transport,
         listeners=otel_listeners(rank) if listeners is None else tuple(listeners),
+        checkpointer=checkpointer,
+        resumed_version=checkpointer.resumed.weight_version if checkpointer and checkpointer.resumed else 0,
     )
