@@ -148,7 +148,9 @@ def run_command(
     from orchestrator.job.run import run
     from orchestrator.telemetry.tracing import exporter_problems
 
-    problems: list[str] = output_problems(report=report, log=log, trace_dir=trace_dir, save_dir=save_dir) + exporter_problems()
+    problems: list[str] = (
+        output_problems(report=report, log=log, trace_dir=trace_dir, save_dir=save_dir) + exporter_problems()
+    )
     try:
         grpo = grpo_config(model)
     except ValueError as exc:

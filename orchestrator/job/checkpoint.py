@@ -23,7 +23,7 @@ from __future__ import annotations
 import base64
 import json
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -37,7 +37,7 @@ from orchestrator.protocols import SavedCheckpoint
 from orchestrator.telemetry import semconv
 
 if TYPE_CHECKING:
-    from orchestrator.job.job import RunConfig
+    from orchestrator.job.config import RunConfig
     from orchestrator.job.workers.fanout import DistributedTrainer
 
 RUN_STATE = "colocate.json"
@@ -55,18 +55,6 @@ def _differences(saved: Any, now: Any, key: str = "") -> list[str]:
     return [] if saved == now else [f"{key.lstrip('.')}: the checkpoint's run has {saved!r}, this one {now!r}"]
 
 
-def checkpoint_problems(config: RunConfig) -> list[str]:
-    """The save and resume options' own problems (a resume's checkpoint is read by `resume_point`)."""
-    problems = []
-    if config.save_every < 0:
-        problems.append(f"--save-every must be >= 0 (0: never), got {config.save_every}")
-    if config.save_every > 0 and config.save_dir is None:
-        problems.append("--save-every needs --save-dir: where the checkpoints go")
-    if config.save_dir is not None and config.save_dir.exists() and not config.save_dir.is_dir():
-        problems.append(f"--save-dir {config.save_dir}: not a folder")
-    return problems
-
-
 @dataclass(frozen=True)
 class ResumePoint:
     """The last complete checkpoint, verified: where a resumed run starts."""
@@ -78,17 +66,18 @@ class ResumePoint:
     sampler: bytes  # the rollout generator's state (torch.Generator.get_state)
     report: dict[str, Any]
 
-    def load(self, trainer: DistributedTrainer, sampler: torch.Generator, ranks: int) -> RunReport:
+    def load(self, trainer: DistributedTrainer, sampler: torch.Generator, report: RunReport, ranks: int) -> int:
         """Every rank loads the checkpoint (its RNG states too, where `ranks` is the saved number);
-        the sampler continues from its state; returns the report so far, marked resumed."""
+        the sampler continues from its state, and `report` (in place) from the report so far,
+        marked resumed. Returns the step the run continues after."""
         start = time.perf_counter()
         trainer.load_checkpoint(str(self.path / TRAINER), self.ranks == ranks)
         sampler.set_state(torch.frombuffer(bytearray(self.sampler), dtype=torch.uint8))
-        report = RunReport.from_dict(self.report)
+        vars(report).update(vars(RunReport.from_dict(self.report)))
         report.resumed.append(f"step {self.step} from {self.path}")
         report.resume_seconds = round(time.perf_counter() - start, 3)
         trace.get_current_span().set_attributes({semconv.CHECKPOINT: str(self.path), semconv.STEP: self.step})
-        return report
+        return self.step
 
 
 def resume_point(config: RunConfig) -> ResumePoint:
@@ -124,16 +113,19 @@ class JobCheckpointer:
     store seals the directory into place. `run_state` gives the sampler's state and the report."""
 
     def __init__(
-        self,
-        config: RunConfig,
-        trainer: DistributedTrainer,
-        sampler: torch.Generator,
-        report: Callable[[], dict[str, Any]],
+        self, config: RunConfig, trainer: DistributedTrainer, sampler: torch.Generator, report: RunReport
     ) -> None:
         assert config.save_dir is not None
         self.root, self.every = config.save_dir, config.save_every
         self._identity, self._ranks = identity(config), config.ranks
         self._trainer, self._sampler, self._report = trainer, sampler, report
+
+    @classmethod
+    def of(
+        cls, config: RunConfig, trainer: DistributedTrainer, sampler: torch.Generator, report: RunReport
+    ) -> JobCheckpointer | None:
+        """The run's checkpointer, or None where it saves nothing (no --save-dir)."""
+        return None if config.save_dir is None else cls(config, trainer, sampler, report)
 
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
@@ -148,7 +140,7 @@ class JobCheckpointer:
             "ranks": self._ranks,
             "identity": self._identity,
             "sampler": base64.b64encode(self._sampler.get_state().numpy().tobytes()).decode(),
-            "report": self._report(),
+            "report": asdict(self._report),
         }
         (partial / RUN_STATE).write_text(json.dumps(state, indent=1) + "\n")
         return store.seal(partial, self.root, step)

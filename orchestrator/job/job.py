@@ -23,139 +23,38 @@ The engine is chosen by name in `orchestrator.adapters.registry.ENGINES`, the we
 from __future__ import annotations
 
 import contextlib
-import math
 import socket
 import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from opentelemetry import trace
 
-from orchestrator.adapters.engines.sglang.group import url_problems
 from orchestrator.adapters.registry import ENGINES, EngineSpec
-from orchestrator.core.config import Device, DigestMethod, EngineKind, EnginePause, LifecycleConfig, WeightSync
+from orchestrator.core.config import Device, EnginePause, LifecycleConfig
 from orchestrator.core.lifecycle import Lifecycle
-from orchestrator.errors import ConfigError
 from orchestrator.job import interrupt
-from orchestrator.job.capacity import machine_problems
-from orchestrator.job.checkpoint import JobCheckpointer, ResumePoint, checkpoint_problems, resume_point
-from orchestrator.job.grpo import GRPOConfig, SyntheticTask, group_advantages
+from orchestrator.job.checkpoint import JobCheckpointer, ResumePoint, resume_point
+from orchestrator.job.config import RunConfig
+from orchestrator.job.grpo import SyntheticTask, group_advantages
 from orchestrator.job.memory import MeasuredMemory
-from orchestrator.job.ray_cluster import address_problems, auth_problems, driver_ip
+from orchestrator.job.ray_cluster import driver_ip
 from orchestrator.job.report import DeviceMemoryListener, ReportListener, RunReport
 from orchestrator.job.workers.fanout import WEIGHT_SYNCS, DistributedTrainer, ReplicaSet
 from orchestrator.job.workers.placement import LocalPlacement, Placement, RayPlacement, in_process
-from orchestrator.job.workers.pool import RANK_TIMEOUT_S
 from orchestrator.job.workers.trainer_rank import Batch
 from orchestrator.protocols import JobEngine
 from orchestrator.telemetry import semconv
 from orchestrator.telemetry.listeners import Listener
 from orchestrator.telemetry.tracing import exporters_requested
-from states import Mode, Offload, Phase
+from states import Phase
 
 if TYPE_CHECKING:
     from orchestrator.job.workers.pool import WorkerPool
     from orchestrator.job.workers.trainer_rank import TrainerRank
-
-# The longest --rank-timeout: far below what every wait it reaches can take (Ray's, in int64
-# milliseconds; threading's TIMEOUT_MAX, 292 years; a socket's), and longer than any call should.
-RANK_TIMEOUT_MAX_S = 7 * 24 * 3600.0
-SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits; the seed goes nowhere else
-
-
-@dataclass(frozen=True, kw_only=True)
-class RunConfig:
-    steps: int = 30
-    ranks: int = 2
-    mode: Mode = Mode.REMATERIALIZE
-    # Which of grad_buffer, default leave the device for the rollout (orchestrator/core/offload.py).
-    # `auto` decides from the measured budget on GPUs (`job.memory`); on the CPU it moves both.
-    offload: Offload = Offload.AUTO
-    verify_cycles: int = 2
-    # How the verified cycles check their restores; None: the device digest on GPUs, SHA256 on
-    # the CPU (`orchestrator.adapters.digest.default_digest`, which each rank applies).
-    digest: DigestMethod | None = None
-    seed: int = 0
-    bucket_bytes: int = 1 << 20
-    rank_timeout_s: float = RANK_TIMEOUT_S
-    device: Device = Device.CPU
-    engine: EngineKind = EngineKind.TRANSFORMERS
-    engine_urls: tuple[str, ...] = ()
-    weight_sync: WeightSync = WeightSync.TENSOR
-    # How SGLang servers hold generation around an update; None: retract (the RL frameworks'
-    # default), and for the transformers engine, which generates only inside the step, nothing.
-    engine_pause: EnginePause | None = None
-    # A running Ray cluster's GCS address (HOST:PORT) to run the ranks on; None: a private cluster
-    # of the job's own, on loopback (`orchestrator.job.ray_cluster`).
-    ray_address: str | None = None
-    # Checkpoints (job/checkpoint.py): every N steps (0: never) into save_dir; resume from the last in resume.
-    save_every: int = 0
-    save_dir: Path | None = None
-    resume: Path | None = None
-    grpo: GRPOConfig = field(default_factory=GRPOConfig)
-
-    def __post_init__(self) -> None:
-        problems = []
-        # An engine served apart (SGLang) is reached by URL; one the job runs takes none.
-        served = ENGINES[self.engine].served
-        if served:
-            problems += url_problems(
-                self.engine_urls, label="--engine-url", missing="--engine sglang needs at least one --engine-url"
-            )
-        elif self.engine_urls:
-            problems.append(f"--engine-url is for --engine sglang; the {self.engine} engine runs in this job")
-        if self.engine_pause not in (None, EnginePause.NONE) and not served:
-            problems.append(
-                f"--engine-pause {self.engine_pause} is for --engine sglang; the {self.engine} engine generates "
-                "only inside the step, never during an update"
-            )
-        if self.weight_sync is WeightSync.BROADCAST and not served:
-            problems.append("--weight-sync broadcast is for --engine sglang, to servers off the trainer's GPUs")
-        if self.device is Device.CUDA and not torch.cuda.is_available():
-            problems.append("--device cuda: no CUDA device is visible to this process")
-        if self.device is Device.CUDA and torch.cuda.is_available() and self.ranks > torch.cuda.device_count():
-            problems.append(
-                f"--device cuda --ranks {self.ranks}: one rank per GPU, and {torch.cuda.device_count()} GPU(s) are visible"
-            )
-        if self.device is Device.CUDA and self.ranks > 1 and served:
-            problems.append("--device cuda --ranks N > 1 runs the transformers engine (a replica per GPU), not sglang")
-        if self.ray_address is not None:
-            problems += address_problems(self.ray_address)
-        elif self.ranks >= 1 and not in_process(ranks=self.ranks, device=self.device.value, address=None):
-            problems += self._private_cluster_problems(served)
-        if self.steps < 1:
-            problems.append(f"--steps must be at least 1, got {self.steps}")
-        if self.ranks < 1:
-            problems.append(f"--ranks must be at least 1, got {self.ranks}")
-        if self.mode not in (Mode.REMATERIALIZE, Mode.BACKUP):
-            problems.append(f"--mode must be rematerialize or backup, got {self.mode!r}")
-        if self.offload not in Offload.__members__.values():
-            problems.append(f"--offload must be one of {', '.join(Offload)}, got {self.offload!r}")
-        if self.verify_cycles < 0:
-            problems.append(f"--verify-cycles must be >= 0, got {self.verify_cycles}")
-        if self.ranks >= 1 and self.grpo.prompts_per_step * self.grpo.group_size % self.ranks:
-            rows = self.grpo.prompts_per_step * self.grpo.group_size
-            problems.append(f"the {rows} samples of a step do not split evenly over {self.ranks} ranks")
-        if not (math.isfinite(self.rank_timeout_s) and 0 < self.rank_timeout_s <= RANK_TIMEOUT_MAX_S):
-            problems.append(
-                f"--rank-timeout must be a positive number of seconds, at most {RANK_TIMEOUT_MAX_S:.0f} (a week), "
-                f"got {self.rank_timeout_s}"
-            )
-        if not 0 <= self.seed <= SEED_MAX:
-            problems.append(f"--seed must be >= 0 and < 2**64 (torch's generator takes 64 bits), got {self.seed}")
-        if self.bucket_bytes < 1:
-            problems.append(f"bucket size must be positive, got {self.bucket_bytes}")
-        problems += checkpoint_problems(self)
-        if problems:
-            raise ConfigError(problems)
-
-    def _private_cluster_problems(self, served: bool) -> list[str]:
-        """A private Ray cluster runs on this machine, and only in token mode (`ray_cluster`)."""
-        engine_processes = 0 if served else self.ranks if self.device is Device.CUDA else 1
-        return auth_problems() + machine_problems(self.ranks, engine_processes=engine_processes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,7 +105,7 @@ class ColocatedJob:
         resumed: ResumePoint | None = None,
     ) -> None:
         self.config, self.listeners, self.trace_dir, self.stop = config, tuple(listeners), trace_dir, stop
-        self.resumed = resumed  # verified up front by the CLI; else `start` reads config.resume
+        self.resumed = resumed  # verified up front (the CLI); else `start` reads config.resume
         self.task = SyntheticTask(config.grpo.task)
         self.report = RunReport(mode=config.mode.value, ranks=config.ranks)
         self._generator = torch.Generator().manual_seed(config.seed)
@@ -267,9 +166,7 @@ class ColocatedJob:
         interrupt.check(self.stop)  # ranks built in this process do not look at it
         if self.resumed is not None:
             with _part(semconv.RESUME_SPAN):
-                loaded = self.resumed.load(DistributedTrainer(ranks), self._generator, cfg.ranks)
-                vars(self.report).update(vars(loaded))  # in place: the run holds this report
-                self._step = self.resumed.step
+                self._step = self.resumed.load(DistributedTrainer(ranks), self._generator, self.report, cfg.ranks)
         with _part(semconv.START_ENGINE_SPAN):
             self.engine: JobEngine = served if served is not None else placement.start_engine(cfg.engine, spec)
         interrupt.check(self.stop)
@@ -295,11 +192,9 @@ class ColocatedJob:
             engine=self.engine,
             transport=WEIGHT_SYNCS[cfg.weight_sync](ranks, self.engine, cfg.bucket_bytes),
             listeners=listeners,
-            checkpointer=None if cfg.save_dir is None else JobCheckpointer(
-                cfg, self.trainer, self._generator, lambda: asdict(self.report)
-            ),
+            checkpointer=JobCheckpointer.of(cfg, self.trainer, self._generator, self.report),
             resumed_version=self.resumed.weight_version if self.resumed is not None else 0,
-        )  # fmt: skip
+        )
 
     def _memory(self) -> MeasuredMemory | None:
         """On GPUs, with an engine that knows its footprint, the measured budget the memory guard
@@ -344,8 +239,7 @@ class ColocatedJob:
         return StepOutcome(self._step, reward, loss, matches)
 
     @property
-    def steps_begun(self) -> int:
-        """Steps begun, those before a resume included: once started, where the run continues from."""
+    def steps_begun(self) -> int:  # those before a resume too: once started, where the run continues
         return self._step
 
     @contextlib.contextmanager
@@ -360,23 +254,16 @@ class ColocatedJob:
             raise
 
     def _checked_engine(self) -> bool | None:
-        """`engine_matches_trainer` in a span of that name, which always says true or false; no
-        span and None where the engine cannot report its weights."""
+        """The engine's weights, digest for digest, against rank 0's converted weights, in a span of
+        that name which always says true or false; no span and None where the engine cannot report them."""
         if not self.engine.reports_weights:
             return None
         with trace.get_tracer(semconv.TRACER).start_as_current_span(semconv.ENGINE_MATCHES_TRAINER_SPAN) as span:
-            matches = self.engine_matches_trainer()
+            engine = self.engine.digests()
+            matches = None if engine is None else bool(engine == self.trainer.converted_digests())
             if matches is not None:
                 span.set_attribute(semconv.ENGINE_MATCHES_TRAINER, matches)
             return matches
-
-    def engine_matches_trainer(self) -> bool | None:
-        """The engine's weights, digest for digest, against rank 0's converted weights (None: the
-        engine cannot report its weights, so nothing was compared)."""
-        engine = self.engine.digests()
-        if engine is None:
-            return None
-        return bool(engine == self.trainer.converted_digests())
 
     def _rollout(self) -> tuple[Batch, float]:
         grpo = self.config.grpo

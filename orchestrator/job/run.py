@@ -15,8 +15,9 @@ from rich.table import Table
 
 from orchestrator.errors import ConfigError, LifecycleError
 from orchestrator.job.checkpoint import ResumePoint
+from orchestrator.job.config import RunConfig
 from orchestrator.job.interrupt import CTRL_C
-from orchestrator.job.job import ColocatedJob, RunConfig
+from orchestrator.job.job import ColocatedJob
 from orchestrator.job.report import RunReport
 from orchestrator.telemetry.listeners import Listener
 from orchestrator.telemetry.logs import LoggingListener, configure_logging

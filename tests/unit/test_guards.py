@@ -32,7 +32,12 @@ CASES = [
     (engine.engine_synced, snap(), snap(engine_version=1), "serves version 1"),
     (engine.engine_version_known, snap(), snap(engine_synced=False), "not known"),
     (engine.engine_version_known, snap(), snap(engine_version=1), "serves version 1"),
-    (engine.engine_version_known, snap(engine_attached=False, engine_synced=False), snap(engine_synced=False), "no sync"),
+    (
+        engine.engine_version_known,
+        snap(engine_attached=False, engine_synced=False),
+        snap(engine_synced=False),
+        "no sync",
+    ),
     (engine.cache_flushed, snap(), snap(cache_flushed=False), "stale"),
     (engine.version_increasing, snap(), snap(engine_version=3), "does not exceed"),
     (engine.engine_kv_released, snap(), snap(engine_resident=frozenset({EngineMemory.KV_CACHE})), "kv_cache"),

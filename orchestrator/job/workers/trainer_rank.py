@@ -44,6 +44,13 @@ class Batch:
         return Batch(self.prompts[rows], self.completions[rows], self.old_logprobs[rows], self.advantages[rows])
 
 
+def _sharded() -> Any:
+    """Megatron's dist checkpoint of model, optimizer and RNG: imported once a rank has built megatron."""
+    from orchestrator.adapters.megatron import sharded
+
+    return sharded
+
+
 def _backend(device: str) -> str:
     """torch.distributed's own choice of collective backend for `device`: gloo, nccl."""
     return str(torch.distributed.Backend.default_device_backend_map[device])
@@ -175,17 +182,12 @@ class TrainerRank(Traced, PayloadSource):
         """The regions' `paused`, as a call: the driver reaches a rank by its methods (`WorkerPool`)."""
         return self.regions.paused
 
-    # Checkpoints: Megatron's dist checkpoint of the model, the optimizer and the RNG, collectively.
+    # Checkpoints, collectively; a load precedes the lifecycle (the RNG too, at the saved world size).
     def save_checkpoint(self, directory: str) -> None:
-        from orchestrator.adapters.megatron import sharded
-
-        sharded.save(self.chunks, self.optimizer, Path(directory))
+        _sharded().save(self.chunks, self.optimizer, Path(directory))
 
     def load_checkpoint(self, directory: str, rng: bool) -> None:
-        """Load before the lifecycle is built; `rng`: the world size is the checkpoint's."""
-        from orchestrator.adapters.megatron import sharded
-
-        sharded.load(self.chunks, self.optimizer, Path(directory), rng=rng)
+        _sharded().load(self.chunks, self.optimizer, Path(directory), rng=rng)
 
     # The work of a step.
     def train(self, batch: Batch) -> float:
