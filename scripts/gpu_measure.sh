@@ -10,6 +10,8 @@
 # step:  benchmarks/step_overhead.py on one GPU, llama-1b (STEP_MODELS=..., STEP_OFFLOAD=always|auto|never,
 #        STEP_OPTIONS=... other run options)
 #        -> step_<model>.json
+# ckpt:  colocate run --device cuda --ranks 1, 4 steps saving every 2, then resumed from step 2, per model
+#        (CKPT_MODELS=..., default tiny qwen-0.5b) -> checkpoint.json: SHA256s, rewards, save and load seconds, bytes
 # Everything's output also goes to $OUT/<part>.log.
 set -uo pipefail
 OUT=${OUT:?set OUT to the folder for the results}
@@ -74,11 +76,48 @@ step() {
   done
 }
 
+ckpt() {
+  local dir
+  dir=$(mktemp -d)
+  for model in ${CKPT_MODELS:-tiny qwen-0.5b}; do
+    timeout "${RUN_TIMEOUT:-300}" $PY -m orchestrator.cli run --device cuda --ranks 1 --model "$model" --steps 4 \
+      --save-every 2 --save-dir "$dir/$model" --report "$dir/$model.a.json" 2>&1 | tee -a "$OUT/ckpt.log" | tail -8
+    du -sb "$dir/$model/step-000002" > "$dir/$model.bytes"
+    rm -rf "$dir/$model/step-000004"
+    timeout "${RUN_TIMEOUT:-300}" $PY -m orchestrator.cli run --device cuda --ranks 1 --model "$model" --steps 4 \
+      --resume "$dir/$model" --report "$dir/$model.b.json" 2>&1 | tee -a "$OUT/ckpt.log" | tail -8
+  done
+  $PY - "$dir" "$OUT/checkpoint.json" ${CKPT_MODELS:-tiny qwen-0.5b} <<'PYEOF'
+import json, pathlib, sys
+d, out, models = pathlib.Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
+result = {}
+for m in models:
+    try:
+        a, b = (json.loads((d / f"{m}.{x}.json").read_text()) for x in "ab")
+    except OSError as e:
+        result[m] = {"error": str(e)}
+        continue
+    result[m] = {
+        "sha256": [a.get("weights_sha256"), b.get("weights_sha256")],
+        "weights_equal": a.get("weights_sha256") == b.get("weights_sha256"),
+        "rewards": [[s["reward_mean"] for s in r["steps"]] for r in (a, b)],
+        "save_seconds": [s["phase_seconds"].get("save") for s in a["steps"]],
+        "resume_seconds": b.get("resume_seconds"),
+        "checkpoint_bytes": int((d / f"{m}.bytes").read_text().split()[0]),
+        "errors": [a.get("error"), b.get("error")],
+    }
+json.dump(result, open(out, "w"), indent=1)
+print(json.dumps(result, indent=1))
+PYEOF
+  rm -rf "$dir"
+}
+
 case "$PART" in
   all) tests; runs; bench ;;
   step) step ;;
+  ckpt) ckpt ;;
   tests) tests ;;
   runs) runs ;;
   bench) bench ;;
-  *) echo "unknown part $PART: all, tests, runs, bench or step" >&2; exit 2 ;;
+  *) echo "unknown part $PART: all, tests, runs, bench, step or ckpt" >&2; exit 2 ;;
 esac
