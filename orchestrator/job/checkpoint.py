@@ -89,28 +89,30 @@ def resume_point(config: RunConfig) -> ResumePoint:
     state_file = path / RUN_STATE
     try:
         state = json.loads(state_file.read_text())
-    except (OSError, ValueError) as exc:
-        raise store.CheckpointRefused([f"{state_file}: unreadable ({exc})"]) from None
-    problems = [f"--resume {path}: {d}" for d in _differences(state["identity"], identity(config))]
-    if state["step"] >= config.steps:
+        point = ResumePoint(
+            path=path,
+            step=int(state["step"]),
+            weight_version=int(state["weight_version"]),
+            ranks=int(state["ranks"]),
+            sampler=base64.b64decode(state["sampler"]),
+            report=dict(state["report"]),
+        )
+        saved_as = dict(state["identity"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise store.CheckpointRefused([f"{state_file}: not a colocate run's ({type(exc).__name__}: {exc})"]) from None
+    problems = [f"--resume {path}: {d}" for d in _differences(saved_as, identity(config))]
+    if point.step >= config.steps:
         problems.append(
-            f"--resume {path}: the checkpoint is at step {state['step']}; --steps {config.steps} leaves none to run"
+            f"--resume {path}: the checkpoint is at step {point.step}; --steps {config.steps} leaves none to run"
         )
     if problems:
         raise store.CheckpointRefused(problems)
-    return ResumePoint(
-        path=path,
-        step=int(state["step"]),
-        weight_version=int(state["weight_version"]),
-        ranks=int(state["ranks"]),
-        sampler=base64.b64decode(state["sampler"]),
-        report=state["report"],
-    )
+    return point
 
 
 class JobCheckpointer:
-    """The job's `Checkpointer`: every rank writes its part, then the run writes its own, then the
-    store seals the directory into place. `run_state` gives the sampler's state and the report."""
+    """The job's `Checkpointer`: every rank writes its part, then the run writes its own (the
+    sampler's state and `report` as they are at the save), then the store seals the folder into place."""
 
     def __init__(
         self, config: RunConfig, trainer: DistributedTrainer, sampler: torch.Generator, report: RunReport
