@@ -83,7 +83,7 @@ def _rank(rank: int, world: int, port: int, preset: str, out: str, ep: int) -> N
     chunks, optimizer = build_gpt(cfg)
     train_step(chunks, optimizer, torch.randint(0, cfg.vocab_size, (2, cfg.seq_len + 1)))
     print(f"rank {rank}: built and trained one step", file=sys.stderr, flush=True)
-    result = _measure(chunks, optimizer, base)
+    result = _measure(chunks, optimizer, base, preset, ep)
     result |= {"rank": rank, "world": world, "preset": preset}
     Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     print(f"rank {rank}: measured", file=sys.stderr, flush=True)
@@ -92,7 +92,7 @@ def _rank(rank: int, world: int, port: int, preset: str, out: str, ep: int) -> N
     torch.distributed.destroy_process_group()
 
 
-def _measure(chunks: Any, optimizer: Any, base: int) -> dict[str, Any]:
+def _measure(chunks: Any, optimizer: Any, base: int, preset: str, ep: int) -> dict[str, Any]:
     import torch
 
     from guards.bitexact import restore_bit_identical
@@ -152,7 +152,7 @@ def _measure(chunks: Any, optimizer: Any, base: int) -> dict[str, Any]:
     m["device"] = device
     if cuda:
         try:
-            m["refusal"] = _refuse_on_gpu(trainer, ledger)
+            m["refusal"] = _refuse_on_gpu(trainer, ledger, preset, ep)
         except Exception as exc:  # the measurements above stand without it
             m["refusal"] = {"error": f"{type(exc).__name__}: {exc}"}
     return m
@@ -181,7 +181,7 @@ def _residue() -> dict[str, Any]:
     }
 
 
-def _refuse_on_gpu(trainer: Any, ledger: Any) -> dict[str, Any]:
+def _refuse_on_gpu(trainer: Any, ledger: Any, preset: str, ep: int) -> dict[str, Any]:
     """Drop everything, fill the GPU so the restore cannot fit, and ask the memory guard.
 
     The guard reads `torch.cuda.mem_get_info` through the plan's probe; it must refuse with the
@@ -195,7 +195,7 @@ def _refuse_on_gpu(trainer: Any, ledger: Any) -> dict[str, Any]:
     from states import Phase, Region, Snapshot, TrainerLayout
 
     world = torch.distributed.get_world_size()
-    probe = MemoryProbe.for_plan(planned(os.environ["PLAN_PRESET"], world, int(os.environ["PLAN_EP"])), host_free=2**62)
+    probe = MemoryProbe.for_plan(planned(preset, world, ep), host_free=2**62)
     trainer.stash(Mode.REMATERIALIZE)
     for tag in (Region.GRAD_BUFFER, Region.DEFAULT, Region.PARAM_BUFFER):
         ledger.pause(tag)
@@ -232,18 +232,18 @@ def _refuse_on_gpu(trainer: Any, ledger: Any) -> dict[str, Any]:
     }
 
 
-def measure(preset: str, dps: list[int], ep: int = 1) -> dict[str, Any]:
-    """Build `preset` at each data-parallel size (experts split `ep` ways), one process a rank."""
+def measure(preset: str, dps: list[int], ep: int = 1, start_method: str = "spawn") -> dict[str, Any]:
+    """Build `preset` at each data-parallel size (experts split `ep` ways), one process a rank,
+    started by `start_method` (the tests pass their fork server's, tests/support/spawn.py)."""
     import torch.multiprocessing as mp
 
-    os.environ["PLAN_PRESET"], os.environ["PLAN_EP"] = preset, str(ep)
     runs: dict[str, Any] = {}
     for dp in dps:
         with tempfile.TemporaryDirectory() as out:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
-            mp.start_processes(_rank, args=(dp, port, preset, out, ep), nprocs=dp, start_method="spawn")
+            mp.start_processes(_rank, args=(dp, port, preset, out, ep), nprocs=dp, start_method=start_method)
             runs[str(dp)] = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(dp)]
             print(f"measured {preset} at DP={dp}", file=sys.stderr)
     return {"preset": preset, "ep": ep, "runs": runs}

@@ -18,6 +18,7 @@ import pytest
 pytest.importorskip("megatron.core")
 
 from benchmarks.plan_vs_measured import measure, planned, rows
+from tests.support.spawn import context
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module", params=[(1, 1), (2, 1), (2, 2)], ids=lambda p: f"dp{p[0]}-ep{p[1]}")
 def measured(request: pytest.FixtureRequest) -> tuple[int, int, list[dict[str, Any]]]:
     dp, ep = request.param
-    return dp, ep, measure("cpu", [dp], ep)["runs"][str(dp)]
+    return dp, ep, measure("cpu", [dp], ep, start_method=context().get_start_method())["runs"][str(dp)]
 
 
 def test_every_buffer_is_planned_to_the_byte(measured: tuple[int, int, list[dict[str, Any]]]) -> None:

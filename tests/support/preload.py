@@ -2,14 +2,16 @@
 from it starts at once instead of importing torch, Megatron-core and transformers itself (about
 12 s of CPU a process, more than most scenarios take).
 
-Megatron-core wraps its fused functions in `torch.compile` as it imports them; every rank process
-of these tests, like colocate's own actors, sets TORCHDYNAMO_DISABLE=1 first (a cold compile of the
-router costs about 9 s), so they are imported here with it set too. It is unset again: a forked
-process gets the environment the server started with, as a spawned one got the test process's."""
+Megatron-core wraps its fused functions in `torch.compile` as it imports them. They are imported
+here with TORCHDYNAMO_DISABLE=1, so a forked process runs them eagerly, as colocate's own actors do
+(the job sets it for them: a cold compile of the router costs about 9 s) and as most rank processes
+of these tests set it for themselves. The variable is put back as it was: a forked process gets the
+environment the server started with."""
 
 import contextlib
 import os
 
+_before = os.environ.get("TORCHDYNAMO_DISABLE")
 os.environ["TORCHDYNAMO_DISABLE"] = "1"
 try:
     import torch  # noqa: F401
@@ -19,4 +21,7 @@ try:
     with contextlib.suppress(ImportError):
         import transformers  # noqa: F401
 finally:
-    del os.environ["TORCHDYNAMO_DISABLE"]
+    if _before is None:
+        del os.environ["TORCHDYNAMO_DISABLE"]
+    else:
+        os.environ["TORCHDYNAMO_DISABLE"] = _before

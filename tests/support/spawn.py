@@ -20,7 +20,8 @@ def context() -> mp.context.BaseContext:
     """Where rank processes come from. Without CUDA: a fork server of this test process that has
     imported torch, Megatron-core and transformers (tests/support/preload.py), so a rank starts in
     moments instead of after its own ~12 s of imports; each is still a process of its own, forked
-    from a server that ran nothing else. With CUDA: spawn, a fresh interpreter, since a process
+    from a server that ran nothing else, with the environment the server started with (not this
+    process's at the time: a rank is given what it needs as arguments). With CUDA: spawn, a fresh interpreter, since a process
     forked after Megatron's import may find CUDA already initialized in its parent."""
     import torch
 
