@@ -141,8 +141,8 @@ def run_command(
 ) -> None:
     """Run the colocated GRPO job: Megatron-core ranks and a rollout engine, one full cycle per step."""
     from orchestrator.job.checkpoint import resume_point
+    from orchestrator.job.config import RunConfig
     from orchestrator.job.grpo import GRPOConfig
-    from orchestrator.job.job import RunConfig
     from orchestrator.job.outputs import output_problems
     from orchestrator.job.presets import grpo_config
     from orchestrator.job.run import run

@@ -40,9 +40,6 @@ if TYPE_CHECKING:
     from orchestrator.job.config import RunConfig
     from orchestrator.job.workers.fanout import DistributedTrainer
 
-RUN_STATE = "colocate.json"
-TRAINER = "trainer"
-
 
 def identity(config: RunConfig) -> dict[str, Any]:
     """What a resumed run must share with its checkpoint for its steps to be the same run's."""
@@ -71,7 +68,7 @@ class ResumePoint:
         the sampler continues from its state, and `report` (in place) from the report so far,
         marked resumed. Returns the step the run continues after."""
         start = time.perf_counter()
-        trainer.load_checkpoint(str(self.path / TRAINER), self.ranks == ranks)
+        trainer.load_checkpoint(str(self.path / store.TRAINER), self.ranks == ranks)
         sampler.set_state(torch.frombuffer(bytearray(self.sampler), dtype=torch.uint8))
         vars(report).update(vars(RunReport.from_dict(self.report)))
         report.resumed.append(f"step {self.step} from {self.path}")
@@ -86,7 +83,7 @@ def resume_point(config: RunConfig) -> ResumePoint:
     assert config.resume is not None
     path = store.latest(config.resume)
     store.verify(path)
-    state_file = path / RUN_STATE
+    state_file = path / store.RUN_FILE
     try:
         state = json.loads(state_file.read_text())
         point = ResumePoint(
@@ -134,8 +131,7 @@ class JobCheckpointer:
 
     def save(self, step: int, weight_version: int) -> SavedCheckpoint:
         partial = store.begin(self.root, step)
-        (partial / TRAINER).mkdir()  # Megatron writes into a folder every rank sees
-        self._trainer.save_checkpoint(str(partial / TRAINER))
+        self._trainer.save_checkpoint(str(partial / store.TRAINER))
         state = {
             "step": step,
             "weight_version": weight_version,
@@ -144,5 +140,5 @@ class JobCheckpointer:
             "sampler": base64.b64encode(self._sampler.get_state().numpy().tobytes()).decode(),
             "report": asdict(self._report),
         }
-        (partial / RUN_STATE).write_text(json.dumps(state, indent=1) + "\n")
+        (partial / store.RUN_FILE).write_text(json.dumps(state, indent=1) + "\n")
         return store.seal(partial, self.root, step)

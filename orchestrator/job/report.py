@@ -49,7 +49,8 @@ class RunReport:
     # Where the run resumed: one "step N from PATH" per resume, oldest first
     resumed: list[str] = field(default_factory=list)
     resume_seconds: float | None = None  # the last resume's: verify the checkpoint and load every rank
-    weights_sha256: str | None = None  # of the engine-side (HF) weights, once every step is done
+    # Runs that save or resume: of the engine-side (HF) weights, once every step is done
+    weights_sha256: str | None = None
 
     @classmethod
     def from_dict(cls, saved: dict[str, Any]) -> RunReport:

@@ -20,7 +20,6 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _save(root: Path, step: int, payload: bytes = b"weights") -> Path:
     partial = begin(root, step)
-    (partial / "trainer").mkdir()
     (partial / "trainer" / "__0_0.distcp").write_bytes(payload)
     (partial / "colocate.json").write_text(f'{{"step": {step}}}')
     return Path(seal(partial, root, step).path)

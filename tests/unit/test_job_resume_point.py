@@ -23,7 +23,6 @@ from states import Mode
 
 def _checkpoint(root: Path, config: RunConfig, step: int, **state: object) -> None:
     partial = begin(root, step)
-    (partial / "trainer").mkdir()
     (partial / "trainer" / "__0_0.distcp").write_bytes(b"shard")
     report = RunReport(
         mode=config.mode.value, ranks=config.ranks, steps=[StepReport(step=s) for s in range(1, step + 1)]

@@ -2,6 +2,8 @@
 
 from orchestrator.adapters.checkpoints.store import (
     MANIFEST,
+    RUN_FILE,
+    TRAINER,
     CheckpointRefused,
     begin,
     complete,
@@ -10,4 +12,4 @@ from orchestrator.adapters.checkpoints.store import (
     verify,
 )
 
-__all__ = ["MANIFEST", "CheckpointRefused", "begin", "complete", "latest", "seal", "verify"]
+__all__ = ["MANIFEST", "RUN_FILE", "TRAINER", "CheckpointRefused", "begin", "complete", "latest", "seal", "verify"]

@@ -1,6 +1,8 @@
 """A directory of checkpoints, each complete only once it is renamed into place.
 
     DIR/step-000012/              complete: MANIFEST.json names every file, its bytes and SHA256
+      trainer/                    the trainer's own files (Megatron's dist checkpoint)
+      colocate.json               the run's: its step, weight version and what it saves beside
     DIR/.partial-step-000016/     being written: never read, cleared by the next save of that step
 
 A save writes every file under the partial name (`begin`), then `seal` hashes them into the
@@ -9,8 +11,7 @@ A kill at any moment leaves the last complete checkpoint as it was and the newes
 whole or absent. `verify` refuses a checkpoint whose manifest is missing or unreadable, or a
 file of it missing, shorter or longer, or with other bytes, naming the file.
 
-Nothing here knows what the files hold: the trainer writes its own (Megatron's dist checkpoint)
-and the run its own beside them.
+Nothing here reads what the files hold: the trainer writes its folder, the run its file.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from orchestrator.errors import ConfigError
 from orchestrator.protocols import SavedCheckpoint
 
 MANIFEST = "MANIFEST.json"
+TRAINER = "trainer"  # the folder every rank writes its part of the trainer's checkpoint into
+RUN_FILE = "colocate.json"
 _FORMAT = 1
 _COMPLETE = re.compile(r"^step-(\d+)$")
 _CHUNK = 8 << 20
@@ -41,12 +44,12 @@ def _name(step: int) -> str:
 
 
 def begin(root: Path, step: int) -> Path:
-    """An empty partial directory for the checkpoint of `step` (a leftover of a killed save of
-    the same step is cleared first)."""
+    """The partial directory for the checkpoint of `step`, with its empty `TRAINER` folder (Megatron
+    writes into one that exists); a leftover of a killed save of the same step is cleared first."""
     partial = root / f".partial-{_name(step)}"
     if partial.exists():
         shutil.rmtree(partial)
-    partial.mkdir(parents=True)
+    (partial / TRAINER).mkdir(parents=True)
     return partial
 
 

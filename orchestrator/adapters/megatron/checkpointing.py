@@ -47,10 +47,7 @@ from orchestrator.adapters.megatron import sharded
 from orchestrator.errors import ConfigError
 from orchestrator.protocols import SavedCheckpoint
 
-__all__ = ["RUN_FILE", "CheckpointFailed", "MegatronCheckpointer", "ResumePoint"]
-
-RUN_FILE = "colocate.json"
-TRAINER_DIR = "trainer"
+__all__ = ["CheckpointFailed", "MegatronCheckpointer", "ResumePoint"]
 
 
 class CheckpointFailed(RuntimeError):
@@ -106,18 +103,12 @@ def _attempt(call: Callable[[], Any]) -> tuple[Any, BaseException | None]:
         return None, error
 
 
-def _begin(root: Path, step: int) -> Path:
-    partial = store.begin(root, step)
-    (partial / TRAINER_DIR).mkdir()  # Megatron writes into a directory that exists
-    return partial
-
-
 def _load(chunks: Sequence[Any], optimizer: Any, path: Path, *, rng: bool) -> None:
     """`sharded.load`; Megatron's refusal of another model's checkpoint as CheckpointRefused.
     torch's checkpoint loader raises Megatron's inside its own CheckpointException (a
     BaseException), one per rank that failed."""
     try:
-        sharded.load(chunks, optimizer, path / TRAINER_DIR, rng=rng)
+        sharded.load(chunks, optimizer, path / store.TRAINER, rng=rng)
     except CheckpointingException as error:
         raise CheckpointRefused([f"{path}: does not fit this model (Megatron: {error})"]) from None
     except CheckpointException as error:
@@ -134,9 +125,9 @@ def _read(root: Path) -> tuple[str, dict[str, Any]]:
     path = store.latest(root)
     store.verify(path)
     try:
-        run = json.loads((path / RUN_FILE).read_text())
+        run = json.loads((path / store.RUN_FILE).read_text())
     except (OSError, ValueError) as error:
-        raise CheckpointRefused([f"{path / RUN_FILE}: unreadable ({error}): not a colocate checkpoint"]) from None
+        raise CheckpointRefused([f"{path / store.RUN_FILE}: unreadable ({error}): not a colocate checkpoint"]) from None
     return str(path), run
 
 
@@ -194,10 +185,10 @@ class MegatronCheckpointer:
         if self.save_dir is None:
             raise ConfigError([f"step {step}: a save with no save_dir"])
         root, rank = self.save_dir, torch.distributed.get_rank()
-        partial, error = _attempt(lambda: _begin(root, step)) if rank == 0 else (None, None)
+        partial, error = _attempt(lambda: store.begin(root, step)) if rank == 0 else (None, None)
         _all_outcomes(error, f"making {root}/.partial-step-{step:06d}")
         partial = Path(_from_rank0(None if partial is None else str(partial)))
-        _, error = _attempt(lambda: sharded.save(self.chunks, self.optimizer, partial / TRAINER_DIR))
+        _, error = _attempt(lambda: sharded.save(self.chunks, self.optimizer, partial / store.TRAINER))
         _all_outcomes(error, f"writing the trainer's shards of step {step}")
         saved, error = _attempt(lambda: self._seal(root, partial, step, weight_version)) if rank == 0 else (None, None)
         _all_outcomes(error, f"sealing {root}/step-{step:06d}")
@@ -211,7 +202,7 @@ class MegatronCheckpointer:
             "layout": _layout(),
             "state": self.state() if self.state is not None else {},
         }
-        (partial / RUN_FILE).write_text(json.dumps(run, indent=1) + "\n")
+        (partial / store.RUN_FILE).write_text(json.dumps(run, indent=1) + "\n")
         return store.seal(partial, root, step)
 
     def resume(self, directory: str | Path) -> ResumePoint:

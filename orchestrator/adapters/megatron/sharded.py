@@ -88,7 +88,8 @@ def save(chunks: Sequence[Any], optimizer: Any, directory: Path) -> None:
 def _init_optimizer_state(optimizer: Any) -> None:
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
         torch_optimizer = inner.optimizer
-        inner.init_state_fn(torch_optimizer, inner.config)  # zeroed moments where there are none
+        if inner.init_state_fn is not None:  # Adam's: zeroed moments where there are none
+            inner.init_state_fn(torch_optimizer, inner.config)
         for state in torch_optimizer.state.values():
             state.setdefault("step", torch.tensor(0.0))
 
