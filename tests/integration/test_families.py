@@ -12,22 +12,19 @@ layout.
 
 The tolerance (tests/support/tolerance.py). Megatron and transformers compute the same function in
 bf16 with other kernels, so the logits differ by rounding: each token's worst |Δlogit| must be
-within max(0.15, 8 bf16 ulps of its largest logit); measured at most 0.11 for a dense model
-(logits of mean magnitude about 0.8), and a logit in [4, 8) is held to 1/32, so 0.15 alone would
-be under 5 ulps there. A dense model routes nothing: no token may be over. An MoE router near a
-tie can pick another expert in transformers than in Megatron, and a DSA indexer another key; that
-token's logits move by far more, and through attention the later tokens' of its sequence. Both
-sides record every router's and indexer's choices by forward hooks; a sequence is compared only up
-to its first token routed or indexed differently; at most `ROUTING_FLIPS` (token, layer) router
-decisions may differ in a cycle (twice that for GLM-5, whose index near-ties move later tokens'
-routers too) and 12 (query, layer) index choices, and a sequence's first choice apart, where it
-is an index choice, must be a near-tie (Megatron's k-th score leads the next by under 3% of the
-query's largest |score|). GLM-5 is also compared with every DSA layer on Megatron's keys, where
-only routing can differ (`test_glm5_attends_where_megatron_does`).
+within what the two sides' rounding through the layers can move it by (the final hidden state's
+drift, bounded as every layer's input's is). A dense model routes nothing: no token may be over. An MoE router near a tie can pick another expert in transformers than in Megatron, and a
+DSA indexer another key; that token's logits move by far more, and through attention the later
+tokens' of its sequence. Both sides record every router's and indexer's choices, with the scores
+and inputs they chose from; a sequence is compared only up to its first token routed or indexed
+differently, and that first choice apart must be a near-tie by the arithmetic: Megatron's margin
+there within 6 standard deviations of what the two sides' bf16 rounding moves it by
+(tests/support/rounding.py). GLM-5 is also compared with every DSA layer on Megatron's keys,
+where only routing can differ (`test_glm5_attends_where_megatron_does`).
 
 The bound is tight enough that every mapping mistake the converter could make, injected into the
 last sync's weights and run through a fresh engine of the class (no new spawn), breaks it by a
-margin (`Compared.broken`, `test_a_wrong_mapping_breaks_the_tolerance`).
+factor of two (`Compared.broken`, `test_a_wrong_mapping_breaks_the_tolerance`).
 """
 
 from __future__ import annotations
@@ -55,9 +52,9 @@ from tests.support.family_checks import (
     spec_of,
 )
 from tests.support.family_ranks import CASES, CYCLES, LAYOUTS, rank_main
-from tests.support.hf_glm5 import NEAR_TIE, agreement, nextn_logits
+from tests.support.hf_glm5 import agreement, nextn_logits
 from tests.support.spawn import spawn_ranks
-from tests.support.tolerance import ROUTING_FLIPS, engine_logits, token_tolerance
+from tests.support.tolerance import compare, engine_logits
 
 pytestmark = pytest.mark.slow
 
@@ -186,8 +183,9 @@ def test_a_wrong_mapping_breaks_the_tolerance(layout: dict[str, Any]) -> None:
 
 def test_glm5_attends_where_megatron_does(layout: dict[str, Any]) -> None:
     """With every DSA layer on the keys Megatron's indexer chose, the last sync's logits match
-    within the routing-aware tolerance; transformers' own indexers, on those same inputs, choose
-    the same keys but for near-ties; and a stage's first trained indexer, on random queries."""
+    within the routing-aware tolerance; transformers' own indexers, on the inputs their own model
+    gave them, choose Megatron's keys but for near-ties by the arithmetic; and so does a stage's
+    first trained indexer on random queries, which with its rope dims left last would not."""
     case = "glm_moe_dsa"
     _ran(layout, case)
     spec = spec_of(layout, case)
@@ -195,31 +193,29 @@ def test_glm5_attends_where_megatron_does(layout: dict[str, Any]) -> None:
     assert sorted(selections) == list(range(spec.num_layers + spec.mtp_num_layers))
     found = mistaken(layout, case, m.as_is, {}, forced=True)
     print(f"\n{layout['name']} {case} on Megatron's keys: {found}")
-    assert found.ok and found.compared > found.tokens // 2, found
+    assert found.ok and found.compared > 0, found
     from orchestrator.adapters.engines.transformers import TransformersEngine
 
     engine = TransformersEngine(spec, max_batch=1, max_len=1)
     engine.update_weights(list(layout["ranks"][0][case]["weights"].items()), version=1)
-    _, _, own = engine_logits(engine.model, layout["ranks"][0][case]["tokens"], selections)
+    *_, own = engine_logits(engine.model, layout["ranks"][0][case]["tokens"], selections)
     chose = agreement(own, selections, spec.dsa_index_topk)
     print(f"its own indexers against Megatron's: {chose}")
-    assert max(chose.gaps, default=0.0) < NEAR_TIE, "only a near-tie may choose other keys"
+    assert chose.far == 0, f"only a near-tie may choose other keys: {chose}"
     for one in [r[case]["indexer"] for r in layout["reports"] if r[case].get("indexer")]:
         alike, wrong = one["found"], one["rope_last"]  # a stage's first indexer on 256 random queries
-        print(f"one indexer, random inputs: {alike}; rope dims left last: {wrong['differ']} differ")
-        assert alike["differ"] <= alike["queries"] // 20 and max(alike["gaps"], default=0) < NEAR_TIE
-        assert wrong["differ"] > wrong["queries"] // 4
-
-
-def _over(megatron: torch.Tensor, hf: torch.Tensor) -> int:
-    return int(((hf - megatron).abs().amax(dim=-1) > token_tolerance(megatron)).sum())
+        print(f"one indexer, random inputs: {alike}; rope dims left last: {wrong['differ']} differ, {wrong['far']} far")
+        assert alike["far"] == 0, alike
+        assert wrong["far"] > 0 and wrong["differ"] > wrong["queries"] // 4, "the check sees the mistake"
 
 
 def test_glm5_mtp_layer_syncs_as_the_checkpoints_nextn_layer(layout: dict[str, Any], tmp_path: Path) -> None:
     """Left out of the lifecycle's syncs and said so; with `hf_buckets(..., mtp=True)` the
     DeepSeek-V3-style layer N, run as SGLang's NextN draft runs it (`nextn_logits`, on Megatron's
-    keys), gives Megatron's MTP logits (of the last cycle). It reads the main model's output, so
-    the main model's routing near-ties reach it too: up to 2 × `ROUTING_FLIPS` tokens over."""
+    keys), gives Megatron's MTP logits (of the last cycle), within the routing-aware tolerance: it
+    reads the main model's output, so a token is compared up to its sequence's first routing
+    near-tie in the main model or the MTP layer. Its indexer, on its own inputs, chooses Megatron's
+    keys but for near-ties. With eh_proj's halves swapped, it does not match."""
     case = "glm_moe_dsa"
     _ran(layout, case)
     spec = spec_of(layout, case)
@@ -229,17 +225,21 @@ def test_glm5_mtp_layer_syncs_as_the_checkpoints_nextn_layer(layout: dict[str, A
     notes = [r[case]["left_out"] for r in layout["reports"] if r[case]["left_out"]]  # the last stage's ranks
     assert notes and all("mtp.layers.0 left out" in rank[0] for rank in notes)
     selections, tokens = merged(layout, case, "selections", CYCLES - 1), layout["ranks"][0][case]["tokens"]
+    routing = merged(layout, case, "routing", CYCLES - 1)
     megatron = megatron_logits(layout, case, "mtp")[-1]
-    hf, own = nextn_logits(spec, state, tokens, tmp_path, selections)
-    over = _over(megatron, hf)
-    print(f"\n{layout['name']} {case} MTP: max |Δlogit| {(hf - megatron).abs().max():.4f}, {over} tokens over")
-    assert over <= 2 * ROUTING_FLIPS and megatron.abs().mean() > 0.3
+    layers = spec.num_layers + 1  # the main model's, then the MTP layer
+    hf, spread, own, routed = nextn_logits(spec, state, tokens, tmp_path, selections)
+    found = compare(megatron, hf, spread, layers, (routing, routed))
+    print(f"\n{layout['name']} {case} MTP: {found}")
+    assert found.ok and found.compared > 0 and megatron.abs().mean() > 0.3, found
     chose = agreement({spec.num_layers: own[spec.num_layers]}, selections, spec.dsa_index_topk)
-    assert chose.differ <= chose.queries // 5, chose
-    swapped, _ = nextn_logits(spec, m.eh_proj_halves_swapped(state, spec), tokens, tmp_path / "swapped", selections)
-    broken = _over(megatron, swapped)
-    print(f"eh_proj's halves swapped: {broken} tokens over")
-    assert broken > 4 * ROUTING_FLIPS
+    assert chose.far == 0, chose
+    swapped, spread, _, routed = nextn_logits(
+        spec, m.eh_proj_halves_swapped(state, spec), tokens, tmp_path / "swapped", selections
+    )
+    broken = compare(megatron, swapped, spread, layers, (routing, routed))
+    print(f"eh_proj's halves swapped: {broken}")
+    assert broken.broken, broken
 
 
 def test_every_family_is_a_case_and_the_table_claims_only_what_is_checked() -> None:

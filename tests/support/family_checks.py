@@ -13,7 +13,7 @@ import torch
 
 from orchestrator.adapters.megatron.convert import ModelSpec, hf_config
 from tests.support.family_ranks import BUCKET_BYTES, CYCLES
-from tests.support.tolerance import TOLERANCE, Compared, compare, engine_logits
+from tests.support.tolerance import Compared, compare, engine_logits
 
 __all__ = [
     "check_restores",
@@ -56,15 +56,15 @@ def check_restores(run: dict[str, Any], case: str) -> None:
         assert any(r[case]["expert_bias_sources"] for r in run["reports"]), "no rank holds an expert_bias"
 
 
-def engine_against_megatron(run: dict[str, Any], case: str, floor: float = TOLERANCE) -> list[Compared]:
-    """Per cycle: the engine's logits (as it served them) against Megatron's, routing-aware, each
-    token held to at least `floor`."""
+def engine_against_megatron(run: dict[str, Any], case: str) -> list[Compared]:
+    """Per cycle: the engine's logits (as it served them) against Megatron's, routing-aware."""
     spec, engine = spec_of(run, case), run["ranks"][0][case]
     out = []
     for cycle, (ours, theirs) in enumerate(zip(megatron_logits(run, case), engine["engine"], strict=True)):
         routing = (merged(run, case, "routing", cycle), engine["engine_routing"][cycle])
         selections = (merged(run, case, "selections", cycle), engine["engine_keys"][cycle])
-        out.append(compare(ours, theirs, routing, selections, spec.dsa_index_topk or 0, floor))
+        spread = engine["engine_spread"][cycle]
+        out.append(compare(ours, theirs, spread, spec.num_layers, routing, selections, spec.dsa_index_topk or 0))
     return out
 
 
@@ -99,7 +99,8 @@ def mistaken(run: dict[str, Any], case: str, mistake: Any, wrong: dict[str, Any]
     engine.update_weights(list(mistake(rank0["weights"], spec).items()), version=1)
     last = CYCLES - 1
     selections = merged(run, case, "selections", last)
-    logits, routing, keys = engine_logits(engine.model, rank0["tokens"], selections if forced else None)
+    logits, spread, routing, keys = engine_logits(engine.model, rank0["tokens"], selections if forced else None)
     megatron = megatron_logits(run, case)[last]
     own = ({}, {}) if forced else (selections, keys)
-    return compare(megatron, logits, (merged(run, case, "routing", last), routing), own, spec.dsa_index_topk or 0)
+    routed = (merged(run, case, "routing", last), routing)
+    return compare(megatron, logits, spread, spec.num_layers, routed, own, spec.dsa_index_topk or 0)

@@ -35,6 +35,7 @@ import torch
 
 from orchestrator.adapters.megatron.convert import Family
 from tests.support.embed_parallel_ranks import AUTHKEY, RemoteEngine, SharedEngine
+from tests.support.rounding import logit_spread
 from tests.support.routing import hf_routing, hf_selections, megatron_routing
 from tests.support.sync_watch import SyncWatch
 
@@ -112,9 +113,13 @@ def _serve(engine: SharedEngine | RemoteEngine, tokens: torch.Tensor) -> dict[st
     recording which experts its routers and which keys its indexers chose."""
     served = None
     if isinstance(engine, SharedEngine):
-        with hf_routing(engine.model, batch=tokens.shape[0]) as routing, hf_selections(engine.model) as keys:
+        with (
+            hf_routing(engine.model, batch=tokens.shape[0]) as routing,
+            hf_selections(engine.model) as keys,
+            logit_spread(engine.model) as spreads,
+        ):
             logits = engine.logits(tokens)
-        served = {"logits": logits, "routing": routing, "keys": keys, "weights": engine.weights()}
+        served = {"logits": logits, "spread": spreads[0], "routing": routing, "keys": keys, "weights": engine.weights()}
         served = _cpu(served)
     torch.distributed.barrier()  # the other ranks restore once the engine is idle
     return served
@@ -236,7 +241,7 @@ def case_scenario(rank: int, case: str, layout: tuple[int, int, int], host: Engi
         "extras": sorted(n for n, s in sources.items() if s is Source.EXTRAS),
         "cycles": [],
     }
-    keys = ("megatron", "mtp", "routing", "selections", "engine", "engine_routing", "engine_keys")
+    keys = ("megatron", "mtp", "routing", "selections", "engine", "engine_spread", "engine_routing", "engine_keys")
     tensors: dict[str, Any] = {"tokens": inputs[-1][:, :-1].cpu(), **{k: [] for k in keys}, "weights": None}
     last_stage_source = ps.is_pipeline_last_stage() and source
     for step in range(CYCLES):
@@ -252,6 +257,7 @@ def case_scenario(rank: int, case: str, layout: tuple[int, int, int], host: Engi
         tensors["selections"].append(selections if source else {})
         if served is not None:
             tensors["engine"].append(served["logits"])
+            tensors["engine_spread"].append(served["spread"])
             tensors["engine_routing"].append(served["routing"])
             tensors["engine_keys"].append(served["keys"])
             tensors["weights"] = served["weights"]

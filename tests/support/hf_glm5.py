@@ -36,9 +36,10 @@ from typing import Any
 import torch
 
 from orchestrator.adapters.megatron.convert import ModelSpec, hf_config
+from tests.support.rounding import SIGMAS, drift, index_variance, leads, spread_of
+from tests.support.routing import hf_routing, hf_selections
 
 __all__ = [
-    "NEAR_TIE",
     "Compared",
     "agreement",
     "compare_selections",
@@ -51,9 +52,6 @@ __all__ = [
 ]
 
 _GLUE = ("enorm", "hnorm", "eh_proj", "shared_head.norm")
-# A near-tie: the k-th index score leads the next by less than this share of the query's largest
-# |score|. bf16 rounding (about 0.4% of a value) differs between the two frameworks' arithmetic.
-NEAR_TIE = 0.01
 
 
 def load(spec: ModelSpec, state: dict[str, torch.Tensor], tmp: Path) -> tuple[Any, dict[str, list[str]]]:
@@ -68,59 +66,81 @@ def load(spec: ModelSpec, state: dict[str, torch.Tensor], tmp: Path) -> tuple[An
 
 
 @contextlib.contextmanager
-def forced_selections(model: Any, selections: dict[int, dict[str, torch.Tensor]]) -> Iterator[dict[int, torch.Tensor]]:
+def forced_selections(
+    model: Any, selections: dict[int, dict[str, torch.Tensor]]
+) -> Iterator[dict[int, dict[str, Any]]]:
     """While on, each DSA layer of `model` attends to the keys Megatron's chose
-    (`selections[layer]["keys"]`); yields what its own indexer selected, by layer."""
-    own: dict[int, torch.Tensor] = {}
+    (`selections[layer]["keys"]`); yields what its own indexer chose and was given, by layer
+    (`routing.hf_selections`)."""
 
     def force(at: int) -> Any:
         def hook(_module: Any, _args: Any, out: torch.Tensor) -> torch.Tensor:
-            own[at] = out.long()
             return selections[at]["keys"].to(out.device, out.dtype)
 
         return hook
 
-    hooks = [layer.self_attn.indexer.register_forward_hook(force(i)) for i, layer in enumerate(model.model.layers)]
-    try:
-        yield own
-    finally:
-        for hook in hooks:
-            hook.remove()
+    with hf_selections(model) as own:  # its hooks first: they see the indexer's own output
+        hooks = [layer.self_attn.indexer.register_forward_hook(force(i)) for i, layer in enumerate(model.model.layers)]
+        try:
+            yield own
+        finally:
+            for hook in hooks:
+                hook.remove()
 
 
 @dataclasses.dataclass(frozen=True)
 class Compared:
     """Of `queries` (layer and query, those with more keys than the top-k), how many chose other
-    keys than Megatron's; Megatron's k-th index score's lead over the next, relative to the
-    query's largest |score|, of each that did (`gaps`), and the median over all."""
+    keys than Megatron's (`differ`); for each that did, Megatron's margin there in standard
+    deviations of the two sides' rounding (`leads`, `tests/support/rounding.py`), how many of
+    those are not near-ties (`far`: a lead of `SIGMAS` or more, which rounding does not reach),
+    and how many were made from inputs that had drifted past what rounding does, downstream of a
+    router's choice apart (`unjudged`: no rounding question); and the median lead over all
+    queries."""
 
     queries: int
     differ: int
-    gaps: list[float]
-    median_gap: float
+    leads: list[float]
+    far: int
+    unjudged: int
+    median_lead: float
 
 
-def _gaps(scores: torch.Tensor, topk: int) -> torch.Tensor:
-    """[..., query] the k-th index score's lead over the next, relative to the query's largest |score|."""
-    ranked = scores.sort(-1, descending=True).values
-    return (ranked[..., topk - 1] - ranked[..., topk]) / scores.nan_to_num(neginf=0.0).abs().amax(-1)
+def selection_leads(
+    megatron: dict[str, torch.Tensor], hf_inputs: dict[str, torch.Tensor] | None = None, layer: int = 0
+) -> torch.Tensor:
+    """[batch, seq] each query's lead (`rounding.leads`) in decoder layer `layer`'s indexer's
+    record (`scored`): against transformers' inputs `hf_inputs` (`x`, `qr`) where it was handed
+    its own, else on the same inputs as Megatron's."""
+    token_drift = torch.zeros(megatron["scores"].shape[:2])
+    if hf_inputs is not None:
+        token_drift = torch.maximum(drift(megatron["x"], hf_inputs["x"]), drift(megatron["qr"], hf_inputs["qr"]))
+    variance = index_variance(megatron["spread"], megatron["magnitude"], token_drift)
+    chosen = torch.zeros_like(megatron["scores"], dtype=torch.bool).scatter(-1, megatron["keys"].long(), True)
+    return leads(megatron["scores"], variance, chosen, token_drift, layer)
 
 
-def agreement(own: dict[int, torch.Tensor], megatron: dict[int, dict[str, torch.Tensor]], topk: int) -> Compared:
-    """Per layer of `own` and query with more keys than the top-k (before, both take every key,
-    and the masked ones they add are free), whether its key set is Megatron's; with Megatron's
-    k-th-score lead of those that are not (`gaps`) and the median lead."""
-    differ, gaps = [], []
-    for layer, keys in own.items():
+def agreement(
+    own: dict[int, dict[str, torch.Tensor]], megatron: dict[int, dict[str, torch.Tensor]], topk: int
+) -> Compared:
+    """Per layer of `own` (transformers' record: its `keys` [batch, seq, topk], and its inputs
+    `x`, `qr` where they were its own rather than Megatron's) and query with more keys than the
+    top-k (before, both take every key, and the masked ones they add are free), whether its key
+    set is Megatron's, and Megatron's lead there."""
+    differ, lead = [], []
+    for layer, record in own.items():
         theirs = megatron[layer]
-        differ.append((keys.sort(-1).values != theirs["keys"].long().sort(-1).values).any(-1)[:, topk:])
-        gaps.append(_gaps(theirs["scores"], topk)[:, topk:])
-    differ_, gaps_ = torch.cat(differ), torch.cat(gaps)
+        differ.append((record["keys"].sort(-1).values != theirs["keys"].long().sort(-1).values).any(-1)[:, topk:])
+        lead.append(selection_leads(theirs, record if "x" in record else None, layer)[:, topk:])
+    differ_, lead_ = torch.cat(differ), torch.cat(lead)
+    apart = lead_[differ_]
     return Compared(
         queries=differ_.numel(),
         differ=int(differ_.sum()),
-        gaps=[round(float(g), 5) for g in gaps_[differ_]],
-        median_gap=round(float(gaps_.median()), 5),
+        leads=[round(float(g), 2) for g in apart],
+        far=int((apart >= SIGMAS).sum()),
+        unjudged=int(apart.isnan().sum()),
+        median_lead=round(float(lead_.nanmedian()), 2),
     )
 
 
@@ -141,10 +161,12 @@ def nextn_logits(
     state: dict[str, torch.Tensor],
     tokens: torch.Tensor,
     tmp: Path,
-    selections: dict[int, torch.Tensor],
-) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    selections: dict[int, dict[str, torch.Tensor]],
+) -> tuple[torch.Tensor, torch.Tensor, dict[int, dict[str, Any]], dict[int, dict[str, torch.Tensor]]]:
     """The NextN draft's logits [batch, seq, vocab] from the synced main and MTP tensors, every
-    DSA layer (the MTP layer's too) on Megatron's `selections`; and its own indexers' choices."""
+    DSA layer (the MTP layer's too) on Megatron's `selections`; their spread
+    (`rounding.spread_of`); its own indexers' records (`hf_selections`) and its routers'
+    (`hf_routing`), the MTP layer's as layer N."""
     from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaRMSNorm
 
     if spec.mtp_num_layers != 1:
@@ -174,23 +196,26 @@ def nextn_logits(
     pre = core.layers[n].register_forward_pre_hook(glue_in, with_kwargs=True)
     post = core.layers[n].register_forward_hook(lambda _m, _i, result: out.append(result[0]))
     try:
-        with torch.no_grad(), forced_selections(model, selections) as own:
+        with torch.no_grad(), forced_selections(model, selections) as own, hf_routing(model, tokens.shape[0]) as routed:
             model(tokens)
-            return model.lm_head(norms["shared_head.norm"](out[0])).float(), own
+            h = norms["shared_head.norm"](out[0])
+            return model.lm_head(h).float(), spread_of(h, model.lm_head.weight), own, routed
     finally:
         pre.remove()
         post.remove()
 
 
-def indexer_selections(indexer: Any, config: Any, seq: int, batch: int) -> dict[str, torch.Tensor]:
+def indexer_selections(indexer: Any, config: Any, seq: int, batch: int) -> dict[str, Any]:
     """Megatron's `indexer` (built from `config`, on its device) and transformers' indexer loaded
-    with the converted weights, on the same random x and q latent: Megatron's index scores
-    [batch, seq, seq] and each one's top-k keys [batch, seq, topk] (`hf_rope_last`: the rope dims
-    left where Megatron 0.16 keeps them)."""
+    with the converted weights, on the same random x and q latent: Megatron's record (`scored`:
+    its scores [batch, seq, seq], keys [batch, seq, topk] and rounding terms) and each
+    transformers indexer's keys (`hf_rope_last`: the rope dims left where Megatron 0.16 keeps
+    them)."""
     from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaIndexer, GlmMoeDsaRotaryEmbedding
 
     from orchestrator.adapters.megatron.convert import to_hf
     from tests.support.mapping_mistakes import indexer_rope_last
+    from tests.support.megatron_dsa import scored
 
     device = next(indexer.parameters()).device
     gpt = SimpleNamespace(  # the model's 16 positions (YaRN's factor 4 over 4), whatever `seq` is
@@ -203,15 +228,15 @@ def indexer_selections(indexer: Any, config: Any, seq: int, batch: int) -> dict[
     x = torch.randn(seq, batch, config.hidden_size, device=device).bfloat16()
     qr = torch.randn(seq, batch, config.q_lora_rank, device=device).bfloat16()
     causal = torch.full((seq, seq), float("-inf"), device=device).triu(1)
-    with torch.no_grad():
-        scores, megatron = indexer.forward_with_scores(x, qr, mask=causal)
+    with torch.no_grad(), scored(indexer) as record:
+        indexer.forward_with_scores(x, qr, mask=causal)
         prefix = "decoder.layers.0.self_attention.core_attention.indexer."
         weights = dict(pair for name, p in indexer.named_parameters() for pair in to_hf(prefix + name, p, spec))
         hf_config_ = hf_config(spec)
         positions = torch.arange(seq, device=device).expand(batch, seq)
         hidden, latent = x.transpose(0, 1), qr.transpose(0, 1)
         rope = GlmMoeDsaRotaryEmbedding(hf_config_).to(device)(hidden, positions)
-        out = {"scores": scores.float().cpu(), "megatron": megatron.cpu()}
+        out: dict[str, Any] = {"megatron": {name: t.cpu() for name, t in record.items()}}
         for key, state in (("hf", weights), ("hf_rope_last", indexer_rope_last(weights, spec))):
             hf = GlmMoeDsaIndexer(hf_config_, 0).to(device, torch.bfloat16)
             hf.load_state_dict({name.split(".indexer.")[1]: tensor for name, tensor in state.items()})
@@ -220,11 +245,12 @@ def indexer_selections(indexer: Any, config: Any, seq: int, batch: int) -> dict[
     return out
 
 
-def compare_selections(selections: dict[str, torch.Tensor], topk: int) -> tuple[Compared, Compared]:
+def compare_selections(selections: dict[str, Any], topk: int) -> tuple[Compared, Compared]:
     """`indexer_selections`' HF choices against Megatron's: as converted, and with the rope dims
     left last."""
-    megatron = {0: {"scores": selections["scores"], "keys": selections["megatron"]}}
-    return agreement({0: selections["hf"]}, megatron, topk), agreement({0: selections["hf_rope_last"]}, megatron, topk)
+    megatron = {0: selections["megatron"]}
+    as_converted, rope_last = ({0: {"keys": selections[key].long()}} for key in ("hf", "hf_rope_last"))
+    return agreement(as_converted, megatron, topk), agreement(rope_last, megatron, topk)
 
 
 def first_indexer_against_hf(gpt: Any, seq: int = 64, batch: int = 4) -> dict[str, Any] | None:

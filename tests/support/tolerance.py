@@ -7,132 +7,114 @@ the layers. Discrete choices inside the model amplify it: an MoE router near a t
 expert in one than in the other, and a DSA indexer another key; that token's logits then move by
 far more, and through attention those of the later tokens of its sequence. So:
 
-- each side records every router's chosen experts and every indexer's chosen keys (forward hooks:
-  tests/support/routing.py, megatron_dsa.recorded_selections);
+- each side records every router's chosen experts and every indexer's chosen keys, with the
+  scores and inputs they chose from (forward hooks: tests/support/routing.py,
+  megatron_dsa.recorded_selections);
 - a sequence is compared only up to its first token routed (or indexed) differently in any layer;
-- at most `ROUTING_FLIPS` (token, layer) router decisions (twice that where DSA indexers choose
-  freely too: an index near-tie moves the later tokens of its sequence, and so their routers) and
-  `INDEX_FLIPS` (query, layer) index choices may differ, and the first choice of a sequence that differs, the only one both sides
-  made on the same inputs, must be a near-tie where it is an index choice (Megatron's k-th index
-  score leads the next by less than `FIRST_TIE` of the query's largest |score|);
-- each compared token's worst |Δlogit| must be within `token_tolerance`: 0.15, or 8 units in the
-  last place of its largest bf16 logit where that is more (a logit in [4, 8) is held to 1/32, so
-  0.15 would be under 5 of them). A dense model routes nothing: every token is compared.
+- that first choice apart, the only one both sides made from inputs that differ by rounding
+  alone, must be a near-tie by the arithmetic: Megatron's margin there within `SIGMAS` standard
+  deviations of what the two sides' bf16 rounding moves it by (tests/support/rounding.py). The
+  choices after it, in later layers and tokens, read what the first one changed, and are counted
+  but not judged;
+- each compared token's worst |Δlogit| must be within what the two sides' rounding through the
+  model's layers can move it by (`rounding.logit_tolerance`, from transformers' final hidden state
+  and output weights). A dense model routes nothing: every token is compared.
 
-A wrong mapping moves the compared tokens, or routes or indexes many tokens apart: `Compared.broken`
-asks for more than 2 x `ROUTING_FLIPS` compared tokens over (where the right mapping has none), or
-more than 4 x `ROUTING_FLIPS` router or 2 x `INDEX_FLIPS` index decisions apart.
+A wrong mapping moves the compared tokens, or makes a choice apart where rounding cannot:
+`Compared.broken` asks for a compared token over twice its tolerance, or a first choice apart
+beyond twice `SIGMAS`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Any
 
 import torch
 
-from tests.support.hf_glm5 import NEAR_TIE
+from tests.support.hf_glm5 import forced_selections, selection_leads
+from tests.support.rounding import SIGMAS, logit_spread, logit_tolerance, route_leads
 from tests.support.routing import hf_routing, hf_selections
 
-__all__ = [
-    "INDEX_FLIPS",
-    "ROUTING_FLIPS",
-    "TOLERANCE",
-    "ULPS",
-    "Compared",
-    "compare",
-    "engine_logits",
-    "token_tolerance",
-]
-
-TOLERANCE, ULPS = 0.15, 8
-ROUTING_FLIPS = 3  # (token, layer) router decisions of BATCH x SEQ = 64 a layer, in one comparison
-INDEX_FLIPS = 12  # (query, layer) index choices, of 96 (the queries with more keys than the top-k)
-# A sequence's first index choice apart, free-running, is a near-tie below this lead (of the query's
-# largest |score|): `NEAR_TIE` (1%) holds one indexer on the same inputs; a later layer's inputs
-# went through the earlier layers' rounding too (measured: 1.3% at layer 1).
-FIRST_TIE = 3 * NEAR_TIE
-
-
-def token_tolerance(megatron: torch.Tensor, floor: float = TOLERANCE) -> torch.Tensor:
-    """[batch, seq]: each token's tolerance (see the module docstring)."""
-    ulp = torch.exp2(torch.floor(torch.log2(megatron.abs().amax(dim=-1))) - 7)  # bf16 keeps 8 bits
-    return torch.clamp(ULPS * ulp, min=floor)
+__all__ = ["Compared", "compare", "engine_logits"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Compared:
     """One comparison: the largest |Δlogit| of any token and of a compared one; the tightest and
-    loosest tolerance of a compared token; compared tokens over theirs, of `compared` of `tokens`;
-    (token, layer) router decisions apart; (query, layer) index choices apart, and how many
-    sequences' first choice apart was an index choice not near a tie; and the mean |logit| of
-    Megatron's."""
+    loosest tolerance of a compared token; compared tokens over theirs, and over twice theirs, of
+    `compared` of `tokens`; (token, layer) router decisions and (query, layer) index choices
+    apart; each sequence's first choice apart as Megatron's lead there, in standard deviations of
+    the rounding (`leads`), how many of those are not near-ties (`far`: `SIGMAS` or more); and
+    the mean |logit| of Megatron's."""
 
     max_diff: float
     compared_max: float
     tolerance: tuple[float, float]
     over: int
+    over_twice: int
     compared: int
     tokens: int
     routed_apart: int
     indexed_apart: int
-    indexed_far: int
+    leads: tuple[float, ...]
     mean_logit: float
-    routing_flips: int = ROUTING_FLIPS  # router decisions allowed apart
+
+    @property
+    def far(self) -> int:
+        return sum(lead >= SIGMAS for lead in self.leads)
 
     @property
     def ok(self) -> bool:
-        return (
-            self.over == 0
-            and self.routed_apart <= self.routing_flips
-            and self.indexed_apart <= INDEX_FLIPS
-            and self.indexed_far == 0
-        )
+        return self.over == 0 and self.far == 0
 
     @property
     def broken(self) -> bool:
-        """Far outside what rounding does: what each injected mistake must show."""
-        return (
-            self.over > 2 * ROUTING_FLIPS
-            or self.routed_apart > 4 * ROUTING_FLIPS
-            or self.indexed_apart > 2 * INDEX_FLIPS
-        )
+        """What each injected mistake must show: a compared token over twice its tolerance, or a
+        first choice apart that rounding does not reach."""
+        return self.over_twice > 0 or self.far > 0
 
     def __str__(self) -> str:
         low, high = self.tolerance
         return (
             f"max |Δlogit| {self.max_diff:.4f}, compared max {self.compared_max:.4f} (tolerance {low:.2f}-{high:.2f}), "
             f"over {self.over}, compared {self.compared}/{self.tokens}, routed apart {self.routed_apart}, "
-            f"indexed apart {self.indexed_apart} ({self.indexed_far} not near-ties), mean |logit| {self.mean_logit:.3f}"
+            f"indexed apart {self.indexed_apart}, first choices apart at {[round(x, 2) for x in self.leads]} sigma "
+            f"({self.far} not near-ties), mean |logit| {self.mean_logit:.3f}"
         )
 
 
 def _apart(megatron: dict, hf: dict, tokens: torch.Size, topk: int) -> dict[tuple[int, int], torch.Tensor]:
     """{(layer, 0 for the indexer / 1 for the router): [batch, seq] whether that decision differs};
-    with `topk`, `megatron` and `hf` are index selections, else routing maps."""
-    if sorted(megatron) != sorted(hf) and not topk:
-        raise ValueError(f"Megatron routed in layers {sorted(megatron)}, transformers in {sorted(hf)}")
+    with `topk`, `megatron` and `hf` are index records, else routing records."""
+    only_megatron = set(megatron) - set(hf)  # its MTP layers', past every layer transformers has
+    if set(hf) - set(megatron) or (hf and only_megatron and min(only_megatron) < max(hf)):
+        raise ValueError(f"Megatron chose in layers {sorted(megatron)}, transformers in {sorted(hf)}")
     out = {}
     for layer in sorted(hf):
         if topk:
             theirs = megatron[layer]["keys"].long().sort(-1).values
-            differ = (hf[layer].sort(-1).values != theirs).any(-1)
+            differ = (hf[layer]["keys"].sort(-1).values != theirs).any(-1)
             differ[:, :topk] = False  # before, both take every key, and the masked ones they add are free
         else:
-            differ = (megatron[layer] != hf[layer]).any(dim=-1)
+            differ = (megatron[layer]["map"] != hf[layer]["map"]).any(dim=-1)
         out[(layer, 0 if topk else 1)] = differ.reshape(tokens)
     return out
 
 
-def _first_far(apart: dict[tuple[int, int], torch.Tensor], megatron_keys: dict, topk: int) -> int:
+def _first_leads(
+    apart: dict[tuple[int, int], torch.Tensor], routing: tuple[dict, dict], selections: tuple[dict, dict]
+) -> tuple[float, ...]:
     """Of each sequence's first decision apart (its first token apart, there the lowest layer, an
-    indexer before its layer's router): the only one made on the same inputs on both sides. How
-    many of those are index choices that were not near-ties."""
+    indexer before its layer's router): Megatron's lead there, in standard deviations of the
+    rounding between the two sides' scores, from the inputs each was given; infinite where those
+    inputs had drifted past what rounding does, as nothing before it in its sequence chose apart."""
     if not apart:
-        return 0
+        return ()
     order = sorted(apart)
     stacked = torch.stack([apart[key] for key in order])  # [decisions, batch, seq]
-    far = 0
+    found = []
     for b in range(stacked.shape[1]):
         tokens = stacked[:, b].any(dim=0).nonzero()
         if not len(tokens):
@@ -140,24 +122,27 @@ def _first_far(apart: dict[tuple[int, int], torch.Tensor], megatron_keys: dict, 
         t = int(tokens[0])
         layer, kind = order[int(stacked[:, b, t].nonzero()[0])]
         if kind == 0:
-            scores = megatron_keys[layer]["scores"][b, t]
-            ranked = scores.sort(descending=True).values
-            far += bool((ranked[topk - 1] - ranked[topk]) / scores.nan_to_num(neginf=0.0).abs().max() >= FIRST_TIE)
-    return far
+            lead = selection_leads(selections[0][layer], selections[1][layer], layer)
+        else:
+            lead = route_leads(routing[0][layer], routing[1][layer]["x"], layer)
+        found.append(round(float(lead[b, t].nan_to_num(nan=torch.inf)), 3))  # drifted past rounding: far
+    return tuple(found)
 
 
 def compare(
     megatron: torch.Tensor,
     hf: torch.Tensor,
+    spread: torch.Tensor,
+    layers: int,
     routing: tuple[dict, dict],
     selections: tuple[dict, dict] = ({}, {}),
     topk: int = 0,
-    floor: float = TOLERANCE,
 ) -> Compared:
-    """Megatron's logits against transformers' ([batch, seq, vocab]); `routing` (Megatron's, HF's)
-    by layer; `selections` (Megatron's {layer: {scores, keys}}, HF's {layer: keys}) of a DSA model
-    with index top-k `topk` (Megatron's layers HF has not, the MTP layers', are not compared);
-    `floor` the least tolerance a token gets (`TOLERANCE` on the CPU)."""
+    """Megatron's logits against transformers' ([batch, seq, vocab]) of a model of `layers`
+    decoder layers, transformers' logit `spread` [batch, seq] (`rounding.logit_spread`);
+    `routing` (Megatron's, HF's records) by layer; `selections` (Megatron's and HF's index
+    records) of a DSA model with index top-k `topk` (Megatron's layers HF has not, the MTP
+    layers', are not compared)."""
     errors = (hf - megatron).abs().amax(dim=-1)  # [batch, seq]
     routed = _apart(*routing, errors.shape, 0)
     indexed = _apart(*selections, errors.shape, topk) if selections[1] else {}
@@ -165,32 +150,36 @@ def compare(
     compared = torch.ones_like(errors, dtype=torch.bool)
     if apart:
         compared = ~torch.stack(list(apart.values())).any(dim=0).int().cummax(dim=-1).values.bool()
-    tolerance = token_tolerance(megatron, floor)
+    tolerance = logit_tolerance(megatron, spread, layers)
     return Compared(
         max_diff=float(errors.max()),
         compared_max=float(errors[compared].max()) if compared.any() else 0.0,
         tolerance=(float(tolerance[compared].min()), float(tolerance[compared].max())) if compared.any() else (0, 0),
         over=int((errors > tolerance)[compared].sum()),
+        over_twice=int((errors > 2 * tolerance)[compared].sum()),
         compared=int(compared.sum()),
         tokens=errors.numel(),
         routed_apart=sum(int(d.sum()) for d in routed.values()),
         indexed_apart=sum(int(d.sum()) for d in indexed.values()),
-        indexed_far=_first_far(apart, selections[0], topk),
+        leads=_first_leads(apart, routing, selections),
         mean_logit=float(megatron.abs().mean()),
-        routing_flips=ROUTING_FLIPS * (2 if topk and selections[1] else 1),
     )
 
 
-def engine_logits(model: Any, tokens: torch.Tensor, forced: dict | None = None) -> tuple[torch.Tensor, dict, dict]:
-    """transformers' `model`'s logits of `tokens`, its routing and its indexers' keys; with
-    `forced` (Megatron's selections), each DSA layer attends to Megatron's keys instead."""
-    import contextlib
-
-    from tests.support.hf_glm5 import forced_selections
-
+def engine_logits(
+    model: Any, tokens: torch.Tensor, forced: dict | None = None
+) -> tuple[torch.Tensor, torch.Tensor, dict, dict]:
+    """transformers' `model`'s logits of `tokens`, their spread (`rounding.logit_spread`), its
+    routing and its indexers' records; with `forced` (Megatron's selections), each DSA layer
+    attends to Megatron's keys instead."""
     device = next(model.parameters()).device
     with contextlib.ExitStack() as stack, torch.no_grad():
         routing = stack.enter_context(hf_routing(model, batch=tokens.shape[0]))
+        spreads = stack.enter_context(logit_spread(model))
         keys = stack.enter_context(forced_selections(model, forced) if forced else hf_selections(model))
         logits = model(input_ids=tokens.to(device)).logits.float().cpu()
-    return logits, {k: v.cpu() for k, v in routing.items()}, {k: v.cpu() for k, v in keys.items()}
+
+    def cpu(records: dict) -> dict:
+        return {layer: {name: t.cpu() for name, t in record.items()} for layer, record in records.items()}
+
+    return logits, spreads[0], cpu(routing), cpu(keys)
