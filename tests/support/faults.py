@@ -17,9 +17,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from orchestrator.job.ray_reaper import STOP_S
+from orchestrator.job.workers.placement import FLUSH_S
 from tests.support.cli import ROOT, colocate
 
 T = TypeVar("T")
+
+# What a run waits for, at most, by its own settings, from naming a failed rank (its report is
+# written then, before anything is stopped) to its exit: its workers' spans (FLUSH_S), then the
+# private cluster's processes to be gone and its reaper to end (STOP_S each). The rest of the
+# clean-up (ray.kill, ray.shutdown, the trace merge, the exit) waits on nothing and is allowed
+# what those waits leave unused: a live worker flushes, and a killed process is gone, in moments.
+CLEANUP_S = FLUSH_S + 2 * STOP_S
 
 
 @dataclass
