@@ -23,8 +23,8 @@ there within 6 standard deviations of what the two sides' bf16 rounding moves it
 where only routing can differ (`test_glm5_attends_where_megatron_does`).
 
 The bound is tight enough that every mapping mistake the converter could make, injected into the
-last sync's weights and run through a fresh engine of the class (no new spawn), breaks it by a
-factor of two (`Compared.broken`, `test_a_wrong_mapping_breaks_the_tolerance`).
+last sync's weights and run through a fresh engine of the class (no new spawn), breaks it
+(`Compared.broken`, `test_a_wrong_mapping_breaks_the_tolerance`).
 """
 
 from __future__ import annotations

@@ -21,8 +21,7 @@ far more, and through attention those of the later tokens of its sequence. So:
   and output weights). A dense model routes nothing: every token is compared.
 
 A wrong mapping moves the compared tokens, or makes a choice apart where rounding cannot:
-`Compared.broken` asks for a compared token over twice its tolerance, or a first choice apart
-beyond twice `SIGMAS`.
+`Compared.broken`, what each injected mistake must show, is a comparison that is not `ok`.
 """
 
 from __future__ import annotations
@@ -43,8 +42,7 @@ __all__ = ["Compared", "compare", "engine_logits"]
 @dataclasses.dataclass(frozen=True)
 class Compared:
     """One comparison: the largest |Δlogit| of any token and of a compared one; the tightest and
-    loosest tolerance of a compared token; compared tokens over theirs, and over twice theirs, of
-    `compared` of `tokens`; (token, layer) router decisions and (query, layer) index choices
+    loosest tolerance of a compared token; compared tokens over theirs, of `compared` of `tokens`; (token, layer) router decisions and (query, layer) index choices
     apart; each sequence's first choice apart as Megatron's lead there, in standard deviations of
     the rounding (`leads`), how many of those are not near-ties (`far`: `SIGMAS` or more); and
     the mean |logit| of Megatron's."""
@@ -53,7 +51,6 @@ class Compared:
     compared_max: float
     tolerance: tuple[float, float]
     over: int
-    over_twice: int
     compared: int
     tokens: int
     routed_apart: int
@@ -71,9 +68,10 @@ class Compared:
 
     @property
     def broken(self) -> bool:
-        """What each injected mistake must show: a compared token over twice its tolerance, or a
-        first choice apart that rounding does not reach."""
-        return self.over_twice > 0 or self.far > 0
+        """What each injected mistake must show: a compared token over its tolerance or a first
+        choice apart that rounding does not reach, both bounds at `SIGMAS` (a right mapping's
+        worst, in tests/integration/test_families.py's output, sits far inside both)."""
+        return not self.ok
 
     def __str__(self) -> str:
         low, high = self.tolerance
@@ -156,7 +154,6 @@ def compare(
         compared_max=float(errors[compared].max()) if compared.any() else 0.0,
         tolerance=(float(tolerance[compared].min()), float(tolerance[compared].max())) if compared.any() else (0, 0),
         over=int((errors > tolerance)[compared].sum()),
-        over_twice=int((errors > 2 * tolerance)[compared].sum()),
         compared=int(compared.sum()),
         tokens=errors.numel(),
         routed_apart=sum(int(d.sum()) for d in routed.values()),
