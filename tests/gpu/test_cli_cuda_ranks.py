@@ -22,9 +22,11 @@ from typing import Any
 import pytest
 import torch
 
+from orchestrator.job.presets import grpo_config
 from orchestrator.telemetry.tracing import parse_otlp_json
 from tests.support.cli import CYCLE, ROOT, colocate
 from tests.support.faults import CLEANUP_S
+from tests.support.rewards import reward_rise, rise_needed
 
 pytestmark = [
     pytest.mark.gpu,
@@ -55,8 +57,11 @@ def test_two_gpu_run_learns_and_every_replica_holds_the_trained_weights(finished
     assert len(steps) == STEPS and all(s["phases"] == CYCLE for s in steps)
     assert [s["restore_verified"] for s in steps[:2]] == [True, True]
     assert report["engine_matches_trainer"] is True  # replica 0 = replica 1 = rank 0's converted weights
+    # Learning: the last 3 steps' mean reward above the first 3's by more than 6 standard deviations
+    # of what sampling alone moves it by (tests/support/rewards: 0.027 at --model tiny's 128 x 16 x 4
+    # positions a step); a tiny run on two H200s rose 0.37 by step 20 (benchmarks/run_tiny.ranks2.h200x2.json).
     rewards = [s["reward_mean"] for s in steps]
-    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.05, rewards
+    assert reward_rise(rewards, 3) > rise_needed(grpo_config("tiny"), 3), rewards
 
 
 def test_memory_order_holds_on_each_gpu(finished: tuple[dict, Path]) -> None:
