@@ -1,6 +1,6 @@
-"""Where two bf16 implementations of one top-k choice may choose apart: the rounding model by which
-the whole-path tests judge a DSA indexer's keys and a router's experts (tests/support/tolerance.py,
-`hf_glm5.agreement`). Nothing here is a figure measured on one CPU.
+"""How far two bf16 implementations of one model can be apart by rounding alone: the model by which
+the whole-path tests judge a DSA indexer's keys, a router's experts and the logits
+(tests/support/tolerance.py, `hf_glm5.agreement`). Nothing here is a figure measured on one CPU.
 
 Megatron and transformers make the same choice from scores each computes in bf16 with its own
 kernels. They choose apart only where the two sides' rounding moves the k-th score below the
@@ -10,10 +10,10 @@ the next) is within what rounding can move. The model:
 - bf16 keeps 8 significant bits: one rounding moves a value by at most `U` = 2^-8 of itself, and,
   over many values, uniformly within that, a variance of U²/3 of its square.
 - A score is a sum of products of bf16 factors: an indexer's `sum_h w_h relu(q_h . k_t)`, a
-  router's `x . W_e`. Each factor carries the roundings of its own path on each side (`Roundings`:
-  counted from the two frameworks' code), and the difference its inputs already had, which is
-  measured: each token's relative rms difference between the two sides' inputs of that layer
-  (`drift`), zero where both were handed the same tensors.
+  router's `x . W_e`. Each factor carries the roundings of its own path on each side (`Roundings`,
+  `route_variance`: counted from the two frameworks' code), and the difference its inputs already
+  had, which is measured: each token's relative rms difference between the two sides' inputs of
+  that layer (`drift`), zero where both were handed the same tensors.
 - Errors of different elements are independent, so a score's error has the variance
   `sum over its terms of term² × (the variances of its factors)`; the two sides round
   independently, so their own roundings count twice, the drift (already a difference) once.
@@ -44,9 +44,9 @@ from typing import Any
 import torch
 
 __all__ = [
+    "FP32_U",
     "INDEXER",
     "LAYER",
-    "ROUTER",
     "SIGMAS",
     "Roundings",
     "U",
@@ -87,10 +87,7 @@ class Roundings:
 
 
 INDEXER = Roundings(query=5, key=6, weight=3)
-# A router's logits `x . W_e`: x, its layer's pre-MLP norm output, is rounded once more on each side
-# than its drift shows (the norm is applied after the recorded input); Megatron and transformers
-# then compute the logits in fp32 (`moe_router_dtype`, transformers' routers), which adds nothing.
-ROUTER = Roundings(query=1, key=0, weight=0)
+FP32_U = 2.0**-24  # fp32's unit roundoff: 24 significant bits
 
 
 def drift_bound(layer: int) -> float:
@@ -108,18 +105,23 @@ def drift(megatron: torch.Tensor, hf: torch.Tensor) -> torch.Tensor:
 
 def index_variance(spread: torch.Tensor, magnitude: torch.Tensor, token_drift: torch.Tensor) -> torch.Tensor:
     """[batch, seq, keys]: the variance of the difference of the two sides' index scores, from
-    `spread` (sum_h w_h² sum_d q_hd² k_td²), `magnitude` (sum_h |w_h| relu(q_h . k_t)) and the
+    `spread` (sum_h w_h² sum_d q_hd² k_td²), `magnitude` (sum_h |w_h| |q_h . k_t|) and the
     query token's `drift` [batch, seq]. A head weight's error scales its whole head's term, so it
     enters through `magnitude²`, the bound for errors of one sign."""
     v_query, v_key, v_weight = INDEXER.variances(token_drift.unsqueeze(-1))
     return spread * (v_query + v_key) + magnitude.square() * v_weight
 
 
-def route_variance(spread: torch.Tensor, token_drift: torch.Tensor) -> torch.Tensor:
-    """[tokens, experts]: the variance of the difference of the two sides' router logits, from
-    `spread` (sum_d x_d² W_ed²) and each token's `drift` [tokens]."""
-    v_input, _, _ = ROUTER.variances(token_drift.unsqueeze(-1))
-    return spread * v_input
+def route_variance(spread: torch.Tensor, value: torch.Tensor, token_drift: torch.Tensor, hidden: int) -> torch.Tensor:
+    """[..., experts]: the variance of the difference of the two sides' router scores, from each
+    score's `spread` (sum_d x_d² W_ed², times the score function's slope squared), its `value`
+    (the logit squared, times the same), each token's `drift` [...] and the `hidden` size. Both
+    sides record the router's input after its norm, so the drift holds every bf16 rounding of x;
+    then Megatron and transformers' DeepSeek-V3-style routers take the logits in fp32 (`hidden`
+    terms, on each side), and transformers' Qwen3-MoE and Mixtral routers round them to bf16
+    once."""
+    accumulation = 2 * hidden * FP32_U**2 / 3
+    return spread * (token_drift.unsqueeze(-1).square() + accumulation) + value * U**2 / 3
 
 
 def leads(
@@ -155,7 +157,7 @@ def route_leads(megatron: dict[str, torch.Tensor], hf_input: torch.Tensor | None
     top `k / groups chosen` scores), then its experts within those; the lead is the smaller."""
     scores, chosen = megatron["scores"], megatron["map"]
     token_drift = torch.zeros(scores.shape[:-1]) if hf_input is None else drift(megatron["x"], hf_input)
-    variance = route_variance(megatron["spread"], token_drift)
+    variance = route_variance(megatron["spread"], megatron["value"], token_drift, megatron["x"].shape[-1])
     groups, picked = (int(n) for n in megatron["groups"])
     if groups == 1:
         return leads(scores, variance, chosen, token_drift, layer)

@@ -7,8 +7,9 @@ bool from the routers' own outputs (Megatron's `TopKRouter` returns (probs, rout
 [seq·batch, experts]); transformers' `*TopKRouter`s (Mixtral, Qwen3-MoE) and `*TopkRouter`s
 (DeepSeek-V3, GLM-4.5, GLM-5) return (logits, scores, indices [batch·seq, k])) and its input `x`
 [batch, seq, hidden]. Megatron's also holds what `rounding.route_leads` reads: the scores its
-top-k chose from (`scores`: logits, or sigmoid scores plus `expert_bias`), each one's rounding
-`spread` (sum_d x_d² W_ed², times the score function's slope squared) and its `groups`
+top-k chose from (`scores`: logits, or sigmoid scores plus `expert_bias`), what each one's
+rounding reads (`spread`: sum_d x_d² W_ed², `value`: the logit squared, both times the score
+function's slope squared) and its `groups`
 (group-limited routing: groups, groups chosen).
 """
 
@@ -50,6 +51,7 @@ def megatron_routing(model_chunks: list[Any]) -> Iterator[Routing]:
                 "x": x.clone(),
                 "scores": scores,
                 "spread": spread * slope.square(),
+                "value": (logits * slope).square(),
                 "groups": torch.tensor([config.moe_router_num_groups or 1, config.moe_router_group_topk or 1]),
             }
 

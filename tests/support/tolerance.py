@@ -42,15 +42,17 @@ __all__ = ["Compared", "compare", "engine_logits"]
 @dataclasses.dataclass(frozen=True)
 class Compared:
     """One comparison: the largest |Δlogit| of any token and of a compared one; the tightest and
-    loosest tolerance of a compared token; compared tokens over theirs, of `compared` of `tokens`; (token, layer) router decisions and (query, layer) index choices
-    apart; each sequence's first choice apart as Megatron's lead there, in standard deviations of
-    the rounding (`leads`), how many of those are not near-ties (`far`: `SIGMAS` or more); and
-    the mean |logit| of Megatron's."""
+    loosest tolerance of a compared token; compared tokens over theirs, and the largest share of
+    its tolerance a compared token reached (`worst`), of `compared` of `tokens`; (token, layer)
+    router decisions and (query, layer) index choices apart; each sequence's first choice apart as
+    Megatron's lead there, in standard deviations of the rounding (`leads`), how many of those
+    are not near-ties (`far`: `SIGMAS` or more); and the mean |logit| of Megatron's."""
 
     max_diff: float
     compared_max: float
     tolerance: tuple[float, float]
     over: int
+    worst: float
     compared: int
     tokens: int
     routed_apart: int
@@ -77,7 +79,7 @@ class Compared:
         low, high = self.tolerance
         return (
             f"max |Δlogit| {self.max_diff:.4f}, compared max {self.compared_max:.4f} (tolerance {low:.2f}-{high:.2f}), "
-            f"over {self.over}, compared {self.compared}/{self.tokens}, routed apart {self.routed_apart}, "
+            f"over {self.over} (worst {self.worst:.2f} of its tolerance), compared {self.compared}/{self.tokens}, routed apart {self.routed_apart}, "
             f"indexed apart {self.indexed_apart}, first choices apart at {[round(x, 2) for x in self.leads]} sigma "
             f"({self.far} not near-ties), mean |logit| {self.mean_logit:.3f}"
         )
@@ -154,6 +156,7 @@ def compare(
         compared_max=float(errors[compared].max()) if compared.any() else 0.0,
         tolerance=(float(tolerance[compared].min()), float(tolerance[compared].max())) if compared.any() else (0, 0),
         over=int((errors > tolerance)[compared].sum()),
+        worst=float((errors / tolerance)[compared].max()) if compared.any() else 0.0,
         compared=int(compared.sum()),
         tokens=errors.numel(),
         routed_apart=sum(int(d.sum()) for d in routed.values()),
