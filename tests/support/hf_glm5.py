@@ -116,8 +116,11 @@ def selection_leads(
     if hf_inputs is not None:
         token_drift = torch.maximum(drift(megatron["x"], hf_inputs["x"]), drift(megatron["qr"], hf_inputs["qr"]))
     variance = index_variance(megatron["spread"], megatron["magnitude"], token_drift)
-    chosen = torch.zeros_like(megatron["scores"], dtype=torch.bool).scatter(-1, megatron["keys"].long(), True)
-    return leads(megatron["scores"], variance, chosen, token_drift, layer)
+    # megatron-core 0.19 marks the slots of a query with fewer keys than the top-k as -1: those
+    # land in a spare column, dropped.
+    keys, n = megatron["keys"].long(), megatron["scores"].shape[-1]
+    chosen = torch.zeros(*keys.shape[:-1], n + 1, dtype=torch.bool).scatter(-1, keys.where(keys >= 0, n), True)
+    return leads(megatron["scores"], variance, chosen[..., :n], token_drift, layer)
 
 
 def agreement(
