@@ -19,7 +19,8 @@ tokens' of its sequence. Both sides record every router's and indexer's choices,
 and inputs they chose from; a sequence is compared only up to its first token routed or indexed
 differently, and that first choice apart must be a near-tie by the arithmetic: Megatron's margin
 there within 6 standard deviations of what the two sides' bf16 rounding moves it by
-(tests/support/rounding.py). GLM-5 is also compared with every DSA layer on Megatron's keys,
+(tests/support/rounding.py); so must a later one, where its inputs drifted no further than
+rounding makes them. GLM-5 is also compared with every DSA layer on Megatron's keys,
 where only routing can differ (`test_glm5_attends_where_megatron_does`).
 
 The bound is tight enough that every mapping mistake the converter could make, injected into the

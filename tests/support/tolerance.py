@@ -13,9 +13,9 @@ far more, and through attention those of the later tokens of its sequence. So:
 - a sequence is compared only up to its first token routed (or indexed) differently in any layer;
 - that first choice apart, the only one both sides made from inputs that differ by rounding
   alone, must be a near-tie by the arithmetic: Megatron's margin there within `SIGMAS` standard
-  deviations of what the two sides' bf16 rounding moves it by (tests/support/rounding.py). The
-  choices after it, in later layers and tokens, read what the first one changed, and are counted
-  but not judged;
+  deviations of what the two sides' bf16 rounding moves it by (tests/support/rounding.py); and
+  so must every later choice apart whose inputs, though they read what an earlier one changed,
+  drifted no further than rounding can make them (their drift is in the standard deviation);
 - each compared token's worst |Δlogit| must be within what the two sides' rounding through the
   model's layers can move it by (`rounding.logit_tolerance`, from transformers' final hidden state
   and output weights). A dense model routes nothing: every token is compared.
@@ -45,7 +45,8 @@ class Compared:
     loosest tolerance of a compared token; compared tokens over theirs, and the largest share of
     its tolerance a compared token reached (`worst`), of `compared` of `tokens`; (token, layer)
     router decisions and (query, layer) index choices apart; each sequence's first choice apart as
-    Megatron's lead there, in standard deviations of the rounding (`leads`), how many of those
+    Megatron's lead there, in standard deviations of the rounding (`leads`), and at each later
+    choice apart made from inputs within what rounding makes (`later_leads`), how many of those
     are not near-ties (`far`: `SIGMAS` or more); and the mean |logit| of Megatron's."""
 
     max_diff: float
@@ -58,11 +59,12 @@ class Compared:
     routed_apart: int
     indexed_apart: int
     leads: tuple[float, ...]
+    later_leads: tuple[float, ...]
     mean_logit: float
 
     @property
     def far(self) -> int:
-        return sum(lead >= SIGMAS for lead in self.leads)
+        return sum(lead >= SIGMAS for lead in (*self.leads, *self.later_leads))
 
     @property
     def ok(self) -> bool:
@@ -70,9 +72,9 @@ class Compared:
 
     @property
     def broken(self) -> bool:
-        """What each injected mistake must show: a compared token over its tolerance or a first
-        choice apart that rounding does not reach, both bounds at `SIGMAS` (a right mapping's
-        worst, in tests/integration/test_families.py's output, sits far inside both)."""
+        """What each injected mistake must show: a compared token over its tolerance or a choice
+        apart that rounding does not reach, both bounds at `SIGMAS` (a right mapping's worst, in
+        tests/integration/test_families.py's output, sits far inside both)."""
         return not self.ok
 
     def __str__(self) -> str:
@@ -80,7 +82,8 @@ class Compared:
         return (
             f"max |Δlogit| {self.max_diff:.4f}, compared max {self.compared_max:.4f} (tolerance {low:.2f}-{high:.2f}), "
             f"over {self.over} (worst {self.worst:.2f} of its tolerance), compared {self.compared}/{self.tokens}, routed apart {self.routed_apart}, "
-            f"indexed apart {self.indexed_apart}, first choices apart at {[round(x, 2) for x in self.leads]} sigma "
+            f"indexed apart {self.indexed_apart}, first choices apart at {[round(x, 2) for x in self.leads]} sigma, "
+            f"later ones judged {len(self.later_leads)} (largest {max(self.later_leads, default=0):.2f}) "
             f"({self.far} not near-ties), mean |logit| {self.mean_logit:.3f}"
         )
 
@@ -103,30 +106,38 @@ def _apart(megatron: dict, hf: dict, tokens: torch.Size, topk: int) -> dict[tupl
     return out
 
 
-def _first_leads(
+def _leads(
     apart: dict[tuple[int, int], torch.Tensor], routing: tuple[dict, dict], selections: tuple[dict, dict]
-) -> tuple[float, ...]:
-    """Of each sequence's first decision apart (its first token apart, there the lowest layer, an
-    indexer before its layer's router): Megatron's lead there, in standard deviations of the
-    rounding between the two sides' scores, from the inputs each was given; infinite where those
-    inputs had drifted past what rounding does, as nothing before it in its sequence chose apart."""
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Megatron's lead, in standard deviations of the rounding between the two sides' scores from
+    the inputs each was given, at each sequence's first decision apart (its first token apart,
+    there the lowest layer, an indexer before its layer's router), infinite where those inputs had
+    drifted past what rounding does, as nothing before it in its sequence chose apart; and at each
+    later decision apart whose inputs had not drifted that far (what a choice apart before it
+    changed is in their drift)."""
     if not apart:
-        return ()
+        return (), ()
     order = sorted(apart)
+    by_decision = {}
+    for layer, kind in order:
+        if kind == 0:
+            by_decision[(layer, kind)] = selection_leads(selections[0][layer], selections[1][layer], layer)
+        else:
+            by_decision[(layer, kind)] = route_leads(routing[0][layer], routing[1][layer]["x"], layer)
     stacked = torch.stack([apart[key] for key in order])  # [decisions, batch, seq]
-    found = []
+    first, later = [], []
     for b in range(stacked.shape[1]):
         tokens = stacked[:, b].any(dim=0).nonzero()
         if not len(tokens):
             continue
-        t = int(tokens[0])
-        layer, kind = order[int(stacked[:, b, t].nonzero()[0])]
-        if kind == 0:
-            lead = selection_leads(selections[0][layer], selections[1][layer], layer)
-        else:
-            lead = route_leads(routing[0][layer], routing[1][layer]["x"], layer)
-        found.append(round(float(lead[b, t].nan_to_num(nan=torch.inf)), 3))  # drifted past rounding: far
-    return tuple(found)
+        t0 = int(tokens[0])
+        d0 = int(stacked[:, b, t0].nonzero()[0])
+        first.append(round(float(by_decision[order[d0]][b, t0].nan_to_num(nan=torch.inf)), 3))
+        for d, t in stacked[:, b].nonzero().tolist():
+            lead = float(by_decision[order[d]][b, t])
+            if (d, t) != (d0, t0) and lead == lead:  # not NaN: inputs within what rounding makes
+                later.append(round(lead, 3))
+    return tuple(first), tuple(later)
 
 
 def compare(
@@ -151,6 +162,7 @@ def compare(
     if apart:
         compared = ~torch.stack(list(apart.values())).any(dim=0).int().cummax(dim=-1).values.bool()
     tolerance = logit_tolerance(megatron, spread, layers)
+    first, later = _leads(apart, routing, selections)
     return Compared(
         max_diff=float(errors.max()),
         compared_max=float(errors[compared].max()) if compared.any() else 0.0,
@@ -161,7 +173,8 @@ def compare(
         tokens=errors.numel(),
         routed_apart=sum(int(d.sum()) for d in routed.values()),
         indexed_apart=sum(int(d.sum()) for d in indexed.values()),
-        leads=_first_leads(apart, routing, selections),
+        leads=first,
+        later_leads=later,
         mean_logit=float(megatron.abs().mean()),
     )
 
