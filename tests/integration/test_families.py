@@ -12,8 +12,10 @@ layout.
 
 The tolerance (tests/support/tolerance.py). Megatron and transformers compute the same function in
 bf16 with other kernels, so the logits differ by rounding: each token's worst |Δlogit| must be
-within what the two sides' rounding through the layers can move it by (the final hidden state's
-drift, bounded as every layer's input's is). A dense model routes nothing: no token may be over. An MoE router near a tie can pick another expert in transformers than in Megatron, and a
+within each side's distance from the function both compute: transformers', measured against an
+fp32 copy of its model, and Megatron's, bounded by the rounding through the layers (the final
+hidden state's drift, bounded as every layer's input's is). A dense model routes nothing: no
+token may be over. An MoE router near a tie can pick another expert in transformers than in Megatron, and a
 DSA indexer another key; that token's logits move by far more, and through attention the later
 tokens' of its sequence. Both sides record every router's and indexer's choices, with the scores
 and inputs they chose from; a sequence is compared only up to its first token routed or indexed

@@ -13,7 +13,7 @@ import torch
 
 from orchestrator.adapters.megatron.convert import ModelSpec, hf_config
 from tests.support.family_ranks import BUCKET_BYTES, CYCLES
-from tests.support.tolerance import Compared, compare, engine_logits
+from tests.support.tolerance import Compared, compare, engine_logits, own_rounding
 
 __all__ = [
     "check_restores",
@@ -63,8 +63,9 @@ def engine_against_megatron(run: dict[str, Any], case: str) -> list[Compared]:
     for cycle, (ours, theirs) in enumerate(zip(megatron_logits(run, case), engine["engine"], strict=True)):
         routing = (merged(run, case, "routing", cycle), engine["engine_routing"][cycle])
         selections = (merged(run, case, "selections", cycle), engine["engine_keys"][cycle])
-        spread = engine["engine_spread"][cycle]
-        out.append(compare(ours, theirs, spread, spec.num_layers, routing, selections, spec.dsa_index_topk or 0))
+        spread, own = engine["engine_spread"][cycle], engine["engine_own"][cycle]
+        topk = spec.dsa_index_topk or 0
+        out.append(compare(ours, theirs, spread, spec.num_layers, routing, selections, topk, own))
     return out
 
 
@@ -101,6 +102,8 @@ def mistaken(run: dict[str, Any], case: str, mistake: Any, wrong: dict[str, Any]
     selections = merged(run, case, "selections", last)
     logits, spread, routing, keys = engine_logits(engine.model, rank0["tokens"], selections if forced else None)
     megatron = megatron_logits(run, case)[last]
-    own = ({}, {}) if forced else (selections, keys)
+    topk = spec.dsa_index_topk or 0
+    rounding = None if forced else own_rounding(engine.model, rank0["tokens"], (logits, routing, keys), topk)
+    chosen = ({}, {}) if forced else (selections, keys)
     routed = (merged(run, case, "routing", last), routing)
-    return compare(megatron, logits, spread, spec.num_layers, routed, own, spec.dsa_index_topk or 0)
+    return compare(megatron, logits, spread, spec.num_layers, routed, chosen, topk, rounding)

@@ -38,6 +38,7 @@ from tests.support.embed_parallel_ranks import AUTHKEY, RemoteEngine, SharedEngi
 from tests.support.rounding import logit_spread
 from tests.support.routing import hf_routing, hf_selections, megatron_routing
 from tests.support.sync_watch import SyncWatch
+from tests.support.tolerance import own_rounding
 
 CYCLES = 3
 BUCKET_BYTES = 40 << 10  # above the largest tensor of the tiny models, well below a stage's params
@@ -121,6 +122,8 @@ def _serve(engine: SharedEngine | RemoteEngine, tokens: torch.Tensor) -> dict[st
             logits = engine.logits(tokens)
         served = {"logits": logits, "spread": spreads[0], "routing": routing, "keys": keys, "weights": engine.weights()}
         served = _cpu(served)
+        topk = getattr(engine.model.config, "index_topk", 0) or 0
+        served["own"] = own_rounding(engine.model, tokens, (served["logits"], served["routing"], served["keys"]), topk)
     torch.distributed.barrier()  # the other ranks restore once the engine is idle
     return served
 
@@ -241,7 +244,8 @@ def case_scenario(rank: int, case: str, layout: tuple[int, int, int], host: Engi
         "extras": sorted(n for n, s in sources.items() if s is Source.EXTRAS),
         "cycles": [],
     }
-    keys = ("megatron", "mtp", "routing", "selections", "engine", "engine_spread", "engine_routing", "engine_keys")
+    keys = ("megatron", "mtp", "routing", "selections", "engine", "engine_spread", "engine_own", "engine_routing")
+    keys += ("engine_keys",)
     tensors: dict[str, Any] = {"tokens": inputs[-1][:, :-1].cpu(), **{k: [] for k in keys}, "weights": None}
     last_stage_source = ps.is_pipeline_last_stage() and source
     for step in range(CYCLES):
@@ -258,6 +262,7 @@ def case_scenario(rank: int, case: str, layout: tuple[int, int, int], host: Engi
         if served is not None:
             tensors["engine"].append(served["logits"])
             tensors["engine_spread"].append(served["spread"])
+            tensors["engine_own"].append(served["own"])
             tensors["engine_routing"].append(served["routing"])
             tensors["engine_keys"].append(served["keys"])
             tensors["weights"] = served["weights"]

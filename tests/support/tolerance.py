@@ -16,9 +16,11 @@ far more, and through attention those of the later tokens of its sequence. So:
   deviations of what the two sides' bf16 rounding moves it by (tests/support/rounding.py); and
   so must every later choice apart whose inputs, though they read what an earlier one changed,
   drifted no further than rounding can make them (their drift is in the standard deviation);
-- each compared token's worst |Δlogit| must be within what the two sides' rounding through the
-  model's layers can move it by (`rounding.logit_tolerance`, from transformers' final hidden state
-  and output weights). A dense model routes nothing: every token is compared.
+- each compared token's worst |Δlogit| must be within each side's distance from the function both
+  compute: transformers', measured against an fp32 copy of its model (`own_rounding`), and
+  Megatron's, bounded by the rounding through the model's layers (`rounding.logit_tolerance`, from
+  transformers' final hidden state and output weights). A dense model routes nothing: every token
+  is compared.
 
 A wrong mapping moves the compared tokens, or makes a choice apart where rounding cannot:
 `Compared.broken`, what each injected mistake must show, is a comparison that is not `ok`.
@@ -27,6 +29,7 @@ A wrong mapping moves the compared tokens, or makes a choice apart where roundin
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 from typing import Any
 
@@ -36,7 +39,7 @@ from tests.support.hf_glm5 import forced_selections, selection_leads
 from tests.support.rounding import SIGMAS, logit_spread, logit_tolerance, route_leads
 from tests.support.routing import hf_routing, hf_selections
 
-__all__ = ["Compared", "compare", "engine_logits"]
+__all__ = ["Compared", "compare", "engine_logits", "own_rounding"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,12 +151,14 @@ def compare(
     routing: tuple[dict, dict],
     selections: tuple[dict, dict] = ({}, {}),
     topk: int = 0,
+    own: torch.Tensor | None = None,
 ) -> Compared:
     """Megatron's logits against transformers' ([batch, seq, vocab]) of a model of `layers`
     decoder layers, transformers' logit `spread` [batch, seq] (`rounding.logit_spread`);
     `routing` (Megatron's, HF's records) by layer; `selections` (Megatron's and HF's index
     records) of a DSA model with index top-k `topk` (Megatron's layers HF has not, the MTP
-    layers', are not compared)."""
+    layers', are not compared); `own` [batch, seq] transformers' own rounding (`own_rounding`),
+    which the tolerance adds to what the rounding model bounds Megatron's by."""
     errors = (hf - megatron).abs().amax(dim=-1)  # [batch, seq]
     routed = _apart(*routing, errors.shape, 0)
     indexed = _apart(*selections, errors.shape, topk) if selections[1] else {}
@@ -161,7 +166,7 @@ def compare(
     compared = torch.ones_like(errors, dtype=torch.bool)
     if apart:
         compared = ~torch.stack(list(apart.values())).any(dim=0).int().cummax(dim=-1).values.bool()
-    tolerance = logit_tolerance(megatron, spread, layers)
+    tolerance = logit_tolerance(megatron, spread, layers) + (0 if own is None else own)
     first, later = _leads(apart, routing, selections)
     return Compared(
         max_diff=float(errors.max()),
@@ -196,3 +201,25 @@ def engine_logits(
         return {layer: {name: t.cpu() for name, t in record.items()} for layer, record in records.items()}
 
     return logits, spreads[0], cpu(routing), cpu(keys)
+
+
+def own_rounding(
+    model: Any, tokens: torch.Tensor, served: tuple[torch.Tensor, dict, dict], topk: int = 0
+) -> torch.Tensor:
+    """[batch, seq]: how far transformers' bf16 `model` itself is from the function it computes,
+    on `tokens`: each token's worst |Δlogit| against an fp32 copy of it (2^16 times finer: the
+    exact function, for this), from `served` (its logits, routing and index records of `tokens`),
+    where the copy made every choice it made (elsewhere 0: that is no rounding of one function).
+    Megatron and transformers are then apart by at most this and Megatron's own rounding, which
+    the rounding model bounds; this measures what the model cannot count, how a trained model
+    amplifies its roundings, on the CPU's own kernels."""
+    logits, routing, keys = served
+    exact, _, exact_routing, exact_keys = engine_logits(copy.deepcopy(model).float(), tokens)
+    errors = (logits.float().cpu() - exact).abs().amax(-1)
+    apart = {
+        **_apart(exact_routing, routing, errors.shape, 0),
+        **(_apart(exact_keys, keys, errors.shape, topk) if keys else {}),
+    }
+    if apart:
+        errors = errors.masked_fill(torch.stack(list(apart.values())).any(0).int().cummax(-1).values.bool(), 0.0)
+    return errors
