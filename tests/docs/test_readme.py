@@ -158,7 +158,7 @@ def test_a_cpu_shell_block_runs_verbatim(page: str, block: str, tmp_path: Path) 
 CHANCE = 1 / 10
 FIRST_STEP = (CHANCE / 2, 3 * CHANCE / 2)
 # Learned: the last five steps' mean at least five times chance. Every kernel path measured so far
-# ends far above it (0.874-0.989 on four, docs/benchmarks.md), and so did each of six seeds when the
+# ends far above it (0.874-0.989 on the six of docs/benchmarks.md), and so did each of six seeds when the
 # defaults were tuned (0.78-0.99); a run whose engine never received the trained weights stays at
 # chance, as its rollouts come from the initial model.
 LEARNED = 5 * CHANCE

@@ -244,8 +244,10 @@ def case_scenario(rank: int, case: str, layout: tuple[int, int, int], host: Engi
         "extras": sorted(n for n, s in sources.items() if s is Source.EXTRAS),
         "cycles": [],
     }
-    keys = ("megatron", "mtp", "routing", "selections", "engine", "engine_spread", "engine_own", "engine_routing")
-    keys += ("engine_keys",)
+    keys = (
+        *("megatron", "mtp", "routing", "selections"),
+        *("engine", "engine_spread", "engine_own", "engine_routing", "engine_keys"),
+    )
     tensors: dict[str, Any] = {"tokens": inputs[-1][:, :-1].cpu(), **{k: [] for k in keys}, "weights": None}
     last_stage_source = ps.is_pipeline_last_stage() and source
     for step in range(CYCLES):

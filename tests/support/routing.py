@@ -9,8 +9,7 @@ bool from the routers' own outputs (Megatron's `TopKRouter` returns (probs, rout
 [batch, seq, hidden]. Megatron's also holds what `rounding.route_leads` reads: the scores its
 top-k chose from (`scores`: logits, or sigmoid scores plus `expert_bias`), what each one's
 rounding reads (`spread`: sum_d x_d² W_ed², `value`: the logit squared, both times the score
-function's slope squared) and its `groups`
-(group-limited routing: groups, groups chosen).
+function's slope squared) and its `groups` (group-limited routing: groups, groups chosen).
 """
 
 from __future__ import annotations
