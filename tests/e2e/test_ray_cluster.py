@@ -8,6 +8,7 @@ import ipaddress
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -92,7 +93,13 @@ def test_a_private_run_listens_on_loopback_only(temp: Path, tmp_path: Path) -> N
     )  # fmt: skip
     try:
         wait_for_step(proc, log, 2)  # every rank, the engine and their gloo group are up
-        seen = listeners(processes(proc.pid, temp))
+        # The driver holds still while its cluster is looked at: on a loaded machine the look
+        # takes seconds, and the run's last step could end it, and its cluster, first.
+        os.kill(proc.pid, signal.SIGSTOP)
+        try:
+            seen = listeners(processes(proc.pid, temp))
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
     finally:
         stdout, stderr = proc.communicate(timeout=300)
     names = {name for _, _, name in seen}
