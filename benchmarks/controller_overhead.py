@@ -24,6 +24,7 @@ from transitions import Machine
 
 import states
 from orchestrator import Lifecycle, LifecycleConfig, Listener, TransferReport
+from orchestrator.protocols import EngineStateFromReads, RegionsStateFromReads, TrainerStateFromReads
 from orchestrator.telemetry.logs import LoggingListener, configure_logging
 from orchestrator.telemetry.tracing import TracingListener
 from states import INITIAL, TABLE, EngineMemory, Mode, Phase, Region, Source, TrainerLayout
@@ -36,7 +37,7 @@ class Discard(SpanExporter):
         return SpanExportResult.SUCCESS
 
 
-class NullTrainer:
+class NullTrainer(TrainerStateFromReads):
     def __init__(self) -> None:
         self.generation = 0
 
@@ -65,7 +66,7 @@ class NullTrainer:
         return self.generation
 
 
-class NullRegions:
+class NullRegions(RegionsStateFromReads):
     """Moves no memory; keeps which tags are paused, which the controller reads before each call."""
 
     def __init__(self) -> None:
@@ -83,7 +84,7 @@ class NullRegions:
         return 0
 
 
-class NullEngine:
+class NullEngine(EngineStateFromReads):
     """Holds no memory; keeps which tags are released, which the controller reads before each call."""
 
     name = "null"

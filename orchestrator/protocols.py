@@ -32,6 +32,41 @@ Named: TypeAlias = tuple[str, "torch.Tensor"]
 """A named tensor, as a trainer yields its sync tensors and an engine takes them."""
 
 
+# ---- what each component reports, in one answer ---------------------------------------------
+# The controller asks each component for its state once per event, with one `state()` call, and
+# only if the event's guards or action read it (core/state.py). Under Ray that is one round trip
+# to each worker.
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RegionsState:
+    """What memory regions report: the tags paused now, and the host bytes pinned for them."""
+
+    paused: frozenset[str]
+    host_arena_bytes: int = 0  # pinned once for `default`'s contents, held across cycles; 0 if none
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainerState:
+    """What the training side reports: how often its mains moved, and what it pins for restores.
+
+    `regions` is set where one object is both the trainer and its memory regions (the job's rank
+    group): each rank answers for both in one round trip."""
+
+    mains_generation: int
+    host_pinned_bytes: int
+    regions: RegionsState | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineState:
+    """What a rollout engine reports: the memory released now, whether it is idle, the version it serves."""
+
+    released: frozenset[EngineMemory]
+    idle: bool
+    weight_version: int | None
+
+
 @runtime_checkable
 class MemoryRegions(Protocol):
     """Tagged regions of device memory whose physical pages can be returned and retaken.
@@ -65,6 +100,15 @@ class MemoryRegions(Protocol):
         (`StorageRegions`) allocates new ones, which the tensors follow."""
         ...
 
+    def host_arena_bytes(self) -> int:
+        """Pinned host bytes held now for the regions' contents: host copies of what they pause
+        (`default`'s), pinned once and held across cycles; 0 for regions that pin nothing."""
+        ...
+
+    def state(self) -> RegionsState:
+        """`paused` and `host_arena_bytes` in one answer (`RegionsStateFromReads` builds it)."""
+        ...
+
 
 @runtime_checkable
 class KnowsFootprint(Protocol):
@@ -72,16 +116,6 @@ class KnowsFootprint(Protocol):
     resident, released or not (the transformers engine; an SGLang server sizes its pools itself)."""
 
     def footprint(self) -> Mapping[EngineMemory, int]: ...
-
-
-@runtime_checkable
-class KeepsHostArena(Protocol):
-    """Memory regions that keep host copies of what they pause (`default`'s contents), pinned
-    once and held across cycles rather than pinned anew at every pause."""
-
-    def host_arena_bytes(self) -> int:
-        """Pinned host bytes held now for the regions' contents."""
-        ...
 
 
 @runtime_checkable
@@ -128,6 +162,10 @@ class TrainerControl(Protocol):
         so a step that raised midway counts). The params are cast(mains) only if they were
         written after the last step began: a change since the controller last saw them whole
         means `rebuild` is due, whatever the controller believed."""
+        ...
+
+    def state(self) -> TrainerState:
+        """`mains_generation` and `host_pinned_bytes` in one answer (`TrainerStateFromReads`)."""
         ...
 
 
@@ -184,6 +222,42 @@ class RolloutEngine(Protocol):
     def is_idle(self) -> bool:
         """True when no request is in flight."""
         ...
+
+    def state(self) -> EngineState:
+        """`released`, `is_idle` and `weight_version` in one answer (`EngineStateFromReads`)."""
+        ...
+
+
+# ---- `state()` from a component's own reads -------------------------------------------------
+# For a component in this process each read is a call, not a round trip. A component over
+# workers or servers (the job's rank group and replica set) answers `state()` itself, once per
+# worker.
+
+
+class RegionsStateFromReads:
+    """`MemoryRegions.state()` from `paused` and `host_arena_bytes` (0 unless overridden)."""
+
+    paused: frozenset[str]
+
+    def host_arena_bytes(self) -> int:
+        return 0
+
+    def state(self) -> RegionsState:
+        return RegionsState(paused=frozenset(self.paused), host_arena_bytes=self.host_arena_bytes())
+
+
+class TrainerStateFromReads:
+    """`TrainerControl.state()` from `mains_generation` and `host_pinned_bytes`."""
+
+    def state(self: TrainerControl) -> TrainerState:
+        return TrainerState(mains_generation=self.mains_generation(), host_pinned_bytes=self.host_pinned_bytes())
+
+
+class EngineStateFromReads:
+    """`RolloutEngine.state()` from `released`, `is_idle` and `weight_version`."""
+
+    def state(self: RolloutEngine) -> EngineState:
+        return EngineState(released=self.released(), idle=self.is_idle(), weight_version=self.weight_version())
 
 
 @runtime_checkable

@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from orchestrator.protocols import TransferReport
+from orchestrator.protocols import EngineStateFromReads, RegionsStateFromReads, TrainerStateFromReads, TransferReport
 from orchestrator.telemetry.logs import note_noop
 from states import EngineMemory, Mode, Region, Source, TrainerLayout
 
 
-class InMemoryRegions:
+class InMemoryRegions(RegionsStateFromReads):
     """Regions of fixed sizes. A pause of a paused tag, or a resume of a resident one, is a no-op
     with a note, as in the real adapters (which stand between it and torch_memory_saver's exit)."""
 
@@ -57,7 +57,7 @@ class InMemoryRegions:
 
 
 @dataclass
-class InMemoryTrainer:
+class InMemoryTrainer(TrainerStateFromReads):
     """bf16 params rebuilt from fp32 mains; `extra` is a stand-in for an expert_bias buffer."""
 
     mains: dict[str, torch.Tensor] = field(
@@ -144,7 +144,7 @@ class InMemoryTrainer:
         return sum(t.numel() * t.element_size() for t in backups)
 
 
-class InMemoryEngine:
+class InMemoryEngine(EngineStateFromReads):
     """An engine that holds a state dict. `busy` is a test knob.
 
     Like SGLang and the transformers engine, releasing `weights` loses their contents: it

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from orchestrator.core.config import EnginePause
 from orchestrator.errors import ConfigError
-from orchestrator.protocols import JobEngine, KeepsHostArena, MemoryRegions
+from orchestrator.protocols import JobEngine, MemoryRegions
 
 if TYPE_CHECKING:
     from orchestrator.adapters.regions.storage import TensorsByTag
@@ -57,7 +57,7 @@ class Registry(Generic[F]):
         return tuple(sorted(self._factories))
 
 
-class OwnedRegions(MemoryRegions, KeepsHostArena, Protocol):
+class OwnedRegions(MemoryRegions, Protocol):
     """A regions adapter as the registry builds it: its host arenas are its own, freed by `close`."""
 
     def close(self) -> None:

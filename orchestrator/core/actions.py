@@ -1,10 +1,11 @@
 """What each admitted event does: the memory choreography behind the rows of `states.TABLE`.
 
 Guards decide whether an event may run (guards/); these actions only move memory and weights
-through the adapters, and record what they did in `Known` (core/known.py). Each reads what the
-adapters say is true before it acts (paused regions, released engine memory, the mains'
-generation) and makes only the calls that close the difference. An action that raises leaves the
-lifecycle FAULTED; `recover` then does the same against what TRAIN promises (core/observed.py).
+through the adapters, and record what they did in `Decided` (core/state.py). Each reads what the
+adapters say is true before it acts (the event's `Reading`: paused regions, released engine memory,
+the mains' generation) and makes only the calls that close the difference. An action that raises
+leaves the lifecycle FAULTED; `recover` then does the same against what TRAIN promises
+(core/reconcile.py).
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from typing import Any
 
 from guards.bitexact import restore_bit_identical
 from orchestrator.core.config import LifecycleConfig
-from orchestrator.core.known import Known
-from orchestrator.core.observed import ALL, Observed
+from orchestrator.core.reconcile import Reconcile
 from orchestrator.core.regions import RegionLedger
+from orchestrator.core.state import ALL, ControllerState
 from orchestrator.errors import EngineError, RecoveryRefused, RestoreMismatch
 from orchestrator.protocols import (
     RolloutEngine,
@@ -40,22 +41,22 @@ _IDLE_POLL_S = 0.05
 
 
 class Actions:
-    """The actions the table names, bound to one rank's adapters and its `Known` state."""
+    """The actions the table names, bound to one rank's adapters and its controller state."""
 
     def __init__(
         self,
         config: LifecycleConfig,
-        known: Known,
+        state: ControllerState,
         trainer: TrainerControl,
         regions: RegionLedger,
         engine: RolloutEngine | None,
         transport: WeightTransport | None,
     ) -> None:
-        self.config, self.known = config, known
+        self.config, self.state, self.known = config, state, state.decided
         self._trainer, self._regions, self._engine, self._transport = trainer, regions, engine, transport
-        self.observed = Observed(config, known, trainer, regions, engine)
-        # The offload choice's regions, never paused; set once the lifecycle has chosen (core/offload.py).
-        self.keep: frozenset[Region] = frozenset()
+        self.reconcile = Reconcile(config, state, trainer, regions, engine)
+        # Whether the engine takes weights only inside a session: its class says so, once.
+        self._sessions = isinstance(engine, WeightUpdateSessions)
 
     def by_name(self) -> dict[str, Action]:
         return {
@@ -72,8 +73,8 @@ class Actions:
 
     def take_over_engine(self) -> None:
         """Release all of an attached engine's memory, so the trainer starts alone on the device."""
-        self.observed.engine_release(ALL)
-        self.observed.params_seen_whole()
+        self.reconcile.engine_release(ALL)
+        self.reconcile.params_seen_whole()
 
     # ---- the cycle ------------------------------------------------------------------------
 
@@ -81,9 +82,10 @@ class Actions:
         try:
             result = work() if work is not None else None
         finally:  # the actor trained if its optimizer began a step since the sync, whatever `work` was
-            generation = self._trainer.mains_generation()
+            self.state.reading.forget("trainer")
+            generation = self.state.reading.trainer().mains_generation
             self.known.trained_since_sync = generation != self.known.synced_generation
-        self.observed.params_seen_whole()  # the step returned: it wrote the params from the mains it moved
+        self.reconcile.params_seen_whole()  # the step returned: it wrote the params from the mains it moved
         return result
 
     def save_checkpoint(self, record: TransitionRecord, work: Work | None) -> Any:
@@ -97,24 +99,27 @@ class Actions:
         # The extras are stashed first: expert_bias lives in `default`, which is paused next.
         stashed = record.attributes[semconv.BYTES_STASHED] = self._trainer.stash(self.config.mode)
         self.known.extras_stashed = True
-        moving = [tag for tag in (Region.GRAD_BUFFER, Region.DEFAULT) if tag not in self.keep]
+        keep = self.known.residency.keep
+        moving = [tag for tag in (Region.GRAD_BUFFER, Region.DEFAULT) if tag not in keep]
         freed = sum(self._regions.pause(tag) for tag in moving)
         record.attributes[semconv.BYTES_FREED] = freed
-        arena = self._regions.host_arena_bytes()  # `default`'s whole contents went there, if it moved
+        reading = self.state.reading
+        reading.forget("trainer", "regions")  # what the stash and the pauses pinned, asked once
+        arena = reading.regions().host_arena_bytes  # `default`'s whole contents went there, if it moved
         record.attributes[semconv.BYTES_TO_HOST] = stashed + arena
-        record.attributes[semconv.HOST_PINNED_BYTES] = self._trainer.host_pinned_bytes() + arena
+        record.attributes[semconv.HOST_PINNED_BYTES] = reading.trainer().host_pinned_bytes + arena
 
     def push_weights(self, record: TransitionRecord, work: Work | None) -> None:
         version = self.known.weight_version + 1
         self._sync(record, version)
         self.known.weight_version, self.known.trained_since_sync = version, False
-        self.known.synced_generation = self._trainer.mains_generation()
+        self.known.synced_generation = self.state.reading.trainer().mains_generation
 
     def refill_engine_weights(self, record: TransitionRecord, work: Work | None) -> None:
         """A critic-only step: the actor did not train, so the engine keeps its version. Its weight
         memory was released at the last restore (contents lost, as SGLang and the transformers
         engine lose them), so it is resumed and refilled with the same tensors at the same version."""
-        if EngineMemory.WEIGHTS in self.observed.engine_resident():
+        if EngineMemory.WEIGHTS in self.state.reading.engine_resident():
             return
         self._sync(record, self.known.weight_version)
 
@@ -126,15 +131,18 @@ class Actions:
         record.attributes[semconv.BYTES_FREED] = self._regions.pause(Region.PARAM_BUFFER)
 
     def serve_rollout(self, record: TransitionRecord, work: Work | None) -> Any:
-        self.observed.engine_resume(KV)
+        self.reconcile.engine_resume(KV)
         return work() if work is not None else None
 
     def restore_trainer(self, record: TransitionRecord, work: Work | None) -> None:
-        self.observed.engine_release(ALL)
-        record.attributes.update(self.observed.bring_trainer_back())
+        self.reconcile.engine_release(ALL)
+        record.attributes.update(self.reconcile.bring_trainer_back())
         # Back in TRAIN the regions' host arenas stay pinned for the next pause: count them here too.
-        arena = self._regions.host_arena_bytes()
-        record.attributes[semconv.HOST_PINNED_BYTES] = self._trainer.host_pinned_bytes() + arena
+        reading = self.state.reading
+        reading.forget("trainer", "regions")
+        record.attributes[semconv.HOST_PINNED_BYTES] = (
+            reading.trainer().host_pinned_bytes + reading.regions().host_arena_bytes
+        )
         cycle, self.known.cycles = self.known.cycles, self.known.cycles + 1
         self.known.last_restore_verified = None
         verdict = self._verify(record)
@@ -149,16 +157,18 @@ class Actions:
         current, verify them against a drop's digests, and look again before TRAIN is admitted.
         Each call closes a difference seen: none repeats one that already took effect."""
         self._await_engine_idle()
-        record.attributes[semconv.RECONCILED] = tuple(self.observed.differences()) or ("nothing",)
-        self.observed.engine_release(ALL)
-        record.attributes.update(self.observed.bring_trainer_back())
+        record.attributes[semconv.RECONCILED] = tuple(self.reconcile.differences()) or ("nothing",)
+        self.reconcile.engine_release(ALL)
+        record.attributes.update(self.reconcile.bring_trainer_back())
         verdict = self._verify(record)
         if verdict is not None and not verdict.ok:
             raise RecoveryRefused([f"the rebuilt params differ from the digests taken at the drop: {verdict.reason}"])
-        left = self.observed.differences()
+        reading = self.state.begin()  # the look after the calls is asked afresh
+        left = self.reconcile.differences()
         if left:
             raise RecoveryRefused([f"{difference}, after recover's calls returned" for difference in left])
-        served = self._engine.weight_version() if self._engine is not None else None
+        engine = reading.engine()
+        served = engine.weight_version if engine is not None else None
         # A push may have landed before its flush or version check failed: continue past it.
         self.known.weight_version = max(self.known.weight_version, served or 0)
         # Whatever the engine holds now is suspect: it must be synced before it serves again.
@@ -170,7 +180,7 @@ class Actions:
         if engine is None:
             return
         deadline = time.monotonic() + self.config.recover_idle_timeout_s
-        while not engine.is_idle():
+        while not self.state.begin().engine_idle():  # asked afresh at each look
             if time.monotonic() >= deadline:
                 raise RecoveryRefused(
                     [
@@ -186,16 +196,21 @@ class Actions:
         engine, transport = self._engine, self._transport
         if engine is None or transport is None:  # unreachable past engine_attached; says so if not
             raise EngineError("none", "a weight sync needs an engine and a weight transport")
-        self.observed.engine_resume(WEIGHTS)
+        self.reconcile.engine_resume(WEIGHTS)
         self.known.cache_flushed = False
         session: AbstractContextManager[None] = (
-            engine.weight_update_session(version) if isinstance(engine, WeightUpdateSessions) else nullcontext()
+            engine.weight_update_session(version) if self._sessions else nullcontext()  # type: ignore[attr-defined]
         )
-        with session:  # closed after the last bucket and the flush, or on a failure between
-            report = transport.push(version)
-            engine.flush_cache()
+        reading = self.state.reading
+        try:
+            with session:  # closed after the last bucket and the flush, or on a failure between
+                report = transport.push(version)
+                engine.flush_cache()
+        finally:
+            reading.forget("engine")  # it serves another version now, or may
         self.known.cache_flushed = True
-        served = engine.weight_version()
+        engine_state = reading.engine()
+        served = engine_state.weight_version if engine_state is not None else None
         if served != version:
             raise EngineError(engine.name, f"serves version {served} after colocate pushed {version}")
         self.known.engine_synced = True
@@ -217,5 +232,5 @@ class Actions:
         record.attributes[semconv.RESTORE_VERIFIED] = verdict.ok
         if verdict.ok:
             self.known.digests = None
-            self.observed.params_seen_whole()
+            self.reconcile.params_seen_whole()
         return verdict

@@ -13,15 +13,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from guards import refusals
+from guards import READS, refusals
 from orchestrator.core.actions import Actions, Work
 from orchestrator.core.config import LifecycleConfig
 from orchestrator.core.events import CycleEvents
-from orchestrator.core.known import Known
-from orchestrator.core.latch import FaultLatch, Held
+from orchestrator.core.latch import Held
 from orchestrator.core.machine import Firing, PhaseMachine
-from orchestrator.core.offload import choose
+from orchestrator.core.offload import Residency, choose
 from orchestrator.core.regions import RegionLedger
+from orchestrator.core.state import COMPONENTS, ControllerState
 from orchestrator.errors import (
     ActionFailed,
     ConfigError,
@@ -33,7 +33,7 @@ from orchestrator.errors import (
 from orchestrator.protocols import Checkpointer, MemoryRegions, RolloutEngine, TrainerControl, WeightTransport
 from orchestrator.telemetry import semconv
 from orchestrator.telemetry.listeners import FanOut, Listener, TransitionRecord
-from states import Event, Mode, Phase, Snapshot, TrainerLayout
+from states import Event, Mode, Phase, Snapshot, TrainerLayout, Transition
 
 
 def require_restore_coverage(layout: TrainerLayout) -> None:
@@ -78,25 +78,26 @@ class Lifecycle(CycleEvents):
     ) -> None:
         self.config, self.checkpointer = config, checkpointer
         check_wiring(config.mode, engine, transport)
-        self._engine = engine
-        self._regions = RegionLedger(regions)
         self._layout = trainer.layout()
         if config.mode is not Mode.TRAIN_ONLY:
             require_restore_coverage(self._layout)
         self.listeners = FanOut(listeners)
         # Versions continue past what an attached engine serves (an earlier job's weights) and a
         # resumed checkpoint's; the engine still serves nothing of this job's before a sync.
-        served = (engine.weight_version() or 0) if engine is not None else 0
-        self._known = Known(weight_version=max(served, resumed_version))
-        self._actions = actions = Actions(config, self._known, trainer, self._regions, engine, transport)
+        served = (engine.state().weight_version or 0) if engine is not None else 0
+        self.state = state = ControllerState(
+            config, self._layout, trainer, regions, engine, weight_version=max(served, resumed_version)
+        )
+        self._known, self._latch = state.decided, state.latch
+        ledger = RegionLedger(regions, lambda: state.reading)
+        self._actions = actions = Actions(config, state, trainer, ledger, engine, transport)
         self.fault_cause: BaseException | None = None
-        self._latch = FaultLatch()
-        self._machine = PhaseMachine(actions.by_name(), self.snapshot, self._latch.check)
+        self._machine = PhaseMachine(actions.by_name(), self._judged, self._latch.check)
+        state.begin()
         actions.take_over_engine()
         # Chosen once the engine is released and every region resident: what is free then is
         # what the sleeps to come start from.
-        self.residency = choose(config.offload, config.memory() if config.memory is not None else None)
-        actions.keep = self.residency.keep
+        state.decided.residency = choose(config.offload, state.begin().memory())
 
     # ---- reading the state -------------------------------------------------------------------
 
@@ -109,6 +110,11 @@ class Lifecycle(CycleEvents):
         return self._known.weight_version
 
     @property
+    def residency(self) -> Residency:
+        """The offload choice made at start-up (core/offload.py)."""
+        return self._known.residency
+
+    @property
     def last_restore_verified(self) -> bool | None:
         """Whether the last restore (or recover) matched the digests of its drop; None if unchecked."""
         return self._known.last_restore_verified
@@ -117,27 +123,17 @@ class Lifecycle(CycleEvents):
         return self._machine.legal_events(self.phase if phase is None else phase)
 
     def snapshot(self) -> Snapshot:
-        """What guards read. It asks the engine whether it is idle and what it serves."""
-        engine, known = self._engine, self._known
-        return Snapshot(
-            phase=self.phase,
-            mode=self.config.mode,
-            step=known.step,
-            paused=self._regions.paused,
-            engine_attached=engine is not None,
-            engine_resident=self._actions.observed.engine_resident(),
-            engine_idle=engine.is_idle() if engine is not None else True,
-            engine_synced=known.engine_synced,
-            engine_version=engine.weight_version() if engine is not None else None,
-            weight_version=known.weight_version,
-            cache_flushed=known.cache_flushed,
-            trained_since_sync=known.trained_since_sync,
-            extras_stashed=known.extras_stashed,
-            params_valid=self._actions.observed.params_current(),
-            layout=self._layout,
-            memory=self.config.memory() if self.config.memory is not None else None,
-            kept=self.residency.keep,
-        )
+        """What guards read, every component asked afresh."""
+        self.state.begin()
+        return self.state.snapshot(self.phase, frozenset(COMPONENTS))
+
+    def _judged(self, row: Transition) -> Snapshot:
+        """What `row`'s guards read: of the event's reading, only the components they name
+        (`guards.READS`); a memory guard without a plan admits, and reads nothing."""
+        reads = [READS[name] for name in row.guards]
+        if self.config.memory is None:
+            reads = [r for r in reads if "memory" not in r]
+        return self.state.snapshot(self.phase, frozenset().union(*reads))
 
     # ---- firing events -----------------------------------------------------------------------
 
@@ -172,6 +168,7 @@ class Lifecycle(CycleEvents):
         """
         self._latch.begin(event)
         try:
+            self.state.begin()  # what the adapters report is asked afresh for every event
             return self._fire(event, work)
         finally:
             late = self._latch.end()

@@ -41,7 +41,7 @@ class _Model:
 class PhaseMachine:
     """One rank's phase, moved only along the rows of `states.TABLE`.
 
-    `snapshot` is what the guards of a row judge; `end` is told after an admitted event's action
+    `snapshot(row)` is what the guards of `row` judge; `end` is told after an admitted event's action
     returned, before the phase changes (it may raise to stop the change); `actions` maps the names
     the table gives to what they do.
     """
@@ -49,7 +49,7 @@ class PhaseMachine:
     def __init__(
         self,
         actions: Mapping[str, Action],
-        snapshot: Callable[[], Snapshot],
+        snapshot: Callable[[Transition], Snapshot],
         end: Callable[[], None] = lambda: None,
     ) -> None:
         self._actions, self._snapshot, self._end = actions, snapshot, end
@@ -94,7 +94,7 @@ class PhaseMachine:
             return True  # nothing to judge: a fault must get through even with the engine dead
         firing: Firing
         (firing,) = event.args  # what fire() handed to trigger(...)
-        firing.record.verdicts = evaluate((GUARDS[name] for name in row.guards), self._snapshot())
+        firing.record.verdicts = evaluate((GUARDS[name] for name in row.guards), self._snapshot(row))
         return all(v.ok for v in firing.record.verdicts)
 
     def _act(self, row: Transition, event: EventData) -> None:

@@ -38,7 +38,7 @@ from orchestrator.telemetry import semconv
 
 if TYPE_CHECKING:
     from orchestrator.job.config import RunConfig
-    from orchestrator.job.workers.fanout import DistributedTrainer
+    from orchestrator.job.workers.facades import DistributedTrainer
 
 
 def identity(config: RunConfig) -> dict[str, Any]:

@@ -17,7 +17,7 @@ each), which receive the weights by CUDA IPC from the rank's own memory, or, off
 GPUs (`weight_sync="broadcast"`), over a process group rank 0 hosts.
 
 The engine is chosen by name in `orchestrator.adapters.registry.ENGINES`, the weight sync in
-`workers.fanout.WEIGHT_SYNCS`; where the workers run (this process, or Ray actors) in `workers.placement`.
+`workers.transports.WEIGHT_SYNCS`; where the workers run (this process, or Ray actors) in `workers.placement`.
 """
 
 from __future__ import annotations
@@ -43,9 +43,10 @@ from orchestrator.job.grpo import SyntheticTask, group_advantages
 from orchestrator.job.memory import MeasuredMemory
 from orchestrator.job.ray_cluster import driver_ip
 from orchestrator.job.report import DeviceMemoryListener, ReportListener, RunReport
-from orchestrator.job.workers.fanout import WEIGHT_SYNCS, DistributedTrainer, ReplicaSet
+from orchestrator.job.workers.facades import DistributedTrainer, ReplicaSet
 from orchestrator.job.workers.placement import LocalPlacement, Placement, RayPlacement, in_process
 from orchestrator.job.workers.trainer_rank import Batch
+from orchestrator.job.workers.transports import WEIGHT_SYNCS
 from orchestrator.protocols import JobEngine
 from orchestrator.telemetry import semconv
 from orchestrator.telemetry.listeners import Listener

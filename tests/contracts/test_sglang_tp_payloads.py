@@ -24,9 +24,9 @@ from torch.multiprocessing import reductions
 
 from orchestrator.adapters.engines.sglang import SGLangGroup
 from orchestrator.errors import ConfigError, RankFailed
-from orchestrator.job.workers.fanout import tensor_push
 from orchestrator.job.workers.pool import WorkerPool
 from orchestrator.job.workers.trainer_rank import TrainerRank
+from orchestrator.job.workers.transports import tensor_push
 from orchestrator.protocols import TransferReport
 from tests.support.sglang_server import SGLangStandIn, payload_origin
 from tests.support.sglang_weights import WEIGHTS, tensors

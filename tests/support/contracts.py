@@ -17,6 +17,7 @@ import torch
 
 from orchestrator import Lifecycle, LifecycleConfig
 from orchestrator.core.regions import RegionLedger
+from orchestrator.core.state import Reading
 from orchestrator.errors import EngineError, RegionRefused
 from orchestrator.protocols import LoadsWeights, MemoryRegions, RolloutEngine, WeightTransport
 from orchestrator.testing import InMemoryRegions, InMemoryTrainer
@@ -25,6 +26,14 @@ from tests.support.contract_cases import NO_BACKUP, EngineCase, RegionsCase
 from tests.support.transport_cases import TransportCase
 
 ALL = frozenset(EngineMemory)
+
+
+def ledger_over(regions: MemoryRegions) -> RegionLedger:
+    """The ledger as a lifecycle puts it in front of `regions`: it reads what they report afresh
+    for each event; here each call is an event of its own."""
+    return RegionLedger(regions, lambda: Reading(InMemoryTrainer(), regions, None, None))
+
+
 WEIGHTS = frozenset({EngineMemory.WEIGHTS})
 KV = frozenset({EngineMemory.KV_CACHE, EngineMemory.CUDA_GRAPH})
 PAUSE_ORDER = (Region.GRAD_BUFFER, Region.DEFAULT, Region.PARAM_BUFFER)  # pause_grads, then drop_params
@@ -41,7 +50,7 @@ def regions_manage_every_tag(case: RegionsCase) -> None:
     """The ledger refuses an adapter that lacks a tag the lifecycle pauses."""
     assert isinstance(case.regions, MemoryRegions)
     assert {r.value for r in Region} <= case.regions.tags()
-    RegionLedger(case.regions)
+    ledger_over(case.regions)
 
 
 def pause_frees_what_it_reports_and_resume_retakes_it(case: RegionsCase) -> None:
@@ -107,7 +116,7 @@ def resume_keeps_the_addresses(case: RegionsCase) -> None:
 def the_ledger_refuses_a_second_pause_before_the_adapter_acts(case: RegionsCase) -> None:
     """torch_memory_saver exits the process on a double pause or a stray resume: the ledger in
     front of every adapter refuses both, and the memory is as it was."""
-    ledger = RegionLedger(case.regions)
+    ledger = ledger_over(case.regions)
     with pytest.raises(RegionRefused, match="not paused"):
         ledger.resume(Region.GRAD_BUFFER)
     ledger.pause(Region.GRAD_BUFFER)

@@ -30,7 +30,7 @@ from orchestrator.adapters.megatron.trainer import MegatronTrainer
 from orchestrator.adapters.megatron.transport import SyncTensorWritten, per_tensor
 from orchestrator.adapters.regions.storage import StorageRegions
 from orchestrator.core.regions import RegionLedger
-from orchestrator.protocols import Named
+from orchestrator.protocols import EngineStateFromReads, Named
 from orchestrator.telemetry.tracing import TracingListener
 from states import EngineMemory, Mode, Phase, Region, Source
 
@@ -81,7 +81,7 @@ def extras_written_scenario() -> dict[str, Any]:
     return result
 
 
-class _NoWeights:
+class _NoWeights(EngineStateFromReads):
     """A real engine with its weight loading hidden: an engine the one call must refuse."""
 
     def __init__(self, engine: TransformersEngine) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from orchestrator.adapters.regions.storage import StorageRegions
-from orchestrator.job.workers.fanout import DistributedTrainer
+from orchestrator.job.workers.facades import DistributedTrainer
 from orchestrator.job.workers.pool import WorkerPool
 from orchestrator.job.workers.trainer_rank import TrainerRank
 from orchestrator.protocols import MemoryRegions

@@ -33,7 +33,7 @@ def test_a_name_is_registered_once() -> None:
 def test_every_choice_the_cli_offers_has_an_adapter() -> None:
     """`colocate run`'s --engine, --device and --weight-sync values are the registries' names."""
     pytest.importorskip("ray")  # the weight syncs' registry lives beside the Ray workers
-    from orchestrator.job.workers.fanout import WEIGHT_SYNCS
+    from orchestrator.job.workers.transports import WEIGHT_SYNCS
 
     assert ENGINES.names() == tuple(sorted(EngineKind))
     assert REGIONS.names() == tuple(sorted(Device))
@@ -72,8 +72,9 @@ def test_an_engine_in_the_ranks_process_takes_the_model_in_one_bucket() -> None:
     push is one multi-tensor copy; across processes the job's bucket size stands."""
     import sys
 
-    from orchestrator.job.workers.fanout import RankZeroPush, ReplicaSet, tensor_push
+    from orchestrator.job.workers.facades import ReplicaSet
     from orchestrator.job.workers.pool import WorkerPool
+    from orchestrator.job.workers.transports import RankZeroPush, tensor_push
 
     ranks = WorkerPool([object()], label="rank", remote=False)
     here = tensor_push(ranks, ReplicaSet(WorkerPool([object()], label="engine", remote=False)), 1 << 20)

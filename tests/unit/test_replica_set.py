@@ -11,7 +11,7 @@ pytest.importorskip("transformers")
 from orchestrator.adapters.megatron.gpt import TinyGPTConfig
 from orchestrator.adapters.registry import EngineSpec
 from orchestrator.job.workers.engine_replica import EngineReplica
-from orchestrator.job.workers.fanout import ReplicaSet
+from orchestrator.job.workers.facades import ReplicaSet
 from orchestrator.job.workers.pool import WorkerPool
 from states import EngineMemory
 
@@ -66,11 +66,11 @@ def test_a_tag_is_released_only_where_every_replica_released_it() -> None:
     first, second = two.replicas.workers
     kv = frozenset({EngineMemory.KV_CACHE})
     first.release(kv)
-    assert first.released() == kv and two.released() == frozenset()
+    assert first.state().released == kv and two.released() == frozenset()
     two.release(kv)
     assert two.released() == kv
     assert all(r.engine.resident_bytes()[EngineMemory.KV_CACHE] == 0 for r in (first, second))
     second.resume(kv)
     assert two.released() == frozenset()
     two.resume(kv)
-    assert first.released() == second.released() == frozenset()
+    assert first.state().released == second.state().released == frozenset()

@@ -42,6 +42,7 @@ from orchestrator.adapters.megatron.gpt import TinyGPTConfig
 from orchestrator.adapters.regions.storage import return_large_frees_to_the_os
 from orchestrator.adapters.transport.bucketed import nbytes
 from orchestrator.errors import EngineError
+from orchestrator.protocols import EngineStateFromReads
 from orchestrator.telemetry.logs import note_noop
 from states import EngineMemory
 
@@ -112,7 +113,7 @@ def _one_storage(params: Iterable[torch.Tensor], device: torch.device) -> torch.
     return weights
 
 
-class TransformersEngine:
+class TransformersEngine(EngineStateFromReads):
     """Implements `orchestrator.protocols.RolloutEngine` on an HF causal LM, with no hub download.
 
     `model` is the trainer's GPT shape (a `ModelSpec`, as `gpt_shape(model)` reads it from a Megatron model,

@@ -32,6 +32,7 @@ from orchestrator.adapters.digest import DIGESTS, DigestMethod, default_digest
 from orchestrator.adapters.megatron.fast_cast import MainParamCast
 from orchestrator.adapters.transport.bucketed import nbytes
 from orchestrator.errors import ConfigError, StashMismatch
+from orchestrator.protocols import TrainerStateFromReads
 from orchestrator.telemetry import semconv
 from orchestrator.telemetry.tracing import process_span
 from states import Mode, Source, TrainerLayout, TrainingSetup
@@ -158,7 +159,7 @@ def _host_like(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
     return torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
 
 
-class MegatronTrainer:
+class MegatronTrainer(TrainerStateFromReads):
     """Implements `orchestrator.protocols.Trainer` for Megatron-core DDP + DistributedOptimizer.
 
     `chunks` are the `DistributedDataParallel` model chunks (one per virtual pipeline stage);

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from orchestrator.adapters.regions.host import HostArena, as_bytes
+from orchestrator.protocols import RegionsStateFromReads
 from orchestrator.telemetry.logs import note_noop
 from states import Region
 
@@ -88,7 +89,7 @@ class _Paused:
         return 0 if same_memory else self.nbytes
 
 
-class StorageRegions:
+class StorageRegions(RegionsStateFromReads):
     """Implements `orchestrator.protocols.MemoryRegions` by resizing storages.
 
     `tensors` is called at every pause, so tensors created after construction (Adam moments

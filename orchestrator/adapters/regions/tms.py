@@ -30,6 +30,7 @@ import torch
 
 from orchestrator.adapters.regions.host import HostArena, as_bytes
 from orchestrator.adapters.regions.storage import TensorsByTag, storages_by_tag
+from orchestrator.protocols import RegionsStateFromReads
 from orchestrator.telemetry.logs import note_noop
 from states import Region
 
@@ -52,7 +53,7 @@ def _free_device_bytes() -> int:
     return torch.cuda.mem_get_info()[0]
 
 
-class TorchMemorySaverRegions:
+class TorchMemorySaverRegions(RegionsStateFromReads):
     """Implements `orchestrator.protocols.MemoryRegions` on torch_memory_saver.
 
     `tensors` is called at construction and before every pause: each storage it names is

@@ -13,7 +13,7 @@ import torch
 from orchestrator.adapters.registry import ENGINES, EngineSpec
 from orchestrator.job.workers.staging import Slot, attach
 from orchestrator.job.workers.traced import Traced
-from orchestrator.protocols import KnowsFootprint, Named
+from orchestrator.protocols import EngineState, KnowsFootprint, Named
 from orchestrator.telemetry import semconv
 from states import EngineMemory
 
@@ -59,17 +59,11 @@ class EngineReplica(Traced):
     def resume(self, tags: frozenset[EngineMemory]) -> None:
         self.engine.resume(tags)
 
-    def released(self) -> frozenset[EngineMemory]:
-        return self.engine.released()
+    def state(self) -> EngineState:
+        return self.engine.state()
 
     def flush_cache(self) -> None:
         self.engine.flush_cache()
-
-    def weight_version(self) -> int | None:
-        return self.engine.weight_version()
-
-    def is_idle(self) -> bool:
-        return self.engine.is_idle()
 
     def footprint(self) -> dict[EngineMemory, int] | None:
         """Bytes each engine tag takes on this GPU while resident; None where the engine cannot say."""

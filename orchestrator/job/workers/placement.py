@@ -23,7 +23,7 @@ from orchestrator.core.config import DigestMethod
 from orchestrator.errors import ConfigError, RankFailed
 from orchestrator.job import interrupt
 from orchestrator.job.workers.engine_replica import EngineReplica
-from orchestrator.job.workers.fanout import ReplicaSet
+from orchestrator.job.workers.facades import ReplicaSet
 from orchestrator.job.workers.pool import Sentinels, WorkerPool, control, remote_class
 from orchestrator.job.workers.traced import Traced
 from orchestrator.job.workers.trainer_rank import TrainerRank

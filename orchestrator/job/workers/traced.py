@@ -22,9 +22,8 @@ class Traced:
     # for them would bury the work (or, for flush_traces, be roots of traces of their own).
     untraced = frozenset(
         {
-            "ready", "tags", "layout", "weight_version", "is_idle", "host_pinned_bytes", "host_arena_bytes", "probe",
-            "flush_traces", "device_memory", "footprint", "region_bytes", "unallocated_bytes", "paused",
-            "mains_generation", "released", "until_exit",
+            "ready", "tags", "layout", "state", "probe", "flush_traces", "device_memory", "footprint",
+            "region_bytes", "unallocated_bytes", "until_exit",
         }
     )  # fmt: skip
 

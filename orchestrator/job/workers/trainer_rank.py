@@ -4,7 +4,7 @@ its shard of each batch, and the weight push to the engine."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -16,7 +16,7 @@ from orchestrator.adapters.transport.bucketed import push_in_buckets
 from orchestrator.core.config import DigestMethod
 from orchestrator.job.workers.payloads import PayloadSource
 from orchestrator.job.workers.traced import Traced
-from orchestrator.protocols import BucketSink, Named, TransferReport
+from orchestrator.protocols import BucketSink, Named, TrainerState, TransferReport
 from orchestrator.telemetry import semconv
 from states import Mode, TrainerLayout, TrainingSetup
 
@@ -148,17 +148,12 @@ class TrainerRank(Traced, PayloadSource):
     def digests(self) -> dict[str, str]:
         return dict(self.trainer.digests())
 
-    def host_pinned_bytes(self) -> int:
-        return self.trainer.host_pinned_bytes()
-
-    def mains_generation(self) -> int:
-        return self.trainer.mains_generation()
+    def state(self) -> TrainerState:
+        """The trainer's state and its regions', in one answer: one round trip per event."""
+        return replace(self.trainer.state(), regions=self.regions.state())
 
     def tags(self) -> frozenset[str]:
         return self.regions.tags()
-
-    def host_arena_bytes(self) -> int:
-        return self.regions.host_arena_bytes()
 
     def region_bytes(self) -> dict[str, int]:
         return self.trainer.region_bytes()
@@ -177,10 +172,6 @@ class TrainerRank(Traced, PayloadSource):
     def resume(self, tag: str) -> int:
         trace.get_current_span().set_attribute(semconv.REGION, tag)  # on `rank.resume`
         return self.regions.resume(tag)
-
-    def paused(self) -> frozenset[str]:
-        """The regions' `paused`, as a call: the driver reaches a rank by its methods (`WorkerPool`)."""
-        return self.regions.paused
 
     # Checkpoints, collectively; a load precedes the lifecycle (the RNG too, at the saved world size).
     def save_checkpoint(self, directory: str) -> None:

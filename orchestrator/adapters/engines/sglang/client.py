@@ -76,6 +76,7 @@ from orchestrator.adapters.engines.sglang.memory import SGLangMemory
 from orchestrator.adapters.engines.sglang.weights import SGLangWeightUpdates
 from orchestrator.core.config import EnginePause
 from orchestrator.errors import EngineError
+from orchestrator.protocols import EngineStateFromReads
 
 _NO_VERSION = (None, "", "default")  # what SGLang reports before any versioned update
 
@@ -108,7 +109,7 @@ class Generation:
     weight_version: str | None = None
 
 
-class SGLangEngine(SGLangMemory, SGLangWeightUpdates):
+class SGLangEngine(SGLangMemory, SGLangWeightUpdates, EngineStateFromReads):
     """Implements `orchestrator.protocols.RolloutEngine` for one SGLang server; `name` is its URL.
 
     `tp_size` is the server's tensor-parallel size (one serialized payload per TP rank).

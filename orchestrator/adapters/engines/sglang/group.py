@@ -19,7 +19,7 @@ from orchestrator.adapters.engines.sglang.client import SGLangEngine, version_pr
 from orchestrator.adapters.engines.sglang.weights import _close_quietly, _destroy_group_quietly
 from orchestrator.core.config import EnginePause
 from orchestrator.errors import ConfigError, EngineError
-from orchestrator.protocols import Named
+from orchestrator.protocols import EngineStateFromReads, Named
 from orchestrator.telemetry.logs import note_leftover
 from states import EngineMemory
 
@@ -40,7 +40,7 @@ def url_problems(
     return problems + [f"{label} {url} given twice" for url in sorted({u for u in names if names.count(u) > 1})]
 
 
-class SGLangGroup:
+class SGLangGroup(EngineStateFromReads):
     """Several SGLang servers (data-parallel replicas, one URL each) as one `RolloutEngine`.
 
     Memory calls, flushes and weight buckets go to every server, concurrently (each server sends

@@ -76,7 +76,7 @@ class SGLangWeightUpdates(SGLangHTTP):
         the bucket's bytes (once, whatever `tp_size`). For one process that holds every weight
         and feeds every TP rank (a trainer of one rank, a test): each TP rank maps this process's
         memory. Trainer ranks on the server's GPUs each serialize the bucket from their own memory
-        and post with `update_weights_from_payloads` instead (`job.workers.fanout.PerTpRankPush`).
+        and post with `update_weights_from_payloads` instead (`job.workers.transports.PerTpRankPush`).
 
         The bucket carries no `weight_version`: SGLang would serve it from this bucket on, with
         the model part-updated (0.5.23 records the version of every successful update that
