@@ -24,7 +24,7 @@ from transitions import Machine
 
 import states
 from orchestrator import Lifecycle, LifecycleConfig, Listener, TransferReport
-from orchestrator.protocols import EngineStateFromReads, RegionsStateFromReads, TrainerStateFromReads
+from orchestrator.protocols import EngineDefaults, RegionsStateFromReads, TrainerStateFromReads
 from orchestrator.telemetry.logs import LoggingListener, configure_logging
 from orchestrator.telemetry.tracing import TracingListener
 from states import INITIAL, TABLE, EngineMemory, Mode, Phase, Region, Source, TrainerLayout
@@ -84,7 +84,7 @@ class NullRegions(RegionsStateFromReads):
         return 0
 
 
-class NullEngine(EngineStateFromReads):
+class NullEngine(EngineDefaults):
     """Holds no memory; keeps which tags are released, which the controller reads before each call."""
 
     name = "null"

@@ -21,7 +21,8 @@ from orchestrator.errors import (
     StashMismatch,
 )
 from orchestrator.protocols import (
-    LoadsWeights,
+    EngineDefaults,
+    EngineFeatures,
     MemoryRegions,
     RolloutEngine,
     Trainer,
@@ -52,7 +53,9 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "ActionFailed",
     "ConfigError",
+    "EngineDefaults",
     "EngineError",
+    "EngineFeatures",
     "EventInFlight",
     "FanOut",
     "FaultWithoutCause",
@@ -62,7 +65,6 @@ __all__ = [
     "LifecycleConfig",
     "LifecycleError",
     "Listener",
-    "LoadsWeights",
     "MemoryRegions",
     "RankFailed",
     "RecoveryRefused",

@@ -19,7 +19,7 @@ resident, releasing what is released is a no-op that logs a note, never a second
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypeAlias, runtime_checkable
 
@@ -111,14 +111,6 @@ class MemoryRegions(Protocol):
 
 
 @runtime_checkable
-class KnowsFootprint(Protocol):
-    """An engine that can say, from its own settings, what each of its memory tags takes while
-    resident, released or not (the transformers engine; an SGLang server sizes its pools itself)."""
-
-    def footprint(self) -> Mapping[EngineMemory, int]: ...
-
-
-@runtime_checkable
 class TrainerControl(Protocol):
     """What the lifecycle calls on the training side: where params live, stash, rebuild, digests.
 
@@ -190,11 +182,26 @@ class Trainer(TrainerControl, Protocol):
         ...
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineFeatures:
+    """What an engine can do beyond the calls every engine answers, declared once by its class
+    (`features = EngineFeatures(...)`) and read once, where it is wired: never probed per call."""
+
+    loads_weights: bool = True  # update_weights: a bucket at a time (a transport may feed it instead)
+    sessions: bool = False  # takes weights only inside weight_update_session (SGLang 0.5.23)
+    footprint: bool = False  # footprint(): each memory tag's bytes, from its own settings
+    reports_weights: bool = False  # digests(): every weight's digest (SGLang cannot report its weights in full)
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """The rollout side, as the controller drives it."""
+    """The rollout side: what the controller drives (release, resume, flush, its state), and
+    what the job and the transports ask of it (weights, generation, digests). What it can do
+    beyond the calls every engine answers is its `features`; `EngineDefaults` gives an engine
+    the answers of one without them."""
 
     name: str
+    features: EngineFeatures
 
     def release(self, tags: frozenset[EngineMemory]) -> None:
         """Release the tagged memory (SGLang: /release_memory_occupation). Fails if busy.
@@ -224,7 +231,35 @@ class RolloutEngine(Protocol):
         ...
 
     def state(self) -> EngineState:
-        """`released`, `is_idle` and `weight_version` in one answer (`EngineStateFromReads`)."""
+        """`released`, `is_idle` and `weight_version` in one answer."""
+        ...
+
+    def update_weights(self, named: Sequence[Named], version: int) -> int:
+        """Load one bucket (engine names and layouts); returns the bytes written. Reads the tensors,
+        never writes them. It serves `version` once every weight has arrived at that version, or,
+        with `features.sessions`, once the session around them closed cleanly."""
+        ...
+
+    def weight_update_session(self, version: int | None = None) -> AbstractContextManager[None]:
+        """The session around an update, held open from its start until its last bucket and the
+        flush, and closed on failure too (SGLang 0.5.23: /begin_weight_update …
+        /end_weight_update). The engine serves `version` once the body returned and the session
+        closed, never after a body that raised. None leaves the version served as it is. Without
+        `features.sessions`, a session that does nothing."""
+        ...
+
+    def generate(
+        self, prompts: torch.Tensor, *, max_new_tokens: int, temperature: float, seed: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Completions of exactly `max_new_tokens` per prompt row, and each token's log-probability."""
+        ...
+
+    def footprint(self) -> Mapping[EngineMemory, int] | None:
+        """What each memory tag takes while resident, released or not; None without `features.footprint`."""
+        ...
+
+    def digests(self) -> dict[str, str] | None:
+        """A digest per engine weight; None without `features.reports_weights`."""
         ...
 
 
@@ -253,36 +288,31 @@ class TrainerStateFromReads:
         return TrainerState(mains_generation=self.mains_generation(), host_pinned_bytes=self.host_pinned_bytes())
 
 
-class EngineStateFromReads:
-    """`RolloutEngine.state()` from `released`, `is_idle` and `weight_version`."""
+class EngineDefaults:
+    """What an engine answers for a feature it lacks (`EngineFeatures`), and `state()` from its
+    three reads."""
+
+    features = EngineFeatures()
 
     def state(self: RolloutEngine) -> EngineState:
         return EngineState(released=self.released(), idle=self.is_idle(), weight_version=self.weight_version())
 
-
-@runtime_checkable
-class WeightUpdateSessions(Protocol):
-    """An engine that takes weights only inside a session (SGLang 0.5.23: /begin_weight_update …
-    /end_weight_update). The lifecycle holds one open from the update's start until its last
-    bucket and the flush; the session closes on failure too."""
-
     def weight_update_session(self, version: int | None = None) -> AbstractContextManager[None]:
-        """The session around an update. The engine serves `version` once the body returned and
-        the session closed, and never after a body that raised: the buckets it takes inside
-        carry no version. None leaves the version served as it is."""
-        ...
+        return nullcontext()
 
+    def footprint(self) -> Mapping[EngineMemory, int] | None:
+        return None
 
-@runtime_checkable
-class LoadsWeights(Protocol):
-    """An engine that takes weights bucket by bucket (SGLang's `/update_weights_from_tensor`,
-    the transformers engine): engine names and layouts, one bucket per call. It serves
-    `version` once every weight has arrived at that version; an engine with sessions
-    (`WeightUpdateSessions`) once the session around them closed cleanly."""
+    def digests(self) -> dict[str, str] | None:
+        return None
 
-    def update_weights(self, named: Sequence[tuple[str, torch.Tensor]], version: int) -> int:
-        """Load one bucket; returns the bytes written. Reads the tensors, never writes them."""
-        ...
+    def update_weights(self, named: Sequence[Named], version: int) -> int:
+        raise NotImplementedError(f"{type(self).__name__} loads no weights (features.loads_weights is False)")
+
+    def generate(
+        self, prompts: torch.Tensor, *, max_new_tokens: int, temperature: float, seed: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError(f"{type(self).__name__} does not generate")
 
 
 @dataclass(frozen=True, slots=True)
@@ -326,27 +356,7 @@ class WeightTransport(Protocol):
 
 
 class BucketSink(Protocol):
-    """What receives buckets: an engine's `update_weights(bucket, version)`."""
+    """What a transport writes buckets into: an engine's `update_weights(bucket, version)`, or a
+    staging buffer in front of one (`job.workers.staging`)."""
 
     def update_weights(self, named: Sequence[Named], version: int) -> int: ...
-
-
-class JobEngine(RolloutEngine, Protocol):
-    """What the job asks of its engine beyond the lifecycle's `RolloutEngine`."""
-
-    def update_weights(self, named: Sequence[Named], version: int) -> int: ...
-
-    def generate(
-        self, prompts: torch.Tensor, *, max_new_tokens: int, temperature: float, seed: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Completions of exactly `max_new_tokens` per prompt row, and each token's log-probability."""
-        ...
-
-    @property
-    def reports_weights(self) -> bool:
-        """Whether `digests` can answer: SGLang cannot report its weights in full."""
-        ...
-
-    def digests(self) -> dict[str, str] | None:
-        """A digest per engine weight; None where the engine cannot report its weights."""
-        ...

@@ -13,7 +13,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from orchestrator.protocols import EngineStateFromReads, RegionsStateFromReads, TrainerStateFromReads, TransferReport
+from orchestrator.protocols import (
+    EngineDefaults,
+    EngineFeatures,
+    RegionsStateFromReads,
+    TrainerStateFromReads,
+    TransferReport,
+)
 from orchestrator.telemetry.logs import note_noop
 from states import EngineMemory, Mode, Region, Source, TrainerLayout
 
@@ -144,7 +150,7 @@ class InMemoryTrainer(TrainerStateFromReads):
         return sum(t.numel() * t.element_size() for t in backups)
 
 
-class InMemoryEngine(EngineStateFromReads):
+class InMemoryEngine(EngineDefaults):
     """An engine that holds a state dict. `busy` is a test knob.
 
     Like SGLang and the transformers engine, releasing `weights` loses their contents: it
@@ -152,6 +158,7 @@ class InMemoryEngine(EngineStateFromReads):
     """
 
     name = "in-memory"
+    features = EngineFeatures(loads_weights=False)  # its transport writes its state dict (InMemoryTransport)
 
     def __init__(self) -> None:
         self.resident: set[EngineMemory] = set(EngineMemory)
@@ -189,7 +196,7 @@ class InMemoryEngine(EngineStateFromReads):
     def is_idle(self) -> bool:
         return not self.busy
 
-    def generate(self) -> int | None:
+    def generate(self) -> int | None:  # type: ignore[override]
         """Serve a rollout; returns the version served. Refuses what a real engine would."""
         if self.busy:
             raise RuntimeError("generate while another rollout is in flight")

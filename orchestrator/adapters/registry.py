@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from orchestrator.core.config import EnginePause
 from orchestrator.errors import ConfigError
-from orchestrator.protocols import JobEngine, MemoryRegions
+from orchestrator.protocols import MemoryRegions, RolloutEngine
 
 if TYPE_CHECKING:
     from orchestrator.adapters.regions.storage import TensorsByTag
@@ -109,12 +109,12 @@ class EngineAdapter:
     each rank's GPU, and calls `build` there. `build` yields the engine and closes it on the way out.
     """
 
-    build: Callable[[EngineSpec], AbstractContextManager[JobEngine]]
+    build: Callable[[EngineSpec], AbstractContextManager[RolloutEngine]]
     served: bool
 
 
 @contextlib.contextmanager
-def _transformers(spec: EngineSpec) -> Iterator[JobEngine]:
+def _transformers(spec: EngineSpec) -> Iterator[RolloutEngine]:
     from orchestrator.adapters.engines.transformers import TransformersEngine
 
     yield TransformersEngine(
@@ -123,7 +123,7 @@ def _transformers(spec: EngineSpec) -> Iterator[JobEngine]:
 
 
 @contextlib.contextmanager
-def _sglang(spec: EngineSpec) -> Iterator[JobEngine]:
+def _sglang(spec: EngineSpec) -> Iterator[RolloutEngine]:
     try:
         from orchestrator.adapters.engines.sglang import SGLangGroup
     except ImportError as exc:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from guards.bitexact import restore_bit_identical
@@ -26,7 +25,6 @@ from orchestrator.protocols import (
     SavedCheckpoint,
     TrainerControl,
     WeightTransport,
-    WeightUpdateSessions,
 )
 from orchestrator.telemetry import semconv
 from orchestrator.telemetry.listeners import TransitionRecord
@@ -55,8 +53,6 @@ class Actions:
         self.config, self.state, self.known = config, state, state.decided
         self._trainer, self._regions, self._engine, self._transport = trainer, regions, engine, transport
         self.reconcile = Reconcile(config, state, trainer, regions, engine)
-        # Whether the engine takes weights only inside a session: its class says so, once.
-        self._sessions = isinstance(engine, WeightUpdateSessions)
 
     def by_name(self) -> dict[str, Action]:
         return {
@@ -198,9 +194,7 @@ class Actions:
             raise EngineError("none", "a weight sync needs an engine and a weight transport")
         self.reconcile.engine_resume(WEIGHTS)
         self.known.cache_flushed = False
-        session: AbstractContextManager[None] = (
-            engine.weight_update_session(version) if self._sessions else nullcontext()  # type: ignore[attr-defined]
-        )
+        session = engine.weight_update_session(version)  # a session that does nothing, without `features.sessions`
         reading = self.state.reading
         try:
             with session:  # closed after the last bucket and the flush, or on a failure between

@@ -56,6 +56,13 @@ def check_wiring(mode: Mode, engine: RolloutEngine | None, transport: WeightTran
         raise ConfigError([f"mode {mode} needs an engine and a weight transport"])
 
 
+def asks(row: Transition, *, planned: bool) -> frozenset[str]:
+    """The components `row`'s guards read (`guards.READS`): a memory guard without a plan admits,
+    and reads nothing."""
+    reads = [READS[name] for name in row.guards]
+    return frozenset().union(*(r for r in reads if planned or "memory" not in r))
+
+
 class Lifecycle(CycleEvents):
     """Drives one rank through train → pause_grads → update_weights → drop_params → rollout → restore.
 
@@ -89,10 +96,11 @@ class Lifecycle(CycleEvents):
             config, self._layout, trainer, regions, engine, weight_version=max(served, resumed_version)
         )
         self._known, self._latch = state.decided, state.latch
-        ledger = RegionLedger(regions, lambda: state.reading)
+        self._regions = ledger = RegionLedger(regions, lambda: state.reading)
         self._actions = actions = Actions(config, state, trainer, ledger, engine, transport)
         self.fault_cause: BaseException | None = None
         self._machine = PhaseMachine(actions.by_name(), self._judged, self._latch.check)
+        self._asks = {row: asks(row, planned=config.memory is not None) for row in self._machine.rows.values()}
         state.begin()
         actions.take_over_engine()
         # Chosen once the engine is released and every region resident: what is free then is
@@ -128,12 +136,8 @@ class Lifecycle(CycleEvents):
         return self.state.snapshot(self.phase, frozenset(COMPONENTS))
 
     def _judged(self, row: Transition) -> Snapshot:
-        """What `row`'s guards read: of the event's reading, only the components they name
-        (`guards.READS`); a memory guard without a plan admits, and reads nothing."""
-        reads = [READS[name] for name in row.guards]
-        if self.config.memory is None:
-            reads = [r for r in reads if "memory" not in r]
-        return self.state.snapshot(self.phase, frozenset().union(*reads))
+        """What `row`'s guards read: of the event's reading, only the components they name."""
+        return self.state.snapshot(self.phase, self._asks[row])
 
     # ---- firing events -----------------------------------------------------------------------
 

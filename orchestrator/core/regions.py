@@ -16,8 +16,11 @@ from states import Region
 
 
 class RegionLedger:
-    def __init__(self, regions: MemoryRegions, reading: Callable[[], Reading]) -> None:
-        self._regions, self._reading = regions, reading
+    def __init__(self, regions: MemoryRegions, reading: Callable[[], Reading] | None = None) -> None:
+        """`reading`: the event in flight's (a lifecycle's); without one, each call reads the
+        regions afresh, as an event of its own."""
+        self._regions = regions
+        self._reading = reading if reading is not None else lambda: Reading(None, regions, None, None)
         self._tags = frozenset(regions.tags())
         missing = {r.value for r in Region} - self._tags
         if missing:

@@ -33,6 +33,7 @@ from orchestrator.protocols import (
 from states import EngineMemory, MemoryBudget, Phase, Region, Snapshot, TrainerLayout
 
 ALL = frozenset(EngineMemory)
+_TAGS = frozenset(r.value for r in Region)
 # What a guard's snapshot fields are read from: `guards.READS` names these per guard.
 COMPONENTS = ("regions", "trainer", "engine", "memory")
 
@@ -69,11 +70,12 @@ class Reading:
 
     def __init__(
         self,
-        trainer: TrainerControl,
+        trainer: TrainerControl | None,
         regions: MemoryRegions,
         engine: RolloutEngine | None,
         memory: Callable[[], MemoryBudget] | None,
     ) -> None:
+        """`trainer` None: a reading of the regions alone (`RegionLedger` without a lifecycle)."""
         self._trainer, self._regions, self._engine, self._memory = trainer, regions, engine, memory
         # The job's rank group is trainer and regions at once: its ranks answer for both together.
         self._together = regions is trainer
@@ -86,7 +88,9 @@ class Reading:
         return self._answers[component]
 
     def trainer(self) -> TrainerState:
-        return self._ask("trainer", self._trainer.state)  # type: ignore[no-any-return]
+        trainer = self._trainer
+        assert trainer is not None, "a reading of the regions alone has no trainer to ask"
+        return self._ask("trainer", trainer.state)  # type: ignore[no-any-return]
 
     def regions(self) -> RegionsState:
         if self._together:
@@ -109,6 +113,7 @@ class Reading:
             self._answers.pop(component, None)
             if component == "regions" or (self._together and component == "trainer"):
                 self._noted.clear()
+                self._answers.pop("paused", None)
             if self._together and component in ("trainer", "regions"):
                 self._answers.pop("trainer", None)
                 self._answers.pop("regions", None)
@@ -122,7 +127,9 @@ class Reading:
 
     def paused(self) -> frozenset[Region]:
         """What the adapter says is paused now, with the pauses and resumes that returned since."""
-        said = {Region(tag) for tag in self.regions().paused if tag in Region.__members__.values()}
+        said = self._ask("paused", lambda: frozenset(Region(t) for t in self.regions().paused if t in _TAGS))
+        if not self._noted:
+            return said  # type: ignore[no-any-return]
         return frozenset({r for r, paused in self._noted.items() if paused} | (said - self._noted.keys()))
 
     def engine_resident(self) -> frozenset[EngineMemory]:

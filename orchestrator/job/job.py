@@ -47,7 +47,7 @@ from orchestrator.job.workers.facades import DistributedTrainer, ReplicaSet
 from orchestrator.job.workers.placement import LocalPlacement, Placement, RayPlacement, in_process
 from orchestrator.job.workers.trainer_rank import Batch
 from orchestrator.job.workers.transports import WEIGHT_SYNCS
-from orchestrator.protocols import JobEngine
+from orchestrator.protocols import RolloutEngine
 from orchestrator.telemetry import semconv
 from orchestrator.telemetry.listeners import Listener
 from orchestrator.telemetry.tracing import exporters_requested
@@ -169,7 +169,7 @@ class ColocatedJob:
             with _part(semconv.RESUME_SPAN):
                 self._step = self.resumed.load(DistributedTrainer(ranks), self._generator, self.report, cfg.ranks)
         with _part(semconv.START_ENGINE_SPAN):
-            self.engine: JobEngine = served if served is not None else placement.start_engine(cfg.engine, spec)
+            self.engine: RolloutEngine = served if served is not None else placement.start_engine(cfg.engine, spec)
         interrupt.check(self.stop)
         self.trainer = DistributedTrainer(ranks)
         listeners = [ReportListener(self.report), *self.listeners]
@@ -257,7 +257,7 @@ class ColocatedJob:
     def _checked_engine(self) -> bool | None:
         """The engine's weights, digest for digest, against rank 0's converted weights, in a span of
         that name which always says true or false; no span and None where the engine cannot report them."""
-        if not self.engine.reports_weights:
+        if not self.engine.features.reports_weights:
             return None
         with trace.get_tracer(semconv.TRACER).start_as_current_span(semconv.ENGINE_MATCHES_TRAINER_SPAN) as span:
             engine = self.engine.digests()

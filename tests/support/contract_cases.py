@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from orchestrator.errors import EngineError
-from orchestrator.protocols import MemoryRegions, Named, RolloutEngine, WeightTransport, WeightUpdateSessions
+from orchestrator.protocols import MemoryRegions, Named, RolloutEngine, WeightTransport
 from orchestrator.testing import InMemoryEngine, InMemoryRegions, InMemoryTrainer, InMemoryTransport
 from states import EngineMemory, Mode, Region
 
@@ -137,7 +137,7 @@ class EngineCase:
 
     def session(self, version: int) -> AbstractContextManager[None]:
         engine = self.engine
-        return engine.weight_update_session(version) if isinstance(engine, WeightUpdateSessions) else nullcontext()
+        return engine.weight_update_session(version)
 
     def load(self, version: int) -> None:
         """A complete sync, as the lifecycle's update makes it: inside the engine's session."""

@@ -17,21 +17,14 @@ import torch
 
 from orchestrator import Lifecycle, LifecycleConfig
 from orchestrator.core.regions import RegionLedger
-from orchestrator.core.state import Reading
 from orchestrator.errors import EngineError, RegionRefused
-from orchestrator.protocols import LoadsWeights, MemoryRegions, RolloutEngine, WeightTransport
+from orchestrator.protocols import MemoryRegions, RolloutEngine, WeightTransport
 from orchestrator.testing import InMemoryRegions, InMemoryTrainer
 from states import EngineMemory, Phase, Region
 from tests.support.contract_cases import NO_BACKUP, EngineCase, RegionsCase
 from tests.support.transport_cases import TransportCase
 
 ALL = frozenset(EngineMemory)
-
-
-def ledger_over(regions: MemoryRegions) -> RegionLedger:
-    """The ledger as a lifecycle puts it in front of `regions`: it reads what they report afresh
-    for each event; here each call is an event of its own."""
-    return RegionLedger(regions, lambda: Reading(InMemoryTrainer(), regions, None, None))
 
 
 WEIGHTS = frozenset({EngineMemory.WEIGHTS})
@@ -50,7 +43,7 @@ def regions_manage_every_tag(case: RegionsCase) -> None:
     """The ledger refuses an adapter that lacks a tag the lifecycle pauses."""
     assert isinstance(case.regions, MemoryRegions)
     assert {r.value for r in Region} <= case.regions.tags()
-    ledger_over(case.regions)
+    RegionLedger(case.regions)
 
 
 def pause_frees_what_it_reports_and_resume_retakes_it(case: RegionsCase) -> None:
@@ -116,7 +109,7 @@ def resume_keeps_the_addresses(case: RegionsCase) -> None:
 def the_ledger_refuses_a_second_pause_before_the_adapter_acts(case: RegionsCase) -> None:
     """torch_memory_saver exits the process on a double pause or a stray resume: the ledger in
     front of every adapter refuses both, and the memory is as it was."""
-    ledger = ledger_over(case.regions)
+    ledger = RegionLedger(case.regions)
     with pytest.raises(RegionRefused, match="not paused"):
         ledger.resume(Region.GRAD_BUFFER)
     ledger.pause(Region.GRAD_BUFFER)
@@ -347,10 +340,10 @@ def a_dead_engine_is_an_engine_error_on_every_call(case: EngineCase) -> None:
 
 
 def loads_bucket_by_bucket_and_reports_bytes_written(case: EngineCase) -> None:
-    """protocols.LoadsWeights: one bucket per call, bytes written returned, tensors never written;
+    """RolloutEngine.update_weights: one bucket per call, bytes written returned, tensors never written;
     `version` served once every weight arrived; an update into released weights refused."""
     engine = case.engine
-    assert isinstance(engine, LoadsWeights)
+    assert engine.features.loads_weights
     weights = list(case.weights)
     counters = [t._version for _, t in weights]
     copies = [t.clone() for _, t in weights]
@@ -378,11 +371,11 @@ class _Stopped(Exception):
 
 
 def a_partial_load_does_not_serve_the_new_version(case: EngineCase) -> None:
-    """protocols.LoadsWeights: "It serves `version` once every weight has arrived at that version",
-    and WeightUpdateSessions: never after a session whose body raised. An update that stops after
+    """RolloutEngine.update_weights: "It serves `version` once every weight has arrived at that version",
+    and its weight_update_session: never after a session whose body raised. An update that stops after
     its first bucket leaves the engine on the version it had."""
     engine, weights = case.engine, list(case.weights)
-    assert isinstance(engine, LoadsWeights)
+    assert engine.features.loads_weights
     case.load(1)
     with contextlib.suppress(_Stopped), case.session(2):
         engine.update_weights(weights[: len(weights) // 2], 2)

@@ -27,7 +27,7 @@ import torch
 
 from orchestrator.adapters.engines.transformers import TransformersEngine
 from orchestrator.errors import EngineError
-from orchestrator.protocols import EngineStateFromReads, Named
+from orchestrator.protocols import EngineDefaults, Named
 from states import EngineMemory
 from tests.support.megatron_parallel import train_step as _train_step
 
@@ -60,7 +60,7 @@ class SharedEngine(TransformersEngine):
         return self.update_weights(torch.load(io.BytesIO(blob)), version)
 
 
-class RemoteEngine(EngineStateFromReads):
+class RemoteEngine(EngineDefaults):
     """Another rank's handle on rank 0's `SharedEngine` (see the module docstring)."""
 
     def __init__(self, proxy: Any) -> None:

@@ -30,7 +30,7 @@ from orchestrator.adapters.megatron.trainer import MegatronTrainer
 from orchestrator.adapters.megatron.transport import SyncTensorWritten, per_tensor
 from orchestrator.adapters.regions.storage import StorageRegions
 from orchestrator.core.regions import RegionLedger
-from orchestrator.protocols import EngineStateFromReads, Named
+from orchestrator.protocols import EngineDefaults, EngineFeatures, Named
 from orchestrator.telemetry.tracing import TracingListener
 from states import EngineMemory, Mode, Phase, Region, Source
 
@@ -81,15 +81,15 @@ def extras_written_scenario() -> dict[str, Any]:
     return result
 
 
-class _NoWeights(EngineStateFromReads):
+class _NoWeights(EngineDefaults):
     """A real engine with its weight loading hidden: an engine the one call must refuse."""
+
+    features = EngineFeatures(loads_weights=False)
 
     def __init__(self, engine: TransformersEngine) -> None:
         self._engine, self.name = engine, "no-update-weights"
 
     def __getattr__(self, name: str) -> Any:
-        if name == "update_weights":
-            raise AttributeError(name)
         return getattr(self._engine, name)
 
     def release(self, tags: frozenset[EngineMemory]) -> None:

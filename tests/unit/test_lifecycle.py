@@ -16,7 +16,6 @@ from orchestrator import (
     RestoreMismatch,
 )
 from orchestrator.core.regions import RegionLedger
-from orchestrator.core.state import Reading
 from orchestrator.testing import InMemoryRegions, InMemoryTrainer
 from states import EngineMemory, Event, Mode, Phase, Region, TrainingSetup
 from tests.support.rig import cycle, make_rig
@@ -183,8 +182,7 @@ def test_config_reports_every_violation_at_once() -> None:
 
 def test_ledger_refuses_before_the_adapter_acts() -> None:
     regions = InMemoryRegions()
-    reading = Reading(InMemoryTrainer(), regions, None, None)  # what the event in flight was told
-    ledger = RegionLedger(regions, lambda: reading)
+    ledger = RegionLedger(regions)
     ledger.pause("grad_buffer")
     with pytest.raises(RegionRefused, match="already paused"):
         ledger.pause("grad_buffer")

@@ -42,7 +42,7 @@ from orchestrator.adapters.megatron.gpt import TinyGPTConfig
 from orchestrator.adapters.regions.storage import return_large_frees_to_the_os
 from orchestrator.adapters.transport.bucketed import nbytes
 from orchestrator.errors import EngineError
-from orchestrator.protocols import EngineStateFromReads
+from orchestrator.protocols import EngineDefaults, EngineFeatures
 from orchestrator.telemetry.logs import note_noop
 from states import EngineMemory
 
@@ -113,7 +113,7 @@ def _one_storage(params: Iterable[torch.Tensor], device: torch.device) -> torch.
     return weights
 
 
-class TransformersEngine(EngineStateFromReads):
+class TransformersEngine(EngineDefaults):
     """Implements `orchestrator.protocols.RolloutEngine` on an HF causal LM, with no hub download.
 
     `model` is the trainer's GPT shape (a `ModelSpec`, as `gpt_shape(model)` reads it from a Megatron model,
@@ -121,6 +121,8 @@ class TransformersEngine(EngineStateFromReads):
     transformers config. A plain constructor, so that a Ray actor can be made of it. The weights it starts
     with are throwaway: it serves nothing until the first complete `update_weights`. `max_len` bounds
     prompt + completion (default: the config's `max_position_embeddings`)."""
+
+    features = EngineFeatures(footprint=True, reports_weights=True)
 
     def __init__(
         self,
@@ -230,8 +232,6 @@ class TransformersEngine(EngineStateFromReads):
         if EngineMemory.WEIGHTS in self._released:
             raise EngineError(self.name, "the weights are released")
         return {name: self._params[name].clone() for name in self._slots.names}
-
-    reports_weights = True
 
     def digests(self) -> dict[str, str]:
         """SHA256 per checkpoint tensor (as `weights`), to compare with the trainer's converted ones."""

@@ -80,7 +80,7 @@ from orchestrator.core.config import LifecycleConfig
 from orchestrator.core.lifecycle import Lifecycle, require_restore_coverage
 from orchestrator.errors import ConfigError
 from orchestrator.models import Architecture, read_config
-from orchestrator.protocols import LoadsWeights, MemoryRegions, Named, RolloutEngine, WeightTransport
+from orchestrator.protocols import MemoryRegions, Named, RolloutEngine, WeightTransport
 from orchestrator.telemetry.listeners import Listener
 from states import MemoryBudget, Mode, Offload
 
@@ -190,11 +190,11 @@ def _rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
-def _loads_weights(engine: RolloutEngine | None, transport: WeightTransport | None) -> LoadsWeights | None:
+def _loads_weights(engine: RolloutEngine | None, transport: WeightTransport | None) -> RolloutEngine | None:
     """The engine the default transport sends to (None where a transport is given, or no engine)."""
     if engine is None or transport is not None:
         return None
-    if not isinstance(engine, LoadsWeights):
+    if not engine.features.loads_weights:
         raise ConfigError([f"engine {engine.name!r} has no update_weights(named, version): pass transport="])
     return engine
 
@@ -247,7 +247,7 @@ def colocate_megatron(
 ) -> Lifecycle:
     """The `Lifecycle` for one rank of a Megatron-core trainer (see the module docstring).
 
-    `engine` must load weights (`update_weights(named, version)`, `LoadsWeights`) unless
+    `engine` must load weights (`update_weights(named, version)`, `features.loads_weights`) unless
     `transport` is given; it is None in `Mode.TRAIN_ONLY`. `flags` are the `TrainingSetup` flags
     Megatron does not hold (`compute_advantages`, `lora`, `keep_old_actor`, ...); those it holds
     are read from its configs and refused as keywords.

@@ -38,7 +38,7 @@ from typing import Protocol
 import torch
 
 from orchestrator.adapters.transport.bucketed import buckets
-from orchestrator.protocols import LoadsWeights, Named, Trainer, TransferReport
+from orchestrator.protocols import BucketSink, Named, Trainer, TransferReport
 from orchestrator.telemetry import semconv
 from orchestrator.telemetry.tracing import process_span
 from states import Source
@@ -103,7 +103,7 @@ class _Watched:
 
 class MegatronTransport:
     """Implements `orchestrator.protocols.WeightTransport` from a `Trainer` here into an engine that
-    loads buckets (`LoadsWeights`: `TransformersEngine`, `SGLangEngine`, `SGLangGroup`).
+    loads buckets (`BucketSink`: `TransformersEngine`, `SGLangEngine`, `SGLangGroup`).
 
     `convert` is the converter (see the module docstring); `bucket_bytes` bounds each bucket.
     `source` is whether this rank sends (see the module docstring: a rank that is not a source
@@ -123,7 +123,7 @@ class MegatronTransport:
     def __init__(
         self,
         trainer: Trainer,
-        engine: LoadsWeights,
+        engine: BucketSink,
         *,
         convert: Converter,
         bucket_bytes: int = 64 << 20,

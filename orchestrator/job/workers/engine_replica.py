@@ -13,7 +13,7 @@ import torch
 from orchestrator.adapters.registry import ENGINES, EngineSpec
 from orchestrator.job.workers.staging import Slot, attach
 from orchestrator.job.workers.traced import Traced
-from orchestrator.protocols import EngineState, KnowsFootprint, Named
+from orchestrator.protocols import EngineState, Named
 from orchestrator.telemetry import semconv
 from states import EngineMemory
 
@@ -67,7 +67,8 @@ class EngineReplica(Traced):
 
     def footprint(self) -> dict[EngineMemory, int] | None:
         """Bytes each engine tag takes on this GPU while resident; None where the engine cannot say."""
-        return dict(self.engine.footprint()) if isinstance(self.engine, KnowsFootprint) else None
+        footprint = self.engine.footprint()
+        return dict(footprint) if footprint is not None else None
 
     def digests(self) -> dict[str, str] | None:
         return self.engine.digests()

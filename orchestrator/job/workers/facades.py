@@ -18,7 +18,7 @@ from orchestrator.job.workers.engine_replica import EngineReplica
 from orchestrator.job.workers.pool import WorkerPool
 from orchestrator.job.workers.staging import Slot
 from orchestrator.job.workers.trainer_rank import Batch, TrainerRank
-from orchestrator.protocols import EngineState, Named, RegionsState, TrainerState
+from orchestrator.protocols import EngineDefaults, EngineFeatures, EngineState, Named, RegionsState, TrainerState
 from states import EngineMemory, Mode, TrainerLayout, TrainingSetup
 
 
@@ -129,9 +129,11 @@ class DistributedTrainer:
         return hashlib.sha256(lines.encode()).hexdigest()
 
 
-class ReplicaSet:
+class ReplicaSet(EngineDefaults):
     """The RolloutEngine Protocol (and the engine's work) over every engine replica: one call
     is made on all of them, and a rollout is split between them in contiguous shares."""
+
+    features = EngineFeatures(footprint=True, reports_weights=True)  # the transformers engine's
 
     def __init__(self, replicas: WorkerPool[EngineReplica]) -> None:
         self.replicas = replicas
@@ -198,8 +200,6 @@ class ReplicaSet:
         if any(f is None for f in each):
             return None
         return {tag: max(f[tag] for f in each if f is not None) for tag in EngineMemory}
-
-    reports_weights = True  # the transformers engine digests its own weights
 
     def digests(self) -> dict[str, str] | None:
         """Replica 0's digests when every replica holds the same weights; else each replica's,

@@ -17,7 +17,7 @@ from orchestrator.job.workers.facades import ReplicaSet
 from orchestrator.job.workers.payloads import SerializedBucket
 from orchestrator.job.workers.pool import WorkerPool
 from orchestrator.job.workers.trainer_rank import WEIGHT_GROUP, TrainerRank
-from orchestrator.protocols import BucketSink, JobEngine, TransferReport, WeightTransport
+from orchestrator.protocols import BucketSink, RolloutEngine, TransferReport, WeightTransport
 
 if TYPE_CHECKING:
     from orchestrator.adapters.engines.sglang import SGLangGroup
@@ -144,7 +144,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def tensor_push(ranks: WorkerPool[TrainerRank], engine: JobEngine, bucket_bytes: int) -> WeightTransport:
+def tensor_push(ranks: WorkerPool[TrainerRank], engine: RolloutEngine, bucket_bytes: int) -> WeightTransport:
     """Weights into the engine's own memory: each replica's from the rank on its GPU (CUDA IPC);
     each SGLang server's TP rank from the trainer rank on its GPU, where the trainer has several
     (`PerTpRankPush`); else a single engine's (a replica, or every SGLang server) from rank 0,
@@ -162,7 +162,7 @@ def tensor_push(ranks: WorkerPool[TrainerRank], engine: JobEngine, bucket_bytes:
     return RankZeroPush(ranks, engine, bucket_bytes)
 
 
-def broadcast_push(ranks: WorkerPool[TrainerRank], engine: JobEngine, bucket_bytes: int) -> WeightTransport:
+def broadcast_push(ranks: WorkerPool[TrainerRank], engine: RolloutEngine, bucket_bytes: int) -> WeightTransport:
     """Weights over a process group rank 0 hosts, to SGLang servers off the trainer's GPUs."""
     from orchestrator.adapters.engines.sglang import SGLangGroup
 
@@ -175,5 +175,5 @@ def broadcast_push(ranks: WorkerPool[TrainerRank], engine: JobEngine, bucket_byt
 
 
 # How the trained weights reach the engine, by `colocate run --weight-sync`.
-TransportFactory = Callable[[WorkerPool[TrainerRank], JobEngine, int], WeightTransport]
+TransportFactory = Callable[[WorkerPool[TrainerRank], RolloutEngine, int], WeightTransport]
 WEIGHT_SYNCS: Registry[TransportFactory] = Registry("weight sync", {"tensor": tensor_push, "broadcast": broadcast_push})

@@ -76,7 +76,7 @@ from orchestrator.adapters.engines.sglang.memory import SGLangMemory
 from orchestrator.adapters.engines.sglang.weights import SGLangWeightUpdates
 from orchestrator.core.config import EnginePause
 from orchestrator.errors import EngineError
-from orchestrator.protocols import EngineStateFromReads
+from orchestrator.protocols import EngineDefaults, EngineFeatures
 
 _NO_VERSION = (None, "", "default")  # what SGLang reports before any versioned update
 
@@ -109,12 +109,14 @@ class Generation:
     weight_version: str | None = None
 
 
-class SGLangEngine(SGLangMemory, SGLangWeightUpdates, EngineStateFromReads):
+class SGLangEngine(SGLangMemory, SGLangWeightUpdates, EngineDefaults):
     """Implements `orchestrator.protocols.RolloutEngine` for one SGLang server; `name` is its URL.
 
     `tp_size` is the server's tensor-parallel size (one serialized payload per TP rank).
     Timeouts: `connect_timeout_s` for the TCP connect, `read_timeout_s` for an answer.
     """
+
+    features = EngineFeatures(sessions=True)
 
     def __init__(
         self,

@@ -19,7 +19,7 @@ from orchestrator.adapters.engines.sglang.client import SGLangEngine, version_pr
 from orchestrator.adapters.engines.sglang.weights import _close_quietly, _destroy_group_quietly
 from orchestrator.core.config import EnginePause
 from orchestrator.errors import ConfigError, EngineError
-from orchestrator.protocols import EngineStateFromReads, Named
+from orchestrator.protocols import EngineDefaults, EngineFeatures, Named
 from orchestrator.telemetry.logs import note_leftover
 from states import EngineMemory
 
@@ -40,7 +40,7 @@ def url_problems(
     return problems + [f"{label} {url} given twice" for url in sorted({u for u in names if names.count(u) > 1})]
 
 
-class SGLangGroup(EngineStateFromReads):
+class SGLangGroup(EngineDefaults):
     """Several SGLang servers (data-parallel replicas, one URL each) as one `RolloutEngine`.
 
     Memory calls, flushes and weight buckets go to every server, concurrently (each server sends
@@ -49,10 +49,12 @@ class SGLangGroup(EngineStateFromReads):
     the one they all serve (servers that disagree are an `EngineError` naming each one's). The
     rollout splits the prompts into contiguous shares, one per server.
 
-    It implements the job's engine (`orchestrator.protocols.JobEngine`) too: `generate` takes and
+    It implements the job's engine (`orchestrator.protocols.RolloutEngine`) too: `generate` takes and
     returns tensors, and `digests()` is None, since SGLang's HTTP API has no way to read every
     weight back.
     """
+
+    features = EngineFeatures(sessions=True)  # and no digests: `engine_matches_trainer` is not checked
 
     def __init__(
         self, urls: Sequence[str], *, pause: EnginePause | str = EnginePause.RETRACT, **engine_options: Any
@@ -230,12 +232,6 @@ class SGLangGroup(EngineStateFromReads):
         completions = torch.tensor([g.token_ids for g in generations], dtype=torch.int64).reshape(len(rows), -1)
         logprobs = torch.tensor([g.logprobs for g in generations], dtype=torch.float32).reshape(len(rows), -1)
         return completions, logprobs
-
-    reports_weights = False  # so `engine_matches_trainer` is not checked
-
-    def digests(self) -> None:
-        """SGLang cannot report its weights in full."""
-        return None
 
     def flush_traces(self) -> None:
         """The servers export their own spans, if started with `--enable-trace`."""
