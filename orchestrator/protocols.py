@@ -1,6 +1,6 @@
 """The seams colocate drives. Each real component implements one of these Protocols.
 
-The shapes follow the real APIs (docs/lifecycle.md, design §4):
+The shapes follow the real APIs (docs/lifecycle.md; SGLang's routes in docs/sglang.md):
 - `MemoryRegions` is torch_memory_saver's `pause(tag)` / `resume(tag)`: pause returns the physical
   memory and keeps the virtual addresses; resume maps fresh memory whose contents are undefined.
 - `Trainer` wraps Megatron-core DDP chunks and their (chained) DistributedOptimizer.

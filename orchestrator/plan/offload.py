@@ -16,7 +16,8 @@ from orchestrator.core.offload import MOVABLE
 from orchestrator.plan.memory import Plan, RankBytes
 from states import Mode, Region
 
-# A pinned host <-> device copy, each way: 50-51 GB/s measured on one H200 (docs, design §5).
+# A pinned host <-> device copy, each way, on one H200: 55.1-55.2 GB/s measured (docs/benchmarks.md,
+# "The step on one GPU"); the price takes 50, below it.
 PINNED_COPY_GBPS = 50.0
 
 

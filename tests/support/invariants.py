@@ -1,5 +1,5 @@
-"""The invariants of the lifecycle, written once: the design brief §1 hazards and the memory table
-of §2, plus what recovery promises. The model check (tests/unit/test_model_check.py) asserts them
+"""The invariants of the lifecycle, written once: the hazards tests/support/world.py records, the
+memory table of docs/lifecycle.md ("What is resident in each phase"), and what recovery promises. The model check (tests/unit/test_model_check.py) asserts them
 after every move of every sequence it explores.
 
 Hazards are caught as the adapter call is made (tests/support/world.py); the state invariants

@@ -2,7 +2,7 @@
 
 Not an SGLang engine. It checks what colocate sends against the request classes recorded in
 `orchestrator/adapters/engines/sglang/sglang_schema.json` (extracted from sglang's io_struct.py) and plays the
-behaviours colocate relies on (sglang 0.5.23, design §4):
+behaviours colocate relies on (sglang 0.5.23's source, docs/sglang.md):
 
 - unknown field → 400, missing required field → 400. SGLang itself *ignores* unknown fields
   (its pydantic schema uses `extra_behavior="ignore"`), so a misspelt `weight_verison` would be

@@ -1,6 +1,8 @@
 """A small world for the model check: the controller over in-memory adapters, each adapter call
-counted and watched for the hazards of the design brief §1 (a hazard is recorded when the call is
-made, whether or not the fake would crash).
+counted and watched for the hazards a controller must make impossible: a double pause, a resume of a
+resident region, a release of a busy engine or of released memory, the KV cache back beside resident
+params, a sync from a dropped buffer, a version going back, a rollout on released or stale weights
+(a hazard is recorded when the call is made, whether or not the fake would crash).
 
 At any one call a fault can be injected (`Calls.how`):
 

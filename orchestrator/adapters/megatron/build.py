@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-# megatron.core before anything that imports torch_memory_saver (design §4).
+# megatron.core before anything that imports torch_memory_saver (orchestrator/adapters/regions/tms.py says why).
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.distributed import (
     DistributedDataParallel,

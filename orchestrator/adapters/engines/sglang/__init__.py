@@ -1,4 +1,4 @@
-"""`RolloutEngine` over SGLang's HTTP server (checked against sglang 0.5.23's source, design §4).
+"""`RolloutEngine` over SGLang's HTTP server (checked against sglang 0.5.23's source: docs/sglang.md).
 
 - `wire`: SGLang's weight wire format (the flattened bucket, `MultiprocessingSerializer`'s bytes),
   reimplemented without importing sglang.

@@ -1,4 +1,4 @@
-"""`RolloutEngine` over SGLang's HTTP server (checked against sglang 0.5.23's source, design §4).
+"""`RolloutEngine` over SGLang's HTTP server (checked against sglang 0.5.23's source: docs/sglang.md).
 
 The HTTP underneath (the session, retries, client spans, SGLang's error shapes) is `http.py`'s
 `SGLangHTTP`; the weight-update routes are `weights.py`'s `SGLangWeightUpdates`.

@@ -20,9 +20,10 @@ if TYPE_CHECKING:
 
 __all__ = ["ATTN_IMPLEMENTATION", "Shape", "as_spec", "hf_config", "hf_llama_config"]
 
-# Neither attention is bit-exact against Megatron's bf16 forward (design §7's bit-identity was in
-# fp32). On CPU, sdpa came out slightly closer (mean abs logit difference 0.0069 vs 0.0070, max
-# 0.04-0.05 vs 0.04-0.06, logits of mean magnitude 0.8) and is faster, so the engine uses it.
+# Neither attention is bit-exact against Megatron's bf16 forward: their logits differ by rounding
+# (docs/conversion.md, "Checked against transformers, through the lifecycle"). On CPU, sdpa came
+# out slightly closer (mean abs logit difference 0.0069 vs 0.0070, max 0.04-0.05 vs 0.04-0.06,
+# logits of mean magnitude 0.8) and is faster, so the engine uses it.
 ATTN_IMPLEMENTATION = "sdpa"
 
 Shape = TinyGPTConfig | ModelSpec

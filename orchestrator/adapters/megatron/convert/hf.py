@@ -3,8 +3,8 @@
 A whole tensor is one as at tensor-, pipeline- and expert-parallel size 1: global layer and
 expert indices, every shard in place (`gather.hf_buckets` makes them so). A Megatron name
 (`decoder.layers.0.self_attention.linear_qkv.weight`) becomes the HF checkpoint names an engine
-loads (`model.layers.0.self_attn.q_proj.weight`, `k_proj`, `v_proj`). The dense mapping is the
-one checked in design §7 (bit-identical logits in fp32); the families add:
+loads (`model.layers.0.self_attn.q_proj.weight`, `k_proj`, `v_proj`). The dense mapping is
+Llama's, checked against transformers' logits (docs/conversion.md); the families add:
 
 - Qwen3: `self_attention.{q,k}_layernorm` → `self_attn.{q,k}_norm` (per-head RMSNorm);
 - Qwen3-MoE: `mlp.router` → `mlp.gate`, `mlp.experts.local_experts.<e>.linear_fc1/2` →
