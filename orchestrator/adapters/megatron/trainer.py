@@ -159,6 +159,39 @@ def _host_like(tensor: torch.Tensor, pin: bool) -> torch.Tensor:
     return torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
 
 
+def _named(
+    chunks: Sequence[Any], buffers: Sequence[Any], extras: Collection[Extra]
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, Source]]:
+    """Every param of `chunks` by its global name (experts numbered across EP ranks, virtual
+    stages prefixed), the extras among them and the `expert_bias` buffers, and where each is
+    rebuilt from after a drop."""
+    in_buffers = {id(p) for b in buffers for p in b.params}
+    params: dict[str, torch.Tensor] = {}
+    kept: dict[str, torch.Tensor] = {}
+    sources: dict[str, Source] = {}
+    for i, chunk in enumerate(chunks):
+        prefix, globally = (f"vp_stages.{i}." if len(chunks) > 1 else ""), _global_experts(chunk)
+        for raw, param in chunk.named_parameters():
+            name = prefix + globally(_strip(raw))
+            params[name] = param
+            kind = _extra_kind(param, extras)
+            if kind is not None:
+                kept[name] = param
+            # An fp32 param is in a DDP buffer, but its "main" is a view of that buffer: a
+            # drop loses it unless it is an extra. Left out, it is uncovered, by name.
+            rebuilt = id(param) in in_buffers and param.dtype != torch.float32
+            sources[name] = Source.EXTRAS if kind else Source.PARAM_BUFFER if rebuilt else Source.ELSEWHERE
+        for raw, buffer in chunk.named_buffers():
+            if raw.endswith("expert_bias"):
+                name = prefix + globally(_strip(raw))
+                _router_dtype(buffer)
+                covered = Extra.EXPERT_BIAS in extras
+                if covered:
+                    kept[name] = buffer
+                sources[name] = Source.EXTRAS if covered else Source.ELSEWHERE
+    return params, kept, sources
+
+
 class MegatronTrainer(TrainerStateFromReads):
     """Implements `orchestrator.protocols.Trainer` for Megatron-core DDP + DistributedOptimizer.
 
@@ -184,30 +217,7 @@ class MegatronTrainer(TrainerStateFromReads):
             b for c in self._chunks for b in getattr(c, "all_buffers", [*c.buffers, *c.expert_parallel_buffers])
         ]
         self._pin = torch.cuda.is_available()
-        in_buffers = {id(p) for b in self._buffers for p in b.params}
-        self._params: dict[str, torch.Tensor] = {}
-        self._extras: dict[str, torch.Tensor] = {}
-        self._sources: dict[str, Source] = {}
-        for prefix, chunk in self._prefixed():
-            globally = _global_experts(chunk)
-            for raw, param in chunk.named_parameters():
-                name = prefix + globally(_strip(raw))
-                self._params[name] = param
-                kind = _extra_kind(param, extras)
-                if kind is not None:
-                    self._extras[name] = param
-                # An fp32 param is in a DDP buffer, but its "main" is a view of that buffer: a
-                # drop loses it unless it is an extra. Left out, it is uncovered, by name.
-                rebuilt = id(param) in in_buffers and param.dtype != torch.float32
-                self._sources[name] = Source.EXTRAS if kind else Source.PARAM_BUFFER if rebuilt else Source.ELSEWHERE
-            for raw, buffer in chunk.named_buffers():
-                if raw.endswith("expert_bias"):
-                    name = prefix + globally(_strip(raw))
-                    _router_dtype(buffer)
-                    covered = Extra.EXPERT_BIAS in extras
-                    if covered:
-                        self._extras[name] = buffer
-                    self._sources[name] = Source.EXTRAS if covered else Source.ELSEWHERE
+        self._params, self._extras, self._sources = _named(self._chunks, self._buffers, extras)
         where = next(iter(self._params.values())).device if self._params else torch.device("cpu")
         self.digest_method = DigestMethod(digest) if digest is not None else default_digest(where)
         self._digest = DIGESTS[self.digest_method]
@@ -216,10 +226,6 @@ class MegatronTrainer(TrainerStateFromReads):
         self._steps = StepsBegun(self._optimizers)
         self._stashed_at: int | None = None  # the step count the stash was taken at
         self.cast = MainParamCast(self._optimizers)  # one Triton launch where it can, else Megatron's loop
-
-    def _prefixed(self) -> Iterator[tuple[str, Any]]:
-        for i, chunk in enumerate(self._chunks):
-            yield (f"vp_stages.{i}." if len(self._chunks) > 1 else ""), chunk
 
     # ---- the Trainer Protocol -------------------------------------------------------------
 
