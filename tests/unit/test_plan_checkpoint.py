@@ -4,8 +4,8 @@ tests/integration/test_plan_vs_megatron.py."""
 
 from __future__ import annotations
 
-from orchestrator.plan.memory import OptimizerSpec, Parallelism, laid_out_numel, plan
 from orchestrator.models import ModelShape
+from orchestrator.plan.memory import OptimizerSpec, Parallelism, laid_out_numel, plan
 from orchestrator.plan.model import Tensor, total_bytes, total_params
 from orchestrator.plan.presets import load_model
 

@@ -12,8 +12,7 @@ import pytest
 from typer.testing import CliRunner, Result
 
 from orchestrator.cli.app import app
-from orchestrator.models import SUPPORT
-from orchestrator.models import ModelShape
+from orchestrator.models import SUPPORT, ModelShape
 from orchestrator.plan.model import padded_vocab
 from orchestrator.plan.presets import GLM5, QWEN3_4B
 from tests.support.hf_configs import LLAMA4_TEXT, MIXTRAL, QWEN3_VL, SMALL_MLA
