@@ -17,18 +17,12 @@ from orchestrator.plan.presets import FROZEN_PARAM
 
 # What a shape does not give this config: how the job trains the model, not its shape.
 SETTINGS = ("seq_len", "rotary_base", "seed", "lr", "clip_grad")
-# The fields of a shape that `from_shape` takes as they are; the ones after them only name it, or
-# are the job's settings (`SETTINGS`): every other field must be what this GPT builds.
-_TAKEN = (
-    "hidden_size",
-    "num_layers",
-    "vocab_size",
-    "num_attention_heads",
-    "num_query_groups",
-    "ffn_hidden_size",
-    "num_experts",
-    "moe_router_topk",
-)
+# The fields this config and a shape both have, meaning the same.
+_SAME = ("hidden_size", "num_layers", "vocab_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size")
+_SAME += ("num_experts",)
+# What `from_shape` takes of a shape as it is (`_TAKEN`), and what only names the shape or is the
+# job's setting (`_FREE`): every other field must be what this GPT builds (`_builds`).
+_TAKEN = (*_SAME, "moe_router_topk")
 _FREE = ("name", "family", "source", "model_type", "text_model_type", "architectures", "not_counted", "assumed")
 _FREE += ("rotary_base", "max_position_embeddings")
 
@@ -66,13 +60,7 @@ class TinyGPTConfig:
         if problems:
             raise ConfigError(problems)
         return cls(
-            hidden_size=shape.hidden_size,
-            num_layers=shape.num_layers,
-            num_attention_heads=shape.num_attention_heads,
-            num_query_groups=shape.num_query_groups,
-            ffn_hidden_size=shape.ffn_hidden_size,
-            vocab_size=shape.vocab_size,
-            num_experts=shape.num_experts,
+            **{k: getattr(shape, k) for k in _SAME},
             moe_router_topk=shape.moe_router_topk or 1,
             fp32_param=shape.fp32_param_numel > 0,
             frozen_param=bool(shape.frozen),
@@ -86,16 +74,10 @@ class TinyGPTConfig:
         return ModelShape(
             name=name,
             family=family,
-            hidden_size=self.hidden_size,
-            num_layers=self.num_layers,
-            vocab_size=self.vocab_size,
-            num_attention_heads=self.num_attention_heads,
-            num_query_groups=self.num_query_groups,
-            ffn_hidden_size=self.ffn_hidden_size,
+            **{k: getattr(self, k) for k in _SAME},
             max_position_embeddings=self.seq_len,
             rotary_base=float(self.rotary_base),
             moe_layers=(self.num_layers - 1,) if moe else (),
-            num_experts=self.num_experts,
             moe_ffn_hidden_size=self.ffn_hidden_size if moe else 0,
             moe_router_topk=self.moe_router_topk if moe else 0,
             expert_bias=moe,
