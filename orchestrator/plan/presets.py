@@ -41,19 +41,19 @@ def with_extras(shape: ModelShape, name: str | None = None) -> ModelShape:
 # What `colocate run --model` trains (orchestrator/job/presets.py says what each is). `tiny`'s
 # vocabulary is its copy task's (8 symbols, BOS and SEP); a hidden size of 128 learned it no faster
 # per step: the batch size, not the width, limits that task.
-_LLAMA = dict(family=Family.LLAMA)  # colocate's GPT converts to HF's Llama
+_LLAMA = Family.LLAMA  # colocate's GPT converts to HF's Llama
 _TRAINED = (
     ModelShape(name="tiny", hidden_size=64, num_layers=2, num_attention_heads=4, num_query_groups=2,
-               ffn_hidden_size=128, vocab_size=10, **_LLAMA),
+               ffn_hidden_size=128, vocab_size=10, family=_LLAMA),
     ModelShape(name="qwen-0.5b", hidden_size=896, num_layers=24, num_attention_heads=14, num_query_groups=2,
-               ffn_hidden_size=4864, vocab_size=65536, **_LLAMA),
+               ffn_hidden_size=4864, vocab_size=65536, family=_LLAMA),
     ModelShape(name="llama-1b", hidden_size=2048, num_layers=16, num_attention_heads=16, num_query_groups=8,
-               ffn_hidden_size=7168, vocab_size=32768, **_LLAMA),
+               ffn_hidden_size=7168, vocab_size=32768, family=_LLAMA),
 )  # fmt: skip
 # The restore benchmark's models, extras included: `cpu`, the size the planner's byte-for-byte
 # check builds (tests/integration/test_plan_vs_megatron.py), and `gpu-1b`, its `llama-1b`.
 _CPU = ModelShape(name="cpu", hidden_size=512, num_layers=4, num_attention_heads=8, num_query_groups=4,
-                  ffn_hidden_size=1536, vocab_size=8192, **_LLAMA)  # fmt: skip
+                  ffn_hidden_size=1536, vocab_size=8192, family=_LLAMA)  # fmt: skip
 GPTS: dict[str, ModelShape] = {shape.name: shape for shape in _TRAINED} | {
     "cpu": with_extras(_CPU),
     "gpu-1b": with_extras(_TRAINED[2], "gpu-1b"),

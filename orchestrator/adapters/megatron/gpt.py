@@ -18,12 +18,28 @@ from orchestrator.plan.presets import FROZEN_PARAM
 # What a shape does not give this config: how the job trains the model, not its shape.
 SETTINGS = ("seq_len", "rotary_base", "seed", "lr", "clip_grad")
 # The fields this config and a shape both have, meaning the same.
-_SAME = ("hidden_size", "num_layers", "vocab_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size")
+_SAME: tuple[str, ...] = (
+    "hidden_size",
+    "num_layers",
+    "vocab_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "ffn_hidden_size",
+)
 _SAME += ("num_experts",)
 # What `from_shape` takes of a shape as it is (`_TAKEN`), and what only names the shape or is the
 # job's setting (`_FREE`): every other field must be what this GPT builds (`_builds`).
 _TAKEN = (*_SAME, "moe_router_topk")
-_FREE = ("name", "family", "source", "model_type", "text_model_type", "architectures", "not_counted", "assumed")
+_FREE: tuple[str, ...] = (
+    "name",
+    "family",
+    "source",
+    "model_type",
+    "text_model_type",
+    "architectures",
+    "not_counted",
+    "assumed",
+)
 _FREE += ("rotary_base", "max_position_embeddings")
 
 

@@ -276,7 +276,7 @@ def _rule(name: str, spec: ModelShape) -> tuple[list[str], Split]:
         if problem is not None:
             raise ValueError(f"cannot convert {name!r}: {problem}")
         return [t.format(**match.groupdict()) for t in targets], split
-    raise ValueError(f"cannot convert {name!r} to HF {spec.family.value}: no mapping for this Megatron name")
+    raise ValueError(f"cannot convert {name!r} to HF {spec.family}: no mapping for this Megatron name")
 
 
 def _tied_copy(name: str, spec: ModelShape) -> bool:

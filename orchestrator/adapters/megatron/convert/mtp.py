@@ -82,9 +82,7 @@ def spec_problems(spec: ModelShape) -> list[str]:
     if not spec.mtp_num_layers or spec.family in MTP_FAMILIES:
         return []
     checked = ", ".join(sorted(f.value for f in MTP_FAMILIES))
-    return [
-        f"mtp_num_layers={spec.mtp_num_layers} (MTP layers are not converted for {spec.family.value}; for {checked})"
-    ]
+    return [f"mtp_num_layers={spec.mtp_num_layers} (MTP layers are not converted for {spec.family}; for {checked})"]
 
 
 def shapes(spec: ModelShape) -> dict[str, tuple[int, ...]]:
