@@ -239,6 +239,18 @@ def test_a_model_the_family_cannot_compute_is_refused(family: Family, change: di
         checked(ModelShape(**{**asdict(MOE), **change, "family": family}))
 
 
+def test_model_spec_is_the_old_name_of_a_checked_shape() -> None:
+    """docs/conversion.md documented `ModelSpec.from_megatron`: the name still builds a checked
+    `ModelShape`, and refuses what the family cannot compute."""
+    from orchestrator.adapters.megatron.convert import ModelSpec, shape_from_megatron
+
+    assert ModelSpec(**asdict(MOE)) == MOE
+    assert ModelSpec.from_tiny(GQA) == checked(GQA.shape())
+    assert ModelSpec.from_megatron is shape_from_megatron
+    with pytest.raises(ValueError, match="no HF llama equivalent: num_experts=4"):
+        ModelSpec(**{**asdict(MOE), "family": Family.LLAMA, "qk_layernorm": False})
+
+
 @pytest.mark.parametrize(
     ("experts", "qk_layernorm", "family"),
     [
