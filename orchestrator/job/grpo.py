@@ -268,7 +268,7 @@ def grpo_train_step(
 
 def _default_model() -> TinyGPTConfig:
     task = TaskConfig()
-    return TinyGPTConfig.from_spec(GPTS["tiny"], seq_len=task.prompt_len + task.length, lr=5e-3, clip_grad=1.0)
+    return TinyGPTConfig.from_shape(GPTS["tiny"], seq_len=task.prompt_len + task.length, lr=5e-3, clip_grad=1.0)
 
 
 @dataclass(frozen=True, kw_only=True)

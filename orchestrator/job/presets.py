@@ -2,8 +2,8 @@
 
 Every preset is a `TinyGPTConfig`: `megatron_build.build_gpt` builds it with random init (nothing
 is downloaded), and `convert.hf_llama_config` gives the Hugging Face Llama an engine serves. Its
-shape is the planner's spec of the same name (`orchestrator.plan.presets.GPTS`); what a spec does
-not hold (sequence length, learning rate, RoPE base) is set here.
+shape is the planner's `ModelShape` of the same name (`orchestrator.plan.presets.GPTS`); what a
+shape does not give it (sequence length, learning rate, RoPE base) is set here.
 
 - `tiny`: the job's default, `GRPOConfig().model` (about 0.1 M params; learns the copy task on CPU).
 - `qwen-0.5b`: Qwen2.5-0.5B's blocks (hidden 896, 24 layers, 14 heads in 2 KV groups, SwiGLU 4864)
@@ -38,8 +38,8 @@ def _tiny() -> TinyGPTConfig:
 
 
 _GPU: dict[str, TinyGPTConfig] = {
-    "qwen-0.5b": TinyGPTConfig.from_spec(GPTS["qwen-0.5b"], seq_len=128, rotary_base=1_000_000, lr=3e-4),
-    "llama-1b": TinyGPTConfig.from_spec(GPTS["llama-1b"], seq_len=128, rotary_base=500_000, lr=2e-4),
+    "qwen-0.5b": TinyGPTConfig.from_shape(GPTS["qwen-0.5b"], seq_len=128, rotary_base=1_000_000, lr=3e-4),
+    "llama-1b": TinyGPTConfig.from_shape(GPTS["llama-1b"], seq_len=128, rotary_base=500_000, lr=2e-4),
 }
 
 PRESETS: tuple[str, ...] = ("tiny", *_GPU)
@@ -71,8 +71,8 @@ def benchmark_model(name: str) -> TinyGPTConfig:
     handle (`plan.presets.with_extras`): an MoE last layer (expert_bias), an fp32 param and a
     frozen param."""
     if name == "cpu":
-        return TinyGPTConfig.from_spec(GPTS["cpu"])
-    return TinyGPTConfig.from_spec(with_extras(GPTS[name]), **preset(name).settings())
+        return TinyGPTConfig.from_shape(GPTS["cpu"])
+    return TinyGPTConfig.from_shape(with_extras(GPTS[name]), **preset(name).settings())
 
 
 def param_count(cfg: TinyGPTConfig) -> int:

@@ -1,4 +1,4 @@
-"""The one reader of HF model configs: a config.json's mapping to an `Architecture`.
+"""The one reader of HF model configs: a config.json's mapping to a `ModelShape`.
 
     arch = read_config(json.loads(path.read_text()), source=str(path))
     arch = read_config(hf_config(spec).to_dict(), source="hf_config(spec)")
@@ -17,9 +17,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from orchestrator.errors import ConfigError
-from orchestrator.models.architecture import Architecture
 from orchestrator.models.families import Family
 from orchestrator.models.hf_types import Bias, QKNorm, TypeFacts, facts_for, type_of_class
+from orchestrator.models.shape import ModelShape
 
 __all__ = ["read_config"]
 
@@ -90,8 +90,8 @@ class _Keys:
         return key in self.text or key in self.top
 
 
-def read_config(mapping: Mapping[str, Any], *, source: str) -> Architecture:
-    """An HF config (a config.json's object, or a `PretrainedConfig.to_dict()`) as an Architecture.
+def read_config(mapping: Mapping[str, Any], *, source: str) -> ModelShape:
+    """An HF config (a config.json's object, or a `PretrainedConfig.to_dict()`) as a ModelShape.
 
     Raises ConfigError naming `source` and every key that is missing, mistyped or inconsistent."""
     if not isinstance(mapping, Mapping):
@@ -114,9 +114,10 @@ def read_config(mapping: Mapping[str, Any], *, source: str) -> Architecture:
     fields = _shape(keys)
     fields |= _experts(keys, facts, fields["num_layers"] or 1) | _attention_extras(keys, facts) | _positions(keys)
     tie, assumed = _tie(keys, top_facts or facts, model_type)
-    if keys.problems:
-        raise ConfigError([f"{source}: {p}" for p in keys.problems])
-    arch = Architecture(
+    problems = keys.problems or _relations(fields, keys)
+    if problems:
+        raise ConfigError([f"{source}: {p}" for p in problems])
+    return ModelShape(
         source=source,
         name=_name(mapping, architectures, model_type) or source,
         model_type=model_type,
@@ -128,10 +129,6 @@ def read_config(mapping: Mapping[str, Any], *, source: str) -> Architecture:
         assumed=assumed,
         **fields,
     )
-    problems = _relations(arch, keys)
-    if problems:
-        raise ConfigError([f"{source}: {p}" for p in problems])
-    return arch
 
 
 def _shape(keys: _Keys) -> dict[str, Any]:
@@ -143,7 +140,7 @@ def _shape(keys: _Keys) -> dict[str, Any]:
         "num_layers": keys.integer("num_hidden_layers", minimum=1),
         "vocab_size": keys.integer("vocab_size", minimum=1),
         "num_attention_heads": heads,
-        "num_kv_heads": keys.integer("num_key_value_heads", heads or 1, minimum=1),
+        "num_query_groups": keys.integer("num_key_value_heads", heads or 1, minimum=1),
         # MLA's head dims are its own; GLM-5's config points `head_dim` at the RoPE slice.
         "head_dim": 0 if kv_lora_rank else keys.integer("head_dim", hidden // heads if heads else 1, minimum=1),
         "q_lora_rank": keys.integer("q_lora_rank", 0),
@@ -151,10 +148,10 @@ def _shape(keys: _Keys) -> dict[str, Any]:
         "qk_nope_head_dim": keys.integer("qk_nope_head_dim", 0),
         "qk_rope_head_dim": keys.integer("qk_rope_head_dim", 0),
         "v_head_dim": keys.integer("v_head_dim", 0),
-        "index_n_heads": keys.integer("index_n_heads", 0),
-        "index_head_dim": keys.integer("index_head_dim", 0),
-        "index_topk": keys.integer("index_topk", 0),
-        "num_mtp_layers": keys.integer("num_nextn_predict_layers", keys.integer("num_mtp_layers", 0)),
+        "dsa_index_n_heads": keys.integer("index_n_heads", 0),
+        "dsa_index_head_dim": keys.integer("index_head_dim", 0),
+        "dsa_index_topk": keys.integer("index_topk", 0),
+        "mtp_num_layers": keys.integer("num_nextn_predict_layers", keys.integer("num_mtp_layers", 0)),
     }
 
 
@@ -165,7 +162,7 @@ def _experts(keys: _Keys, facts: TypeFacts, layers: int) -> dict[str, Any]:
         (keys.integer(k, 0) for k in ("n_routed_experts", "num_experts", "num_local_experts") if keys.has(k)), 0
     )
     if not experts:
-        return {"ffn_hidden_size": keys.integer("intermediate_size", 0), "moe_layers": (False,) * layers}
+        return {"ffn_hidden_size": keys.integer("intermediate_size", 0), "moe_layers": ()}
     if keys.has("moe_intermediate_size"):
         moe_ffn, ffn = keys.integer("moe_intermediate_size"), keys.integer("intermediate_size", 0)
     else:
@@ -180,34 +177,35 @@ def _experts(keys: _Keys, facts: TypeFacts, layers: int) -> dict[str, Any]:
         "num_experts": experts,
         "moe_ffn_hidden_size": moe_ffn,
         "moe_router_topk": keys.integer("num_experts_per_tok", minimum=1),
-        "shared_expert_ffn": shared,
+        "moe_shared_ffn_hidden_size": shared,
         "shared_expert_gate": facts.shared_expert_gate and shared > 0,
-        "router_score": str(keys.raw("scoring_func") or facts.router_score),
+        "moe_score_function": str(keys.raw("scoring_func") or facts.router_score),
         "expert_bias": facts.expert_bias or topk_method == "noaux_tc",
-        "n_group": keys.integer("n_group", 0),
-        "topk_group": keys.integer("topk_group", 0),
-        "routed_scaling_factor": keys.number("routed_scaling_factor", 1.0),
-        "norm_topk_prob": keys.flag("norm_topk_prob", facts.norm_topk_prob),
+        "moe_router_num_groups": keys.integer("n_group", 0),
+        "moe_router_group_topk": keys.integer("topk_group", 0),
+        "moe_routed_scaling_factor": keys.number("routed_scaling_factor", 1.0),
+        "moe_norm_topk_prob": keys.flag("norm_topk_prob", facts.norm_topk_prob),
     }
 
 
-def _moe_layers(keys: _Keys, layers: int) -> tuple[bool, ...]:
-    """Which layers route to experts, by whichever rule the config's type uses."""
+def _moe_layers(keys: _Keys, layers: int) -> tuple[int, ...]:
+    """The layers that route to experts, by whichever rule the config's type uses."""
     types = keys.raw("mlp_layer_types")  # GLM-5: "dense" / "sparse" per layer
     if types is not None:
         if not isinstance(types, list) or len(types) != layers or not set(types) <= {"dense", "sparse"}:
             keys.problems.append(f"mlp_layer_types must list 'dense' or 'sparse' for each of {layers} layers")
-            return (False,) * layers
-        return tuple(t == "sparse" for t in types)
+            return ()
+        return tuple(i for i, t in enumerate(types) if t == "sparse")
     if isinstance(keys.raw("moe_layers"), list):  # Llama-4, resolved
-        chosen = set(keys.layer_list("moe_layers", layers))
-        return tuple(i in chosen for i in range(layers))
+        return tuple(sorted(set(keys.layer_list("moe_layers", layers))))
     step = keys.integer("interleave_moe_layer_step", 0) or keys.integer("decoder_sparse_step", 1, minimum=1)
     first_dense = keys.integer("first_k_dense_replace", 0)
     freq = keys.integer("moe_layer_freq", 1, minimum=1)  # DeepSeek's: MoE where i % freq == 0
     dense = set(keys.layer_list("mlp_only_layers", layers))
     return tuple(
-        i >= first_dense and (i + 1) % max(step, 1) == 0 and i % freq == 0 and i not in dense for i in range(layers)
+        i
+        for i in range(layers)
+        if i >= first_dense and (i + 1) % max(step, 1) == 0 and i % freq == 0 and i not in dense
     )
 
 
@@ -217,7 +215,7 @@ def _attention_extras(keys: _Keys, facts: TypeFacts) -> dict[str, Any]:
     return {
         "qkv_bias": bias,
         "out_bias": bias and facts.o_bias and facts.bias is Bias.KEY,
-        "qk_norm": facts.qk_norm is QKNorm.RMS or (facts.qk_norm is QKNorm.RMS_IF_KEY and norm),
+        "qk_layernorm": facts.qk_norm is QKNorm.RMS or (facts.qk_norm is QKNorm.RMS_IF_KEY and norm),
         "qk_l2_norm": facts.qk_norm is QKNorm.L2_IF_KEY and norm,
         "sandwich_norms": facts.sandwich_norms,
     }
@@ -235,10 +233,10 @@ def _positions(keys: _Keys) -> dict[str, Any]:
     inner = _Keys({}, rope)
     kind = str(rope.get("rope_type") or rope.get("type") or "default")
     fields = {
-        "rope_theta": inner.number("rope_theta", keys.number("rope_theta", 0.0)),
+        "rotary_base": inner.number("rope_theta", keys.number("rope_theta", 0.0)),
         "rope_scaling": "" if kind == "default" else kind,
         "rope_factor": inner.number("factor", 1.0),
-        "partial_rotary_factor": inner.number("partial_rotary_factor", keys.number("partial_rotary_factor", 1.0)),
+        "rotary_percent": inner.number("partial_rotary_factor", keys.number("partial_rotary_factor", 1.0)),
     }
     keys.problems += [f"rope: {p}" for p in inner.problems]
     return fields
@@ -279,29 +277,31 @@ def _not_counted(mapping: Mapping[str, Any], keys: _Keys, mla: bool) -> tuple[st
     return tuple(out)
 
 
-def _relations(a: Architecture, keys: _Keys) -> list[str]:
-    """What the numbers must satisfy together, named by their keys."""
+def _relations(f: Mapping[str, Any], keys: _Keys) -> list[str]:
+    """What the numbers (`ModelShape`'s fields) must satisfy together, named by their keys."""
     out = []
-    if a.mla:
-        if a.qk_head_dim <= 0 or a.v_head_dim <= 0:
+    if f["kv_lora_rank"]:
+        if f["qk_nope_head_dim"] + f["qk_rope_head_dim"] <= 0 or f["v_head_dim"] <= 0:
             out.append("kv_lora_rank is set (MLA): qk_nope_head_dim + qk_rope_head_dim and v_head_dim must be > 0")
-    elif a.num_attention_heads % a.num_kv_heads:
+    elif f["num_attention_heads"] % f["num_query_groups"]:
         out.append(
-            f"num_attention_heads ({a.num_attention_heads}) must be a multiple of "
-            f"num_key_value_heads ({a.num_kv_heads})"
+            f"num_attention_heads ({f['num_attention_heads']}) must be a multiple of "
+            f"num_key_value_heads ({f['num_query_groups']})"
         )
-    if bool(a.index_n_heads) != bool(a.index_head_dim):
+    if bool(f["dsa_index_n_heads"]) != bool(f["dsa_index_head_dim"]):
         out.append("the DSA indexer needs both index_n_heads and index_head_dim")
-    elif a.index_n_heads and not a.q_lora_rank:
+    elif f["dsa_index_n_heads"] and not f["q_lora_rank"]:
         out.append("the DSA indexer reads the q LoRA: index_n_heads needs q_lora_rank")
-    if a.dense_layers and a.ffn_hidden_size <= 0:
+    dense_layers = f["num_layers"] - len(f["moe_layers"])
+    experts = f.get("num_experts", 0)
+    if dense_layers and f["ffn_hidden_size"] <= 0:
         dense_key = (
-            "intermediate_size_mlp" if a.num_experts and not keys.has("moe_intermediate_size") else "intermediate_size"
+            "intermediate_size_mlp" if experts and not keys.has("moe_intermediate_size") else "intermediate_size"
         )
-        out.append(f"{dense_key} must be > 0 for the {a.dense_layers} dense layers")
-    if a.num_experts:
-        if a.moe_ffn_hidden_size <= 0:
+        out.append(f"{dense_key} must be > 0 for the {dense_layers} dense layers")
+    if experts:
+        if f["moe_ffn_hidden_size"] <= 0:
             out.append("the expert FFN size (moe_intermediate_size, or intermediate_size) must be > 0")
-        if not 0 < a.moe_router_topk <= a.num_experts:
-            out.append(f"num_experts_per_tok ({a.moe_router_topk}) must be in 1..{a.num_experts} experts")
+        if not 0 < f["moe_router_topk"] <= experts:
+            out.append(f"num_experts_per_tok ({f['moe_router_topk']}) must be in 1..{experts} experts")
     return out

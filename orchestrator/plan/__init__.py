@@ -6,12 +6,12 @@
 
 Pure Python: no torch, nothing built, nothing of the adapters, the job or the CLI imported.
 `MemoryProbe` turns a plan into the memory-budget guard's input (`LifecycleConfig(memory=...)`);
-`GPTS` declares colocate's own models, which the job builds (`TinyGPTConfig.from_spec`).
+`GPTS` declares colocate's own models, which the job builds (`TinyGPTConfig.from_shape`).
 """
 
 from orchestrator.plan.budget import MemoryProbe
 from orchestrator.plan.memory import EngineSpec, GradDtype, OptimizerSpec, Parallelism, Plan, RankBytes, plan
-from orchestrator.plan.model import LayerSpec, ModelSpec, from_config, from_hf_config
+from orchestrator.plan.model import LayerSpec, from_config, from_hf_config
 from orchestrator.plan.presets import GPTS, PRESETS, load_model
 
 __all__ = [
@@ -21,7 +21,6 @@ __all__ = [
     "GradDtype",
     "LayerSpec",
     "MemoryProbe",
-    "ModelSpec",
     "OptimizerSpec",
     "Parallelism",
     "Plan",

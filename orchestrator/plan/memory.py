@@ -16,7 +16,16 @@ from enum import StrEnum
 
 from orchestrator.core.offload import Residency, choose
 from orchestrator.errors import ConfigError
-from orchestrator.plan.model import Kind, LayerSpec, ModelSpec, Tensor, stage_tensors
+from orchestrator.models import ModelShape
+from orchestrator.plan.model import (
+    Kind,
+    LayerSpec,
+    Tensor,
+    kv_bytes_per_token,
+    stage_tensors,
+    total_bytes,
+    total_params,
+)
 from states import EngineMemory, MemoryBudget, Mode, Offload, Region
 
 GB = 1e9
@@ -48,7 +57,7 @@ class Parallelism:
     def expert_dp(self) -> int:
         return self.tp * self.dp // (self.ep * self.etp)
 
-    def problems(self, m: ModelSpec) -> list[str]:
+    def problems(self, m: ModelShape) -> list[str]:
         out = [f"{k} must be >= 1, got {v}" for k, v in vars(self).items() if isinstance(v, int) and v < 1]
         empty = [n for n in self.pp_layers if n < 1]
         if empty:
@@ -59,9 +68,9 @@ class Parallelism:
             (m.num_attention_heads, self.tp, "attention heads", "TP"),
             (m.num_query_groups if not m.mla else self.tp, self.tp, "query groups (KV heads)", "TP"),
             (m.ffn_hidden_size, self.tp, "the dense FFN size", "TP"),
-            (m.shared_expert_ffn or self.tp, self.tp, "the shared-expert FFN size", "TP"),
+            (m.moe_shared_ffn_hidden_size or self.tp, self.tp, "the shared-expert FFN size", "TP"),
         ]
-        if any(m.moe_layers):
+        if m.moe_layers:
             checks += [
                 (m.num_experts, self.ep, "routed experts", "EP"),
                 (m.moe_ffn_hidden_size, self.etp, "the expert FFN size", "expert TP"),
@@ -73,7 +82,7 @@ class Parallelism:
                 (m.kv_lora_rank + m.qk_rope_head_dim, self.tp, "the kv LoRA rank + RoPE dim", "TP"),
             ]
         out = [f"{what} ({n}) do not divide by {by} ({d})" for n, d, what, by in checks if n % d]
-        if m.index_n_heads and self.spec is LayerSpec.LOCAL:
+        if m.dsa_index_n_heads and self.spec is LayerSpec.LOCAL:
             out.append(
                 "the DSA indexer: megatron-core builds it only with the TE spec (its indexer linears are "
                 "TE's replicated Linear; the local backend has none): use --spec te"
@@ -93,7 +102,7 @@ class Parallelism:
             )
         return out
 
-    def stages(self, m: ModelSpec) -> list[range]:
+    def stages(self, m: ModelShape) -> list[range]:
         sizes = self.pp_layers or (m.num_layers // self.pp,) * self.pp
         starts = [sum(sizes[:i]) for i in range(len(sizes))]
         return [range(s, s + n) for s, n in zip(starts, sizes, strict=True)]
@@ -153,7 +162,7 @@ class RankBytes:
 
 @dataclass(frozen=True, kw_only=True)
 class Plan:
-    model: ModelSpec
+    model: ModelShape
     parallel: Parallelism
     optimizer: OptimizerSpec
     engine: EngineSpec
@@ -192,7 +201,7 @@ class Plan:
     def checkpoint_bytes(self) -> tuple[int, int]:
         """(model, optimizer) bytes of the whole checkpoint: every model tensor once (replicas over
         TP, DP and stages are saved by one of them), and every rank's optimizer shard."""
-        return self.model.total_bytes(self.parallel.tp), sum(r.stage_optimizer for r in self.ranks)
+        return total_bytes(self.model, self.parallel.tp), sum(r.stage_optimizer for r in self.ranks)
 
     def kept(self, r: RankBytes) -> frozenset[Region]:
         """The regions the offload choice keeps resident on this stage's ranks."""
@@ -256,7 +265,7 @@ def buffer_numel(tensors: list[Tensor], dp: int, distributed: bool) -> int:
     return _pad(laid_out, math.lcm(dp, 128)) if tensors and distributed else laid_out
 
 
-def rank_bytes(m: ModelSpec, par: Parallelism, opt: OptimizerSpec, stage: int) -> RankBytes:
+def rank_bytes(m: ModelShape, par: Parallelism, opt: OptimizerSpec, stage: int) -> RankBytes:
     layers = par.stages(m)[stage]
     tensors = stage_tensors(
         m, layers, first=stage == 0, last=stage == par.pp - 1, tp=par.tp, ep=par.ep, etp=par.etp, spec=par.spec
@@ -301,7 +310,7 @@ def rank_bytes(m: ModelSpec, par: Parallelism, opt: OptimizerSpec, stage: int) -
 
 
 def plan(
-    model: ModelSpec,
+    model: ModelShape,
     parallel: Parallelism,
     *,
     optimizer: OptimizerSpec | None = None,
@@ -332,8 +341,8 @@ def plan(
         raise ConfigError(problems)
     ranks = [rank_bytes(model, parallel, optimizer, s) for s in range(parallel.pp)]
     gpus = engine.gpus or parallel.world // parallel.dp
-    weights = 2 * model.total_params() // gpus
-    token = model.kv_bytes_per_token(gpus)
+    weights = 2 * total_params(model) // gpus
+    token = kv_bytes_per_token(model, gpus)
     kv = (
         engine.kv_tokens * token
         if engine.kv_tokens

@@ -1,7 +1,7 @@
-"""A model's architecture as numbers, and the tensors one rank holds of it, without building it.
+"""The tensors one rank holds of a model's shape, and the counts made of them, without building it.
 
-`ModelSpec` comes from an HF config, read by orchestrator.models' one reader (`from_hf_config`,
-`from_architecture`), or from a preset. `stage_tensors` lists, for one pipeline stage, every
+The `ModelShape` comes from an HF config, read by orchestrator.models' one reader
+(`from_hf_config`, `from_config`), or from a preset. `stage_tensors` lists, for one pipeline stage, every
 tensor one rank holds under Megatron-core's sharding: column- and row-parallel linears and the
 vocabulary split by TP; norms and routers replicated; routed experts split by EP, and each
 expert by expert TP. MLA's down projections follow the layer spec (`LayerSpec`). Shapes follow
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.errors import ConfigError
-from orchestrator.models import Architecture, read_config
+from orchestrator.models import ModelShape, read_config
 
 
 class LayerSpec(StrEnum):
@@ -64,170 +64,56 @@ class Tensor:
         return self.numel * (4 if self.kind in (Kind.FP32, Kind.EXPERT_BIAS) else 2)
 
 
-@dataclass(frozen=True, kw_only=True)
-class ModelSpec:
-    """A decoder-only transformer, as the numbers that size it.
+def kv_bytes_per_token(m: ModelShape, gpus: int = 1) -> int:
+    """bf16 KV cache bytes one token takes on one of `gpus` engine GPUs (tensor parallel), over
+    every decoder layer: K and V of the KV heads that GPU holds (heads fewer than the GPUs are
+    replicated), or MLA's latent and rope key, which every GPU holds whole."""
+    if m.mla:
+        return 2 * m.num_layers * (m.kv_lora_rank + m.qk_rope_head_dim)
+    heads = math.ceil(m.num_query_groups / max(gpus, 1))
+    return 2 * 2 * m.num_layers * heads * m.kv_channels
 
-    `moe_layers[i]` says whether decoder layer i has a routed-expert MLP. MLA is on when
-    `kv_lora_rank` is set; then `qk_head_dim` (= nope + rope) and `v_head_dim` apply.
-    `not_counted`: the parts of the source model these numbers leave out (a vision tower);
-    `assumed`: what its config did not say and the reader assumed.
-    """
 
-    name: str
-    hidden_size: int
-    num_layers: int
-    vocab_size: int
-    num_attention_heads: int
-    num_query_groups: int
-    ffn_hidden_size: int
-    head_dim: int = 0  # 0: hidden_size // num_attention_heads
-    qk_norm: bool = False
-    qkv_bias: bool = False
-    out_bias: bool = False  # a bias on the attention's output projection (replicated over TP)
-    # Gemma's norms after attention and after the MLP: counted as HF builds them (megatron-core's
-    # TransformerLayer has no slot for them; a Gemma layer spec adds its own).
-    sandwich_norms: bool = False
-    tie_embeddings: bool = False
-    # MLA (DeepSeek-V3 / GLM-5)
-    q_lora_rank: int = 0
-    kv_lora_rank: int = 0
-    qk_head_dim: int = 0
-    qk_rope_head_dim: int = 0
-    v_head_dim: int = 0
-    index_n_heads: int = 0  # DeepSeek sparse attention's indexer (0: none)
-    index_head_dim: int = 0
-    # MoE
-    moe_layers: tuple[bool, ...] = ()
-    num_experts: int = 0
-    moe_ffn_hidden_size: int = 0
-    moe_router_topk: int = 1
-    shared_expert_ffn: int = 0  # all shared experts together
-    shared_expert_gate: bool = False
-    expert_bias: bool = False
-    num_mtp_layers: int = 0  # DeepSeek-style multi-token prediction, on the last stage
-    # tensors that the fp32 mains cannot rebuild, beyond expert_bias
-    fp32_param_numel: int = 0  # fp32-dtype params added beside the architecture's
-    frozen: tuple[str, ...] = ()  # names of params with requires_grad=False
-    not_counted: tuple[str, ...] = ()
-    assumed: tuple[str, ...] = ()
+def total_params(m: ModelShape, tp: int = 1) -> int:
+    """Unique parameters of Megatron's model (no TP/PP copies), extras and MTP included, with
+    the vocabulary padded as Megatron pads it at tensor-parallel size `tp`."""
+    counted = sum(t.numel for t in _whole(m) if t.kind is not Kind.EXPERT_BIAS)
+    return counted + _vocab_padding(m, tp)
 
-    def __post_init__(self) -> None:
-        if not self.moe_layers:
-            object.__setattr__(self, "moe_layers", (False,) * self.num_layers)
-        problems = self.problems()
-        if problems:
-            raise ConfigError([f"model {self.name}: {p}" for p in problems])
 
-    def problems(self) -> list[str]:
-        ints = {k: v for k, v in vars(self).items() if isinstance(v, int) and not isinstance(v, bool)}
-        out = [f"{k} must be >= 0, got {v}" for k, v in ints.items() if v < 0]
-        required = ("hidden_size", "num_layers", "vocab_size", "num_attention_heads", "num_query_groups")
-        out += [f"{k} must be > 0, got {ints[k]}" for k in required if ints[k] == 0]
-        if out:
-            return out
-        if not self.mla and self.num_attention_heads % self.num_query_groups:
-            out.append(f"{self.num_attention_heads} heads do not split into {self.num_query_groups} query groups")
-        if len(self.moe_layers) != self.num_layers:
-            out.append(f"moe_layers has {len(self.moe_layers)} entries for {self.num_layers} layers")
-        if any(self.moe_layers) and (self.num_experts <= 0 or self.moe_ffn_hidden_size <= 0):
-            out.append("MoE layers need num_experts and moe_ffn_hidden_size")
-        if not all(self.moe_layers) and self.ffn_hidden_size <= 0:
-            out.append("dense layers need ffn_hidden_size")
-        return out
+def total_bytes(m: ModelShape, tp: int = 1) -> int:
+    """Bytes of those parameters in their dtypes (`Tensor.nbytes`), the routers' expert_bias
+    buffers included: the model as a checkpoint holds it, each tensor once."""
+    return sum(t.nbytes for t in _whole(m)) + 2 * _vocab_padding(m, tp)
 
-    @classmethod
-    def from_architecture(cls, a: Architecture, name: str | None = None) -> ModelSpec:
-        """The planner's view of an HF architecture (orchestrator.models.read_config)."""
-        return cls(
-            name=name or a.name,
-            hidden_size=a.hidden_size,
-            num_layers=a.num_layers,
-            vocab_size=a.vocab_size,
-            num_attention_heads=a.num_attention_heads,
-            num_query_groups=a.num_kv_heads,
-            ffn_hidden_size=a.ffn_hidden_size,
-            head_dim=a.head_dim,
-            qk_norm=a.qk_norm,
-            qkv_bias=a.qkv_bias,
-            out_bias=a.out_bias,
-            sandwich_norms=a.sandwich_norms,
-            tie_embeddings=a.tie_embeddings,
-            q_lora_rank=a.q_lora_rank,
-            kv_lora_rank=a.kv_lora_rank,
-            qk_head_dim=a.qk_head_dim,
-            qk_rope_head_dim=a.qk_rope_head_dim,
-            v_head_dim=a.v_head_dim,
-            index_n_heads=a.index_n_heads,
-            index_head_dim=a.index_head_dim,
-            moe_layers=a.moe_layers,
-            num_experts=a.num_experts,
-            moe_ffn_hidden_size=a.moe_ffn_hidden_size,
-            moe_router_topk=a.moe_router_topk or 1,
-            shared_expert_ffn=a.shared_expert_ffn,
-            shared_expert_gate=a.shared_expert_gate,
-            expert_bias=a.expert_bias,
-            num_mtp_layers=a.num_mtp_layers,
-            not_counted=a.not_counted,
-            assumed=a.assumed,
-        )
 
-    @property
-    def kv_channels(self) -> int:
-        return self.head_dim or self.hidden_size // self.num_attention_heads
+def _whole(m: ModelShape) -> list[Tensor]:
+    return stage_tensors(m, range(m.num_layers), first=True, last=True, tp=1, ep=1, etp=1)
 
-    @property
-    def mla(self) -> bool:
-        return self.kv_lora_rank > 0
 
-    def kv_bytes_per_token(self, gpus: int = 1) -> int:
-        """bf16 KV cache bytes one token takes on one of `gpus` engine GPUs (tensor parallel), over
-        every decoder layer: K and V of the KV heads that GPU holds (heads fewer than the GPUs are
-        replicated), or MLA's latent and rope key, which every GPU holds whole."""
-        if self.mla:
-            return 2 * self.num_layers * (self.kv_lora_rank + self.qk_rope_head_dim)
-        heads = math.ceil(self.num_query_groups / max(gpus, 1))
-        return 2 * 2 * self.num_layers * heads * self.kv_channels
+def _vocab_padding(m: ModelShape, tp: int) -> int:
+    """Parameters the vocabulary's padding at TP `tp` adds beyond its padding at TP 1 (bf16)."""
+    return (padded_vocab(m.vocab_size, tp) - padded_vocab(m.vocab_size, 1)) * m.vocab_row_params
 
-    def total_params(self, tp: int = 1) -> int:
-        """Unique parameters of Megatron's model (no TP/PP copies), extras and MTP included, with
-        the vocabulary padded as Megatron pads it at tensor-parallel size `tp`."""
-        counted = sum(t.numel for t in self._whole() if t.kind is not Kind.EXPERT_BIAS)
-        return counted + self._vocab_padding(tp)
 
-    def total_bytes(self, tp: int = 1) -> int:
-        """Bytes of those parameters in their dtypes (`Tensor.nbytes`), the routers' expert_bias
-        buffers included: the model as a checkpoint holds it, each tensor once."""
-        return sum(t.nbytes for t in self._whole()) + 2 * self._vocab_padding(tp)
+def mtp_params(m: ModelShape) -> int:
+    """Parameters of the MTP layers (their embedding is the model's)."""
+    whole = stage_tensors(m, range(0), first=False, last=True, tp=1, ep=1, etp=1)
+    return sum(t.numel for t in whole if t.name.startswith("mtp.") and t.kind is not Kind.EXPERT_BIAS)
 
-    def _whole(self) -> list[Tensor]:
-        return stage_tensors(self, range(self.num_layers), first=True, last=True, tp=1, ep=1, etp=1)
 
-    def _vocab_padding(self, tp: int) -> int:
-        """Parameters the vocabulary's padding at TP `tp` adds beyond its padding at TP 1 (bf16)."""
-        return (padded_vocab(self.vocab_size, tp) - padded_vocab(self.vocab_size, 1)) * self.vocab_row_params
+def hf_params(m: ModelShape) -> int:
+    """What the HF checkpoint holds of it: no vocabulary padding, no MTP layers (HF's models
+    do not build them), and none of `not_counted`."""
+    padding = (padded_vocab(m.vocab_size, 1) - m.vocab_size) * m.vocab_row_params
+    return total_params(m) - mtp_params(m) - padding
 
-    def mtp_params(self) -> int:
-        """Parameters of the MTP layers (their embedding is the model's)."""
-        whole = stage_tensors(self, range(0), first=False, last=True, tp=1, ep=1, etp=1)
-        return sum(t.numel for t in whole if t.name.startswith("mtp.") and t.kind is not Kind.EXPERT_BIAS)
 
-    def hf_params(self) -> int:
-        """What the HF checkpoint holds of it: no vocabulary padding, no MTP layers (HF's models
-        do not build them), and none of `not_counted`."""
-        padding = (padded_vocab(self.vocab_size, 1) - self.vocab_size) * self.vocab_row_params
-        return self.total_params() - self.mtp_params() - padding
-
-    @property
-    def vocab_row_params(self) -> int:
-        """Parameters one vocabulary entry adds: its embedding row, and its output row unless tied."""
-        return self.hidden_size * (1 if self.tie_embeddings else 2)
-
-    def active_params(self, tp: int = 1) -> int:
-        """Parameters one token touches: routed experts counted `moe_router_topk` times, not all."""
-        per_expert = 3 * self.hidden_size * self.moe_ffn_hidden_size
-        moe = sum(self.moe_layers) + (self.num_mtp_layers if any(self.moe_layers) else 0)
-        return self.total_params(tp) - moe * per_expert * (self.num_experts - self.moe_router_topk)
+def active_params(m: ModelShape, tp: int = 1) -> int:
+    """Parameters one token touches: routed experts counted `moe_router_topk` times, not all."""
+    per_expert = 3 * m.hidden_size * m.moe_ffn_hidden_size
+    moe = len(m.moe_layers) + (m.mtp_num_layers if m.moe_layers else 0)
+    return total_params(m, tp) - moe * per_expert * (m.num_experts - m.moe_router_topk)
 
 
 def padded_vocab(vocab: int, tp: int, multiple: int = 128) -> int:
@@ -236,7 +122,7 @@ def padded_vocab(vocab: int, tp: int, multiple: int = 128) -> int:
     return math.ceil(vocab / step) * step
 
 
-def _attention(m: ModelSpec, p: str, tp: int, spec: LayerSpec) -> Iterator[Tensor]:
+def _attention(m: ModelShape, p: str, tp: int, spec: LayerSpec) -> Iterator[Tensor]:
     h = m.hidden_size
     yield Tensor(f"{p}input_layernorm.weight", h)
     a = f"{p}self_attention."
@@ -248,7 +134,7 @@ def _attention(m: ModelSpec, p: str, tp: int, spec: LayerSpec) -> Iterator[Tenso
         yield Tensor(f"{a}linear_qkv.weight", qkv * h)
         if m.qkv_bias:
             yield Tensor(f"{a}linear_qkv.bias", qkv)
-        if m.qk_norm:
+        if m.qk_layernorm:
             yield Tensor(f"{a}q_layernorm.weight", d)
             yield Tensor(f"{a}k_layernorm.weight", d)
         yield Tensor(f"{a}linear_proj.weight", h * heads * d)
@@ -258,7 +144,7 @@ def _attention(m: ModelSpec, p: str, tp: int, spec: LayerSpec) -> Iterator[Tenso
         yield Tensor(f"{p}post_attention_layernorm.weight", h)
 
 
-def _mla(m: ModelSpec, a: str, tp: int, spec: LayerSpec) -> Iterator[Tensor]:
+def _mla(m: ModelShape, a: str, tp: int, spec: LayerSpec) -> Iterator[Tensor]:
     h, heads = m.hidden_size, m.num_attention_heads // tp
     down = tp if spec is LayerSpec.LOCAL else 1  # the down projections: split, or replicated
     if m.q_lora_rank:
@@ -269,15 +155,15 @@ def _mla(m: ModelSpec, a: str, tp: int, spec: LayerSpec) -> Iterator[Tensor]:
         yield Tensor(f"{a}linear_q_proj.weight", heads * m.qk_head_dim * h)
     yield Tensor(f"{a}linear_kv_down_proj.weight", (m.kv_lora_rank + m.qk_rope_head_dim) // down * h)
     yield Tensor(f"{a}kv_layernorm.weight", m.kv_lora_rank)
-    nope = m.qk_head_dim - m.qk_rope_head_dim
+    nope = m.qk_nope_head_dim
     yield Tensor(f"{a}linear_kv_up_proj.weight", heads * (nope + m.v_head_dim) * m.kv_lora_rank)
     yield Tensor(f"{a}linear_proj.weight", h * heads * m.v_head_dim)
-    if m.index_n_heads:  # replicated over TP (the TE spec is the only one that builds it)
-        d = m.index_head_dim
-        yield Tensor(f"{a}indexer.wq_b.weight", m.index_n_heads * d * (m.q_lora_rank or h))
+    if m.dsa_index_n_heads:  # replicated over TP (the TE spec is the only one that builds it)
+        d = m.dsa_index_head_dim
+        yield Tensor(f"{a}indexer.wq_b.weight", m.dsa_index_n_heads * d * (m.q_lora_rank or h))
         yield Tensor(f"{a}indexer.wk.weight", d * h)
         yield Tensor(f"{a}indexer.k_norm.weight_and_bias", 2 * d)
-        yield Tensor(f"{a}indexer.weights_proj.weight", m.index_n_heads * h)
+        yield Tensor(f"{a}indexer.weights_proj.weight", m.dsa_index_n_heads * h)
 
 
 def _gated_mlp(p: str, h: int, ffn: int, *, expert: bool = False) -> Iterator[Tensor]:
@@ -285,7 +171,7 @@ def _gated_mlp(p: str, h: int, ffn: int, *, expert: bool = False) -> Iterator[Te
     yield Tensor(f"{p}linear_fc2.weight", h * ffn, expert=expert)
 
 
-def _mlp(m: ModelSpec, p: str, moe: bool, tp: int, ep: int, etp: int) -> Iterator[Tensor]:
+def _mlp(m: ModelShape, p: str, moe: bool, tp: int, ep: int, etp: int) -> Iterator[Tensor]:
     h = m.hidden_size
     yield Tensor(f"{p}pre_mlp_layernorm.weight", h)
     if m.sandwich_norms:
@@ -298,14 +184,14 @@ def _mlp(m: ModelSpec, p: str, moe: bool, tp: int, ep: int, etp: int) -> Iterato
         yield Tensor(f"{p}mlp.router.expert_bias", m.num_experts, Kind.EXPERT_BIAS)
     for e in range(m.num_experts // ep):
         yield from _gated_mlp(f"{p}mlp.experts.local_experts.{e}.", h, m.moe_ffn_hidden_size // etp, expert=True)
-    if m.shared_expert_ffn:
-        yield from _gated_mlp(f"{p}mlp.shared_experts.", h, m.shared_expert_ffn // tp)
+    if m.moe_shared_ffn_hidden_size:
+        yield from _gated_mlp(f"{p}mlp.shared_experts.", h, m.moe_shared_ffn_hidden_size // tp)
         if m.shared_expert_gate:
             yield Tensor(f"{p}mlp.shared_experts.gate_weight", h)  # replicated over TP
 
 
 def stage_tensors(
-    m: ModelSpec,
+    m: ModelShape,
     layers: range,
     *,
     first: bool,
@@ -318,15 +204,16 @@ def stage_tensors(
     """Every tensor one rank of a stage holding decoder `layers` has (all its TP/EP shards alike)."""
     h, vocab = m.hidden_size, padded_vocab(m.vocab_size, tp) // tp
     out: list[Tensor] = []
+    moe_layers = set(m.moe_layers)
     if first:
         out.append(Tensor("embedding.word_embeddings.weight", vocab * h))
     for i in layers:
         out += _attention(m, f"decoder.layers.{i}.", tp, spec)
-        out += _mlp(m, f"decoder.layers.{i}.", m.moe_layers[i], tp, ep, etp)
+        out += _mlp(m, f"decoder.layers.{i}.", i in moe_layers, tp, ep, etp)
     if last:
         out.append(Tensor("decoder.final_layernorm.weight", h))
-        mtp_moe = any(m.moe_layers)
-        for j in range(m.num_mtp_layers):
+        mtp_moe = bool(m.moe_layers)
+        for j in range(m.mtp_num_layers):
             p = f"mtp.layers.{j}."
             out += [Tensor(f"{p}enorm.weight", h), Tensor(f"{p}hnorm.weight", h)]
             out.append(Tensor(f"{p}eh_proj.weight", (h // tp) * 2 * h))
@@ -335,7 +222,7 @@ def stage_tensors(
             out.append(Tensor(f"{p}final_layernorm.weight", h))
         # Off the first stage the last one holds its own copy of the embedding when it needs one:
         # to compute tied logits, or to embed MTP's inputs.
-        if not first and (m.tie_embeddings or m.num_mtp_layers):
+        if not first and (m.tie_embeddings or m.mtp_num_layers):
             out.append(Tensor("embedding.word_embeddings.weight (last-stage copy)", vocab * h, copy=True))
         if not m.tie_embeddings:
             out.append(Tensor("output_layer.weight", vocab * h))
@@ -347,7 +234,7 @@ def stage_tensors(
     return out
 
 
-def from_hf_config(path: Path, name: str | None = None) -> ModelSpec:
+def from_hf_config(path: Path, name: str | None = None) -> ModelShape:
     """Read an HF `config.json`. Raises ConfigError naming the file and what is wrong."""
     try:
         mapping = json.loads(path.read_text())
@@ -358,6 +245,8 @@ def from_hf_config(path: Path, name: str | None = None) -> ModelSpec:
     return from_config(mapping, source=str(path), name=name)
 
 
-def from_config(mapping: Any, *, source: str, name: str | None = None) -> ModelSpec:
-    """An HF config's mapping (a config.json's object, or `PretrainedConfig.to_dict()`)."""
-    return ModelSpec.from_architecture(read_config(mapping, source=source), name)
+def from_config(mapping: Any, *, source: str, name: str | None = None) -> ModelShape:
+    """An HF config's mapping (a config.json's object, or `PretrainedConfig.to_dict()`), named
+    `name` when given."""
+    shape = read_config(mapping, source=source)
+    return replace(shape, name=name) if name else shape

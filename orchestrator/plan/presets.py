@@ -1,8 +1,8 @@
 """Models the planner knows by name: colocate's own GPTs, and published ones.
 
 colocate's GPTs are declared here, once, as plain numbers: orchestrator/job/presets.py builds each
-as the `TinyGPTConfig` it trains, adding what a spec does not hold (sequence length, learning rate,
-RoPE base). The published configs are written out from their model cards' `config.json` values,
+as the `TinyGPTConfig` it trains, adding what a shape does not hold (sequence length, learning
+rate, RoPE base). The published configs are written out from their model cards' `config.json` values,
 so planning never downloads anything.
 """
 
@@ -13,24 +13,27 @@ from dataclasses import replace
 from pathlib import Path
 
 from orchestrator.errors import ConfigError
-from orchestrator.plan.model import ModelSpec, from_config, from_hf_config
+from orchestrator.models import Family, ModelShape
+from orchestrator.plan.model import from_config, from_hf_config
 
 # The param colocate's GPT builds with requires_grad=False when it is asked for a frozen one.
 FROZEN_PARAM = "decoder.layers.0.input_layernorm.weight"
 
 
-def with_extras(spec: ModelSpec, name: str | None = None) -> ModelSpec:
-    """`spec` with every kind of extra a restore must handle, as colocate's GPT builds them: its
+def with_extras(shape: ModelShape, name: str | None = None) -> ModelShape:
+    """`shape` with every kind of extra a restore must handle, as colocate's GPT builds them: its
     last layer MoE (2 experts of its dense width, with expert_bias), an fp32 param (a vector of
     `hidden_size`) and a frozen param (`FROZEN_PARAM`)."""
     return replace(
-        spec,
-        name=name or spec.name,
-        moe_layers=(False,) * (spec.num_layers - 1) + (True,),
+        shape,
+        name=name or shape.name,
+        moe_layers=(shape.num_layers - 1,),
         num_experts=2,
-        moe_ffn_hidden_size=spec.ffn_hidden_size,
+        moe_ffn_hidden_size=shape.ffn_hidden_size,
+        moe_router_topk=1,
         expert_bias=True,
-        fp32_param_numel=spec.hidden_size,
+        moe_score_function="sigmoid",  # Megatron refuses softmax scores with expert_bias
+        fp32_param_numel=shape.hidden_size,
         frozen=(FROZEN_PARAM,),
     )
 
@@ -38,19 +41,20 @@ def with_extras(spec: ModelSpec, name: str | None = None) -> ModelSpec:
 # What `colocate run --model` trains (orchestrator/job/presets.py says what each is). `tiny`'s
 # vocabulary is its copy task's (8 symbols, BOS and SEP); a hidden size of 128 learned it no faster
 # per step: the batch size, not the width, limits that task.
+_LLAMA = Family.LLAMA  # colocate's GPT converts to HF's Llama
 _TRAINED = (
-    ModelSpec(name="tiny", hidden_size=64, num_layers=2, num_attention_heads=4, num_query_groups=2,
-              ffn_hidden_size=128, vocab_size=10),
-    ModelSpec(name="qwen-0.5b", hidden_size=896, num_layers=24, num_attention_heads=14, num_query_groups=2,
-              ffn_hidden_size=4864, vocab_size=65536),
-    ModelSpec(name="llama-1b", hidden_size=2048, num_layers=16, num_attention_heads=16, num_query_groups=8,
-              ffn_hidden_size=7168, vocab_size=32768),
+    ModelShape(name="tiny", hidden_size=64, num_layers=2, num_attention_heads=4, num_query_groups=2,
+               ffn_hidden_size=128, vocab_size=10, family=_LLAMA),
+    ModelShape(name="qwen-0.5b", hidden_size=896, num_layers=24, num_attention_heads=14, num_query_groups=2,
+               ffn_hidden_size=4864, vocab_size=65536, family=_LLAMA),
+    ModelShape(name="llama-1b", hidden_size=2048, num_layers=16, num_attention_heads=16, num_query_groups=8,
+               ffn_hidden_size=7168, vocab_size=32768, family=_LLAMA),
 )  # fmt: skip
 # The restore benchmark's models, extras included: `cpu`, the size the planner's byte-for-byte
 # check builds (tests/integration/test_plan_vs_megatron.py), and `gpu-1b`, its `llama-1b`.
-_CPU = ModelSpec(name="cpu", hidden_size=512, num_layers=4, num_attention_heads=8, num_query_groups=4,
-                 ffn_hidden_size=1536, vocab_size=8192)  # fmt: skip
-GPTS: dict[str, ModelSpec] = {spec.name: spec for spec in _TRAINED} | {
+_CPU = ModelShape(name="cpu", hidden_size=512, num_layers=4, num_attention_heads=8, num_query_groups=4,
+                  ffn_hidden_size=1536, vocab_size=8192, family=_LLAMA)  # fmt: skip
+GPTS: dict[str, ModelShape] = {shape.name: shape for shape in _TRAINED} | {
     "cpu": with_extras(_CPU),
     "gpu-1b": with_extras(_TRAINED[2], "gpu-1b"),
 }
@@ -100,14 +104,14 @@ GLM5 = {
 }
 
 
-PUBLISHED: dict[str, Callable[[], ModelSpec]] = {
+PUBLISHED: dict[str, Callable[[], ModelShape]] = {
     "qwen3-4b": lambda: from_config(QWEN3_4B, source="preset qwen3-4b", name="qwen3-4b"),
     "glm-5": lambda: from_config(GLM5, source="preset glm-5", name="glm-5"),
 }
 PRESETS: tuple[str, ...] = (*GPTS, *PUBLISHED)
 
 
-def load_model(source: str | Path) -> ModelSpec:
+def load_model(source: str | Path) -> ModelShape:
     """A preset's name, or the path of an HF `config.json` (or of the folder that holds one)."""
     if isinstance(source, str) and source in GPTS:
         return GPTS[source]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import traceback
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,6 @@ from orchestrator.adapters.digest import sha256_digests
 from orchestrator.adapters.engines.transformers import TransformersEngine
 from orchestrator.adapters.megatron.convert import (
     Family,
-    ModelSpec,
     convert,
     family_of,
     hf_buckets,
@@ -30,7 +30,9 @@ from orchestrator.adapters.megatron.convert import (
     hf_names,
     to_hf,
 )
+from orchestrator.adapters.megatron.convert.spec import checked
 from orchestrator.adapters.megatron.gpt import TinyGPTConfig
+from orchestrator.models import ModelShape
 
 # GQA with 4 heads per group (so a split that ignores the grouping moves heads), and a theta
 # other than HF's default (so a theta that is not passed through shows).
@@ -150,28 +152,30 @@ def test_te_fused_norm_names_map_to_the_same_norms() -> None:
 
 # ---- the families: Qwen3's q/k norm, Qwen3-MoE's router and experts ---------------------------------
 
-MOE = ModelSpec(
-    family=Family.QWEN3_MOE,
-    vocab_size=128,
-    hidden_size=64,
-    num_layers=2,
-    num_attention_heads=4,
-    num_query_groups=2,
-    head_dim=16,
-    ffn_hidden_size=128,
-    max_position_embeddings=32,
-    rotary_base=500000.0,
-    qk_layernorm=True,
-    num_experts=4,
-    moe_ffn_hidden_size=32,
-    moe_router_topk=2,
-    moe_layers=(1,),
+MOE = checked(
+    ModelShape(
+        family=Family.QWEN3_MOE,
+        vocab_size=128,
+        hidden_size=64,
+        num_layers=2,
+        num_attention_heads=4,
+        num_query_groups=2,
+        head_dim=16,
+        ffn_hidden_size=128,
+        max_position_embeddings=32,
+        rotary_base=500000.0,
+        qk_layernorm=True,
+        num_experts=4,
+        moe_ffn_hidden_size=32,
+        moe_router_topk=2,
+        moe_layers=(1,),
+    )
 )
-QWEN3 = ModelSpec(**{**MOE.to_dict(), "family": Family.QWEN3, "num_experts": 0, "moe_layers": ()})
+QWEN3 = checked(ModelShape(**{**asdict(MOE), "family": Family.QWEN3, "num_experts": 0, "moe_layers": ()}))
 
 
-@pytest.mark.parametrize("spec", [ModelSpec.from_tiny(GQA), QWEN3, MOE], ids=lambda s: s.family.value)
-def test_hf_names_are_what_transformers_saves(spec: ModelSpec, tmp_path: Path) -> None:
+@pytest.mark.parametrize("spec", [checked(GQA.shape()), QWEN3, MOE], ids=lambda s: s.family.value)
+def test_hf_names_are_what_transformers_saves(spec: ModelShape, tmp_path: Path) -> None:
     """The checkpoint names an engine loads: transformers' own `save_pretrained` writes them
     (for Qwen3-MoE it un-fuses its experts into exactly these)."""
     from safetensors import safe_open
@@ -232,7 +236,19 @@ def test_moe_tensors_out_of_place_are_refused_by_name(name: str, shape: tuple[in
 )
 def test_a_model_the_family_cannot_compute_is_refused(family: Family, change: dict[str, Any], why: str) -> None:
     with pytest.raises(ValueError, match=f"no HF {family.value} equivalent: .*{why}"):
-        ModelSpec(**{**MOE.to_dict(), **change, "family": family})
+        checked(ModelShape(**{**asdict(MOE), **change, "family": family}))
+
+
+def test_model_spec_is_the_old_name_of_a_checked_shape() -> None:
+    """docs/conversion.md documented `ModelSpec.from_megatron`: the name still builds a checked
+    `ModelShape`, and refuses what the family cannot compute."""
+    from orchestrator.adapters.megatron.convert import ModelSpec, shape_from_megatron
+
+    assert ModelSpec(**asdict(MOE)) == MOE
+    assert ModelSpec.from_tiny(GQA) == checked(GQA.shape())
+    assert ModelSpec.from_megatron is shape_from_megatron
+    with pytest.raises(ValueError, match="no HF llama equivalent: num_experts=4"):
+        ModelSpec(**{**asdict(MOE), "family": Family.LLAMA, "qk_layernorm": False})
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,7 @@ synced through `colocate_megatron` and compared at TP, PP and EP in test_familie
 from __future__ import annotations
 
 import math
+from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -19,69 +20,77 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("megatron.core")
 
-from orchestrator.adapters.megatron.convert import Family, ModelSpec, family_of, hf_config, hf_names, to_hf
+from orchestrator.adapters.megatron.convert import Family, family_of, hf_config, hf_names, to_hf
+from orchestrator.adapters.megatron.convert.spec import checked, shape_from_megatron
+from orchestrator.models import ModelShape
 from tests.support.megatron_parallel import parallel_config
 
-DEEPSEEK = ModelSpec(
-    family=Family.DEEPSEEK_V3,
-    vocab_size=128,
-    hidden_size=64,
-    num_layers=3,
-    num_attention_heads=4,
-    num_query_groups=4,
-    head_dim=16,
-    ffn_hidden_size=128,
-    max_position_embeddings=16,
-    rotary_base=10000.0,
-    layernorm_epsilon=1e-6,
-    qk_layernorm=True,
-    num_experts=8,
-    moe_ffn_hidden_size=32,
-    moe_router_topk=2,
-    moe_layers=(1, 2),
-    expert_bias=True,
-    multi_latent_attention=True,
-    q_lora_rank=32,
-    kv_lora_rank=24,
-    qk_nope_head_dim=16,
-    qk_rope_head_dim=8,
-    v_head_dim=12,
-    yarn_factor=4.0,
-    yarn_original_max_position_embeddings=4,
-    yarn_mscale_all_dim=0.8,
-    moe_score_function="sigmoid",
-    moe_shared_ffn_hidden_size=64,
-    moe_router_num_groups=2,
-    moe_router_group_topk=1,
-    moe_routed_scaling_factor=2.5,
+DEEPSEEK = checked(
+    ModelShape(
+        family=Family.DEEPSEEK_V3,
+        vocab_size=128,
+        hidden_size=64,
+        num_layers=3,
+        num_attention_heads=4,
+        num_query_groups=4,
+        head_dim=16,
+        ffn_hidden_size=128,
+        max_position_embeddings=16,
+        rotary_base=10000.0,
+        layernorm_epsilon=1e-6,
+        qk_layernorm=True,
+        num_experts=8,
+        moe_ffn_hidden_size=32,
+        moe_router_topk=2,
+        moe_layers=(1, 2),
+        expert_bias=True,
+        q_lora_rank=32,
+        kv_lora_rank=24,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        rope_scaling="yarn",
+        rope_factor=4.0,
+        yarn_original_max_position_embeddings=4,
+        yarn_mscale_all_dim=0.8,
+        moe_score_function="sigmoid",
+        moe_shared_ffn_hidden_size=64,
+        moe_router_num_groups=2,
+        moe_router_group_topk=1,
+        moe_routed_scaling_factor=2.5,
+    )
 )
-DEEPSEEK_Q = ModelSpec(**{**DEEPSEEK.to_dict(), "q_lora_rank": 0, "yarn_factor": 0.0, "moe_layers": (1, 2)})
-GLM = ModelSpec(
-    **{
-        **DEEPSEEK.to_dict(),
-        "family": Family.GLM4_MOE,
-        "num_query_groups": 2,
-        "rotary_base": 500000.0,
-        "layernorm_epsilon": 1e-5,
-        "moe_layers": (1, 2),
-        "multi_latent_attention": False,
-        "q_lora_rank": 0,
-        "kv_lora_rank": 0,
-        "qk_nope_head_dim": 0,
-        "qk_rope_head_dim": 0,
-        "v_head_dim": 0,
-        "yarn_factor": 0.0,
-        "yarn_mscale_all_dim": 0.0,
-        "qkv_bias": True,
-        "rotary_percent": 0.5,
-    }
+DEEPSEEK_Q = checked(
+    ModelShape(**{**asdict(DEEPSEEK), "q_lora_rank": 0, "rope_scaling": "", "rope_factor": 1.0, "moe_layers": (1, 2)})
 )
-GLM_PLAIN = ModelSpec(**{**GLM.to_dict(), "moe_layers": (1, 2), "qkv_bias": False, "qk_layernorm": False})
+GLM = checked(
+    ModelShape(
+        **{
+            **asdict(DEEPSEEK),
+            "family": Family.GLM4_MOE,
+            "num_query_groups": 2,
+            "rotary_base": 500000.0,
+            "layernorm_epsilon": 1e-5,
+            "moe_layers": (1, 2),
+            "q_lora_rank": 0,
+            "kv_lora_rank": 0,
+            "qk_nope_head_dim": 0,
+            "qk_rope_head_dim": 0,
+            "v_head_dim": 0,
+            "rope_scaling": "",
+            "rope_factor": 1.0,
+            "yarn_mscale_all_dim": 0.0,
+            "qkv_bias": True,
+            "rotary_percent": 0.5,
+        }
+    )
+)
+GLM_PLAIN = checked(ModelShape(**{**asdict(GLM), "moe_layers": (1, 2), "qkv_bias": False, "qk_layernorm": False}))
 SPECS = {"deepseek_v3": DEEPSEEK, "deepseek_v3 q_proj": DEEPSEEK_Q, "glm4_moe": GLM, "glm4_moe plain": GLM_PLAIN}
 
 
 @pytest.mark.parametrize("spec", list(SPECS.values()), ids=list(SPECS))
-def test_hf_names_are_what_transformers_saves(spec: ModelSpec, tmp_path: Path) -> None:
+def test_hf_names_are_what_transformers_saves(spec: ModelShape, tmp_path: Path) -> None:
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
@@ -131,7 +140,7 @@ def test_glm_qkv_bias_is_split_per_query_group() -> None:
 
 
 @pytest.mark.parametrize("spec", [DEEPSEEK, GLM], ids=lambda s: s.family.value)
-def test_router_bias_and_shared_experts_map_to_the_moe_layer(spec: ModelSpec) -> None:
+def test_router_bias_and_shared_experts_map_to_the_moe_layer(spec: ModelShape) -> None:
     bias = torch.arange(8.0)
     ((name, out),) = to_hf("decoder.layers.2.mlp.router.expert_bias", bias, spec)
     assert name == "model.layers.2.mlp.gate.e_score_correction_bias" and out is bias
@@ -170,7 +179,7 @@ def _gpt(config: Any, rotary_percent: float = 1.0) -> SimpleNamespace:
 def test_megatrons_deepseek_config_reads_as_deepseek_v3() -> None:
     config = parallel_config(Family.DEEPSEEK_V3, 1, 1, 1)
     assert family_of(config) is Family.DEEPSEEK_V3
-    hf = hf_config(ModelSpec.from_megatron(config, _gpt(config)))
+    hf = hf_config(shape_from_megatron(config, _gpt(config)))
     assert (hf.q_lora_rank, hf.kv_lora_rank, hf.qk_nope_head_dim, hf.qk_rope_head_dim, hf.v_head_dim) == (
         32,
         32,
@@ -195,7 +204,7 @@ def test_megatrons_deepseek_config_reads_as_deepseek_v3() -> None:
 def test_megatrons_glm_config_reads_as_glm4_moe() -> None:
     config = parallel_config(Family.GLM4_MOE, 1, 1, 1)
     assert family_of(config) is Family.GLM4_MOE
-    hf = hf_config(ModelSpec.from_megatron(config, _gpt(config, rotary_percent=0.5)))
+    hf = hf_config(shape_from_megatron(config, _gpt(config, rotary_percent=0.5)))
     assert (hf.attention_bias, hf.use_qk_norm, hf.head_dim, hf.num_key_value_heads) == (True, True, 24, 2)
     assert hf.rope_parameters == {"rope_type": "default", "rope_theta": 500000.0, "partial_rotary_factor": 0.5}
     _assert_routed(hf)
@@ -235,14 +244,18 @@ def test_what_the_family_cannot_compute_is_refused(family: Family, change: dict[
 
     config = dataclasses.replace(parallel_config(family, 1, 1, 1), **change)
     with pytest.raises(ValueError, match=f"no HF {family.value} equivalent: .*{why}"):
-        ModelSpec.from_megatron(config, _gpt(config), family)
+        shape_from_megatron(config, _gpt(config), family)
 
 
 @pytest.mark.parametrize(
     ("family", "change", "why"),
     [
-        (Family.GLM4_MOE, {"multi_latent_attention": True}, "multi_latent_attention .HF glm4_moe has no counterpart"),
-        (Family.DEEPSEEK_V3, {"multi_latent_attention": False}, "HF deepseek_v3's attention is MLA"),
+        (
+            Family.GLM4_MOE,
+            {"kv_lora_rank": 24, "qk_rope_head_dim": 8},
+            "multi_latent_attention .HF glm4_moe has no counterpart",
+        ),
+        (Family.DEEPSEEK_V3, {"kv_lora_rank": 0}, "HF deepseek_v3's attention is MLA"),
         (Family.LLAMA, {"qkv_bias": True, "num_experts": 0, "moe_layers": ()}, "add_qkv_bias .HF llama"),
         (Family.QWEN3, {"rotary_percent": 0.5, "num_experts": 0, "moe_layers": ()}, "rotary_percent=0.5 .HF qwen3"),
         (Family.GLM4_MOE, {"rotary_percent": 0.3}, "not an even width"),
@@ -251,7 +264,7 @@ def test_what_the_family_cannot_compute_is_refused(family: Family, change: dict[
 def test_a_spec_the_family_cannot_compute_is_refused(family: Family, change: dict[str, Any], why: str) -> None:
     base = DEEPSEEK if family is Family.DEEPSEEK_V3 else GLM
     with pytest.raises(ValueError, match=f"no HF {family.value} equivalent: .*{why}"):
-        ModelSpec(**{**base.to_dict(), **change, "family": family})
+        checked(ModelShape(**{**asdict(base), **change, "family": family}))
 
 
 # ---- the math both sides compute ---------------------------------------------------------------------
@@ -273,7 +286,9 @@ def _route(experts: int, topk: int, groups: int, group_topk: int, scale: float) 
 
     keys = dict(num_experts=experts, moe_router_topk=topk, moe_router_num_groups=groups)
     keys |= dict(moe_router_group_topk=group_topk, moe_routed_scaling_factor=scale, moe_norm_topk_prob=topk > 1)
-    hf_router = DeepseekV3TopkRouter(hf_config(ModelSpec(**{**DEEPSEEK.to_dict(), **keys, "moe_layers": (1, 2)})))
+    hf_router = DeepseekV3TopkRouter(
+        hf_config(checked(ModelShape(**{**asdict(DEEPSEEK), **keys, "moe_layers": (1, 2)})))
+    )
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(512, 64, generator=generator)
     with torch.no_grad():
@@ -310,7 +325,7 @@ def test_groups_ranked_by_more_than_two_scores_route_otherwise_in_hf() -> None:
     best_by_top2 = sigmoid.topk(2, dim=-1)[0].sum(-1).argmax(-1)  # HF's group choice
     assert (megatron.view(512, 2, 4).sum(-1).argmax(-1) != best_by_top2).any()
     with pytest.raises(ValueError, match="ranks groups by their top topk // group_topk"):
-        ModelSpec(**{**DEEPSEEK.to_dict(), "moe_router_topk": 4, "moe_layers": (1, 2)})
+        checked(ModelShape(**{**asdict(DEEPSEEK), "moe_router_topk": 4, "moe_layers": (1, 2)}))
 
 
 YARNS = {  # rope dims, factor, original positions, mscale, mscale_all_dim
@@ -338,9 +353,9 @@ def test_megatrons_yarn_is_hfs(yarn: str, monkeypatch: pytest.MonkeyPatch) -> No
         mscale_all_dim=mscale_all_dim,
     )
     emb, megatron_mscale = rope.get_emb(64)  # [positions, 1, 1, dim]
-    keys = dict(qk_rope_head_dim=dim, yarn_factor=factor, yarn_original_max_position_embeddings=original)
+    keys = dict(qk_rope_head_dim=dim, rope_factor=factor, yarn_original_max_position_embeddings=original)
     keys |= dict(yarn_mscale=mscale, yarn_mscale_all_dim=mscale_all_dim, max_position_embeddings=int(factor * original))
-    config = hf_config(ModelSpec(**{**DEEPSEEK.to_dict(), **keys, "moe_layers": (1, 2)}))
+    config = hf_config(checked(ModelShape(**{**asdict(DEEPSEEK), **keys, "moe_layers": (1, 2)})))
     cos, sin = DeepseekV3RotaryEmbedding(config)(torch.zeros(1), torch.arange(64)[None])
     torch.testing.assert_close(cos[0], emb[:, 0, 0].cos() * megatron_mscale)  # as `apply_rotary_pos_emb` scales them
     torch.testing.assert_close(sin[0], emb[:, 0, 0].sin() * megatron_mscale)

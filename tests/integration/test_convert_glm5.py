@@ -10,6 +10,7 @@ test_families.py, and each stage's first indexer there against transformers' on 
 from __future__ import annotations
 
 import re
+from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -20,33 +21,38 @@ import torch
 pytest.importorskip("transformers")
 pytest.importorskip("megatron.core")
 
-from orchestrator.adapters.megatron.convert import Family, ModelSpec, family_of, hf_config, hf_names, hf_shape, to_hf
+from orchestrator.adapters.megatron.convert import Family, family_of, hf_config, hf_names, hf_shape, to_hf
 from orchestrator.adapters.megatron.convert.mtp import left_out
+from orchestrator.adapters.megatron.convert.spec import checked, shape_from_megatron
+from orchestrator.models import ModelShape
 from tests.integration.test_convert_deepseek import DEEPSEEK
 from tests.support.megatron_dsa import walsh_hadamard
 from tests.support.megatron_parallel import parallel_config
 
 # DeepSeek-V3's tiny shape without YaRN, groups or a routed scale, with the indexer and one MTP layer.
-GLM5 = ModelSpec(
-    **{
-        **DEEPSEEK.to_dict(),
-        "family": Family.GLM_MOE_DSA,
-        "moe_layers": (1, 2),
-        "yarn_factor": 0.0,
-        "yarn_original_max_position_embeddings": 0,
-        "yarn_mscale_all_dim": 0.0,
-        "moe_router_num_groups": 0,
-        "moe_router_group_topk": 0,
-        "moe_routed_scaling_factor": 1.0,
-        "dsa_index_n_heads": 4,
-        "dsa_index_head_dim": 32,
-        "dsa_index_topk": 4,
-        "mtp_num_layers": 1,
-    }
+GLM5 = checked(
+    ModelShape(
+        **{
+            **asdict(DEEPSEEK),
+            "family": Family.GLM_MOE_DSA,
+            "moe_layers": (1, 2),
+            "rope_scaling": "",
+            "rope_factor": 1.0,
+            "yarn_original_max_position_embeddings": 0,
+            "yarn_mscale_all_dim": 0.0,
+            "moe_router_num_groups": 0,
+            "moe_router_group_topk": 0,
+            "moe_routed_scaling_factor": 1.0,
+            "dsa_index_n_heads": 4,
+            "dsa_index_head_dim": 32,
+            "dsa_index_topk": 4,
+            "mtp_num_layers": 1,
+        }
+    )
 )
 
 
-def _saved(spec: ModelSpec, tmp: Path) -> dict[str, tuple[int, ...]]:
+def _saved(spec: ModelShape, tmp: Path) -> dict[str, tuple[int, ...]]:
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
@@ -128,7 +134,7 @@ def test_indexer_rows_move_the_rope_dims_first() -> None:
 def test_from_megatron_0_19_the_indexer_rows_map_as_they_are() -> None:
     """megatron-core 0.19 puts the rope dims first, as HF does (its configs have
     `dsa_indexer_rope_interleaved`, which `dsa.megatron_fields` reads as that layout)."""
-    spec = ModelSpec(**{**GLM5.to_dict(), "dsa_index_rope_first": True})
+    spec = checked(ModelShape(**{**asdict(GLM5), "dsa_index_rope_first": True}))
     rows = torch.randn(128, 32)
     ((_, out),) = to_hf("decoder.layers.0.self_attention.core_attention.indexer.linear_wq_b.weight", rows, spec)
     assert out is rows
@@ -194,7 +200,7 @@ def test_hf_config_runs_an_indexer_in_every_layer() -> None:
 )
 def test_what_hf_glm_moe_dsa_cannot_compute_is_refused(changes: dict[str, Any], problem: str) -> None:
     with pytest.raises(ValueError, match=re.escape(problem)):
-        ModelSpec(**{**GLM5.to_dict(), **changes})
+        checked(ModelShape(**{**asdict(GLM5), **changes}))
 
 
 def test_megatrons_dsa_config_reads_as_glm_moe_dsa() -> None:
@@ -206,7 +212,7 @@ def test_megatrons_dsa_config_reads_as_glm_moe_dsa() -> None:
         position_embedding_type="rope",
         share_embeddings_and_output_weights=False,
     )
-    spec = ModelSpec.from_megatron(config, gpt)
+    spec = shape_from_megatron(config, gpt)
     assert (spec.dsa_index_n_heads, spec.dsa_index_head_dim, spec.dsa_index_topk, spec.mtp_num_layers) == (4, 32, 4, 1)
 
 

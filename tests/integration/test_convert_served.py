@@ -8,9 +8,9 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from orchestrator.adapters.megatron.convert import ModelSpec, hf_config
+from orchestrator.adapters.megatron.convert import hf_config
 from orchestrator.adapters.megatron.convert.served import served_problems
-from orchestrator.models import read_config
+from orchestrator.models import ModelShape, read_config
 from tests.integration.test_convert_deepseek import DEEPSEEK, GLM
 from tests.integration.test_convert_tied_mixtral_grouped import LLAMA_TIED, MIXTRAL, QWEN3_MOE, QWEN3_TIED
 
@@ -18,13 +18,13 @@ SPECS = {"llama tied": LLAMA_TIED, "qwen3 tied": QWEN3_TIED, "qwen3_moe": QWEN3_
 SPECS |= {"deepseek_v3": DEEPSEEK, "glm4_moe": GLM}
 
 
-def _served(spec: ModelSpec, **change: object) -> object:
+def _served(spec: ModelShape, **change: object) -> object:
     config = hf_config(spec).to_dict() | change
     return read_config(config, source="served/config.json")
 
 
 @pytest.mark.parametrize("spec", SPECS.values(), ids=SPECS.keys())
-def test_the_config_the_converter_writes_reads_back_as_its_model(spec: ModelSpec) -> None:
+def test_the_config_the_converter_writes_reads_back_as_its_model(spec: ModelShape) -> None:
     assert served_problems(spec, _served(spec)) == []
 
 
@@ -43,7 +43,7 @@ def test_the_config_the_converter_writes_reads_back_as_its_model(spec: ModelSpec
     ],
     ids=["tied", "family", "topk", "routed-scale", "partial-rotary"],
 )
-def test_a_served_config_that_computes_otherwise_is_named(spec: ModelSpec, change: dict, named: str) -> None:
+def test_a_served_config_that_computes_otherwise_is_named(spec: ModelShape, change: dict, named: str) -> None:
     problems = served_problems(spec, _served(spec, **change))
     assert any(named in p for p in problems), problems
 

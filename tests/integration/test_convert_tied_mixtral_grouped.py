@@ -4,6 +4,7 @@ parallel syncs into transformers' own classes are in `test_families`).
 
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,9 @@ import torch.nn.functional as F
 
 pytest.importorskip("transformers")
 
-from orchestrator.adapters.megatron.convert import Family, ModelSpec, hf_config, hf_names, hf_targets, to_hf
+from orchestrator.adapters.megatron.convert import Family, hf_config, hf_names, hf_targets, to_hf
+from orchestrator.adapters.megatron.convert.spec import checked
+from orchestrator.models import ModelShape
 
 BASE: dict[str, Any] = dict(
     vocab_size=128,
@@ -27,18 +30,18 @@ BASE: dict[str, Any] = dict(
     rotary_base=500000.0,
 )
 MOE: dict[str, Any] = dict(num_experts=4, moe_ffn_hidden_size=32, moe_router_topk=2)
-MIXTRAL = ModelSpec(family=Family.MIXTRAL, moe_layers=(0, 1), **MOE, **BASE)
-QWEN3_MOE = ModelSpec(family=Family.QWEN3_MOE, qk_layernorm=True, moe_layers=(1,), **MOE, **BASE)
-QWEN3_TIED = ModelSpec(family=Family.QWEN3, qk_layernorm=True, tie_embeddings=True, **BASE)
-LLAMA_TIED = ModelSpec(family=Family.LLAMA, tie_embeddings=True, **BASE)
+MIXTRAL = checked(ModelShape(family=Family.MIXTRAL, moe_layers=(0, 1), **MOE, **BASE))
+QWEN3_MOE = checked(ModelShape(family=Family.QWEN3_MOE, qk_layernorm=True, moe_layers=(1,), **MOE, **BASE))
+QWEN3_TIED = checked(ModelShape(family=Family.QWEN3, qk_layernorm=True, tie_embeddings=True, **BASE))
+LLAMA_TIED = checked(ModelShape(family=Family.LLAMA, tie_embeddings=True, **BASE))
 
 
 @pytest.mark.parametrize(
     "spec",
-    [QWEN3_TIED, LLAMA_TIED, MIXTRAL, ModelSpec(**{**MIXTRAL.to_dict(), "tie_embeddings": True})],
+    [QWEN3_TIED, LLAMA_TIED, MIXTRAL, checked(ModelShape(**{**asdict(MIXTRAL), "tie_embeddings": True}))],
     ids=["qwen3 tied", "llama tied", "mixtral", "mixtral tied"],
 )
-def test_hf_names_are_what_transformers_saves(spec: ModelSpec, tmp_path: Path) -> None:
+def test_hf_names_are_what_transformers_saves(spec: ModelShape, tmp_path: Path) -> None:
     """Tied: no `lm_head.weight` (transformers writes the embedding alone); Mixtral: its own
     checkpoint names (transformers un-fuses its experts into exactly these)."""
     from safetensors import safe_open
@@ -100,12 +103,12 @@ def test_router_and_experts_map_to_mixtrals() -> None:
 )
 def test_a_model_mixtral_cannot_compute_is_refused(change: dict[str, Any], why: str) -> None:
     with pytest.raises(ValueError, match=f"no HF mixtral equivalent: .*{why}"):
-        ModelSpec(**{**MIXTRAL.to_dict(), **change})
+        checked(ModelShape(**{**asdict(MIXTRAL), **change}))
 
 
 def test_a_dense_family_with_experts_names_the_moe_family_to_use() -> None:
     with pytest.raises(ValueError, match="the llama family is dense: use mixtral"):
-        ModelSpec(**{**MIXTRAL.to_dict(), "family": Family.LLAMA})
+        checked(ModelShape(**{**asdict(MIXTRAL), "family": Family.LLAMA}))
 
 
 @pytest.mark.parametrize(
@@ -118,7 +121,7 @@ def test_a_dense_family_with_experts_names_the_moe_family_to_use() -> None:
         ("decoder.layers.0.mlp.experts.weight2", QWEN3_MOE, "layer 0 is a dense layer"),
     ],
 )
-def test_unconvertible_expert_tensors_are_refused_by_name(name: str, spec: ModelSpec, why: str) -> None:
+def test_unconvertible_expert_tensors_are_refused_by_name(name: str, spec: ModelShape, why: str) -> None:
     """`to_hf` refuses them alike (it goes through the same rules), as does `hf_buckets` before any gather."""
     with pytest.raises(ValueError, match=f"{name!r}.*{why}"):
         hf_targets(name, spec)
@@ -136,7 +139,7 @@ def _grouped_forward(weight1: torch.Tensor, weight2: torch.Tensor, x: torch.Tens
 
 
 @pytest.mark.parametrize("spec", [QWEN3_MOE, MIXTRAL], ids=["qwen3_moe", "mixtral"])
-def test_grouped_experts_convert_to_what_hf_computes(spec: ModelSpec) -> None:
+def test_grouped_experts_convert_to_what_hf_computes(spec: ModelShape) -> None:
     """A whole GroupedMLP weight1 [hidden, experts · 2 · ffn] and weight2 [experts · ffn, hidden]
     become each expert's HF projections, and HF's expert computes GroupedMLP's function."""
     generator = torch.Generator().manual_seed(0)

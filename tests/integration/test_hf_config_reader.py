@@ -24,10 +24,10 @@ pytest.importorskip("transformers")
 import torch
 import transformers
 
-from orchestrator.adapters.megatron.convert import Family, ModelSpec, hf_config
-from orchestrator.models import read_config
+from orchestrator.adapters.megatron.convert import Family, hf_config
+from orchestrator.models import ModelShape, read_config
 from orchestrator.models.hf_types import HF_TYPES
-from orchestrator.plan.model import from_config
+from orchestrator.plan.model import from_config, hf_params, total_params
 
 TINY: dict[str, Any] = dict(
     vocab_size=256,
@@ -41,9 +41,9 @@ TINY: dict[str, Any] = dict(
     rotary_base=500000.0,
 )
 CONVERTER_SPECS = {
-    Family.LLAMA: ModelSpec(family=Family.LLAMA, **TINY),
-    Family.QWEN3: ModelSpec(family=Family.QWEN3, qk_layernorm=True, **TINY),
-    Family.QWEN3_MOE: ModelSpec(
+    Family.LLAMA: ModelShape(family=Family.LLAMA, **TINY),
+    Family.QWEN3: ModelShape(family=Family.QWEN3, qk_layernorm=True, **TINY),
+    Family.QWEN3_MOE: ModelShape(
         family=Family.QWEN3_MOE,
         qk_layernorm=True,
         num_experts=4,
@@ -66,20 +66,20 @@ def test_the_converters_config_reads_back_and_counts_as_transformers_builds_it(f
     config = hf_config(spec)
     arch = read_config(config.to_dict(), source=f"hf_config({family})")
     assert arch.family is family
-    assert (arch.hidden_size, arch.num_layers, arch.num_attention_heads, arch.num_kv_heads, arch.head_dim) == (
+    assert (arch.hidden_size, arch.num_layers, arch.num_attention_heads, arch.num_query_groups, arch.head_dim) == (
         64,
         3,
         4,
         2,
         16,
     )
-    assert arch.qk_norm == spec.qk_layernorm and not arch.tie_embeddings and arch.rope_theta == 500000.0
-    assert [i for i, moe in enumerate(arch.moe_layers) if moe] == list(spec.moe_layers)
+    assert arch.qk_layernorm == spec.qk_layernorm and not arch.tie_embeddings and arch.rotary_base == 500000.0
+    assert arch.moe_layers == spec.moe_layers
     assert (arch.num_experts, arch.moe_ffn_hidden_size) == (spec.num_experts, spec.moe_ffn_hidden_size)
     if spec.num_experts:
-        assert (arch.moe_router_topk, arch.norm_topk_prob) == (2, True)
+        assert (arch.moe_router_topk, arch.moe_norm_topk_prob) == (2, True)
     model = transformers.AutoModelForCausalLM.from_config(config)
-    assert from_config(config.to_dict(), source=family).total_params() == numel(model)
+    assert total_params(from_config(config.to_dict(), source=family)) == numel(model)
 
 
 VISION = ("visual", "vision_tower", "vision_model", "multi_modal_projector")
@@ -115,7 +115,7 @@ def test_published_shapes_count_as_transformers_builds_them(name: str) -> None:
     with torch.device("meta"):
         model = model_class(config)
     vision = numel(model) - numel(model, VISION)
-    assert spec.hf_params() == numel(model) - vision
+    assert hf_params(spec) == numel(model) - vision
     assert bool(spec.not_counted) == (vision > 0)
 
 
@@ -126,7 +126,7 @@ def test_gemma3_without_a_tie_key_ties_as_transformers_does() -> None:
     with torch.device("meta"):
         model = transformers.Gemma3ForConditionalGeneration(config)
     assert config.tie_word_embeddings and from_config(saved, source="gemma3").tie_embeddings
-    assert from_config(saved, source="gemma3").hf_params() == numel(model, VISION)
+    assert hf_params(from_config(saved, source="gemma3")) == numel(model, VISION)
 
 
 @pytest.mark.parametrize("facts", HF_TYPES, ids=lambda f: f.model_type)

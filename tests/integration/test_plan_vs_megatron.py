@@ -49,11 +49,12 @@ def test_every_buffer_is_planned_to_the_byte(measured: tuple[int, int, list[dict
 def test_the_local_spec_splits_mlas_down_projections_as_megatron_does(tmp_path: Path) -> None:
     """`--spec local` against Megatron's own local layer spec at TP2 (tests/support/plan_spec_ranks.py
     names the two parameter-free seams it replaces): every tensor of every rank, by name."""
-    from orchestrator.plan.model import LayerSpec, ModelSpec, stage_tensors
+    from orchestrator.models import ModelShape
+    from orchestrator.plan.model import LayerSpec, stage_tensors
     from tests.support.plan_spec_ranks import SHAPE, VOCAB, rank
     from tests.support.spawn import spawn_ranks
 
-    spec = ModelSpec(
+    spec = ModelShape(
         name="mla",
         hidden_size=SHAPE["hidden_size"],
         num_layers=SHAPE["num_layers"],
@@ -63,7 +64,7 @@ def test_the_local_spec_splits_mlas_down_projections_as_megatron_does(tmp_path: 
         ffn_hidden_size=SHAPE["ffn_hidden_size"],
         q_lora_rank=SHAPE["q_lora_rank"],
         kv_lora_rank=SHAPE["kv_lora_rank"],
-        qk_head_dim=SHAPE["qk_head_dim"] + SHAPE["qk_pos_emb_head_dim"],
+        qk_nope_head_dim=SHAPE["qk_head_dim"],
         qk_rope_head_dim=SHAPE["qk_pos_emb_head_dim"],
         v_head_dim=SHAPE["v_head_dim"],
     )

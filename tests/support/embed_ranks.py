@@ -130,7 +130,7 @@ def _not_a_llama() -> tuple[list[Any], Any]:
 
     from orchestrator.adapters.megatron.build import _transformer_config
 
-    config = dataclasses.replace(_transformer_config(DENSE), normalization="LayerNorm", rotary_interleaved=True)
+    config = dataclasses.replace(_transformer_config(DENSE.shape()), normalization="LayerNorm", rotary_interleaved=True)
     gpt = GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(normalization="LayerNorm"),

@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from orchestrator.adapters.megatron.convert import ModelSpec, hf_config
+from orchestrator.adapters.megatron.convert import hf_config
+from orchestrator.models import Family, ModelShape
 from tests.support.family_ranks import BUCKET_BYTES, CYCLES
 from tests.support.tolerance import Compared, compare, engine_logits, own_rounding
 
@@ -26,8 +27,11 @@ __all__ = [
 ]
 
 
-def spec_of(run: dict[str, Any], case: str) -> ModelSpec:
-    return ModelSpec.from_dict(run["reports"][0][case]["spec"])
+def spec_of(run: dict[str, Any], case: str) -> ModelShape:
+    """The shape the case's rank recorded (`dataclasses.asdict`, its tuples maybe lists by now)."""
+    data = run["reports"][0][case]["spec"]
+    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
+    return ModelShape(**fields | {"family": Family(data["family"])})
 
 
 def merged(run: dict[str, Any], case: str, key: str, cycle: int) -> dict[int, Any]:

@@ -26,6 +26,7 @@ import os
 import threading
 import time
 import traceback
+from dataclasses import asdict
 from functools import partial
 from multiprocessing.managers import BaseManager
 from pathlib import Path
@@ -234,7 +235,7 @@ def case_scenario(rank: int, case: str, layout: tuple[int, int, int], host: Engi
     sources = lifecycle.snapshot().layout.sync_sources
     source = is_sync_source()
     report: dict[str, Any] = {
-        "spec": model_spec(chunks).to_dict(),
+        "spec": asdict(model_spec(chunks)),
         "source": source,
         "sharded": sharded,
         "largest_whole": largest,

@@ -35,7 +35,9 @@ from typing import Any
 
 import torch
 
-from orchestrator.adapters.megatron.convert import ModelSpec, hf_config
+from orchestrator.adapters.megatron.convert import hf_config
+from orchestrator.adapters.megatron.convert.spec import shape_from_megatron
+from orchestrator.models import ModelShape
 from tests.support.rounding import SIGMAS, drift, index_variance, leads, spread_of
 from tests.support.routing import hf_routing, hf_selections
 
@@ -54,7 +56,7 @@ __all__ = [
 _GLUE = ("enorm", "hnorm", "eh_proj", "shared_head.norm")
 
 
-def load(spec: ModelSpec, state: dict[str, torch.Tensor], tmp: Path) -> tuple[Any, dict[str, list[str]]]:
+def load(spec: ModelShape, state: dict[str, torch.Tensor], tmp: Path) -> tuple[Any, dict[str, list[str]]]:
     """`AutoModelForCausalLM.from_pretrained` of `hf_config(spec)` and `state`, as an engine loads
     a checkpoint; and its loading info."""
     from safetensors.torch import save_file
@@ -147,12 +149,12 @@ def agreement(
     )
 
 
-def mtp_names_of(state: dict[str, Any], spec: ModelSpec) -> list[str]:
+def mtp_names_of(state: dict[str, Any], spec: ModelShape) -> list[str]:
     """The names of `state` in the MTP layers (HF layers `num_layers` and up)."""
     return [n for n in state if n.startswith("model.layers.") and int(n.split(".")[2]) >= spec.num_layers]
 
 
-def _with_mtp_as_decoder(spec: ModelSpec) -> ModelSpec:
+def _with_mtp_as_decoder(spec: ModelShape) -> ModelShape:
     """The spec of a model whose layer N is the MTP layer's decoder layer (of the last layer's kind)."""
     last = spec.num_layers - 1
     moe = (*spec.moe_layers, spec.num_layers) if last in spec.moe_layers else spec.moe_layers
@@ -160,7 +162,7 @@ def _with_mtp_as_decoder(spec: ModelSpec) -> ModelSpec:
 
 
 def nextn_logits(
-    spec: ModelSpec,
+    spec: ModelShape,
     state: dict[str, torch.Tensor],
     tokens: torch.Tensor,
     tmp: Path,
@@ -227,7 +229,7 @@ def indexer_selections(indexer: Any, config: Any, seq: int, batch: int) -> dict[
         position_embedding_type="rope",
         share_embeddings_and_output_weights=False,
     )
-    spec = ModelSpec.from_megatron(config, gpt)
+    spec = shape_from_megatron(config, gpt)
     x = torch.randn(seq, batch, config.hidden_size, device=device).bfloat16()
     qr = torch.randn(seq, batch, config.q_lora_rank, device=device).bfloat16()
     causal = torch.full((seq, seq), float("-inf"), device=device).triu(1)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from orchestrator.adapters.megatron.convert import ModelSpec
+from orchestrator.models import ModelShape
 
 __all__ = [
     "as_is",
@@ -69,12 +69,12 @@ def per_head_rows(state: dict[str, torch.Tensor], suffix: str, parts: list[int])
     return out
 
 
-def kv_b_unheaded(state: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
+def kv_b_unheaded(state: dict[str, torch.Tensor], spec: ModelShape) -> dict[str, torch.Tensor]:
     """kv_b_proj read as [every head's k_nope; every head's v]: Megatron packs both per head."""
     return per_head_rows(state, "kv_b_proj.weight", [spec.qk_nope_head_dim, spec.v_head_dim])
 
 
-def qkv_bias_ungrouped(state: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
+def qkv_bias_ungrouped(state: dict[str, torch.Tensor], spec: ModelShape) -> dict[str, torch.Tensor]:
     """linear_qkv.bias split as three blocks, ignoring its per-group interleave."""
     out = dict(state)
     groups, projections = spec.num_query_groups, ("q_proj", "k_proj", "v_proj")
@@ -86,15 +86,15 @@ def qkv_bias_ungrouped(state: dict[str, torch.Tensor], spec: ModelSpec) -> dict[
     return out
 
 
-def bias_dropped(state: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
+def bias_dropped(state: dict[str, torch.Tensor], spec: ModelShape) -> dict[str, torch.Tensor]:
     return {n: torch.zeros_like(t) if n.endswith("e_score_correction_bias") else t for n, t in state.items()}
 
 
-def as_is(state: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
+def as_is(state: dict[str, torch.Tensor], spec: ModelShape) -> dict[str, torch.Tensor]:
     return state
 
 
-def indexer_rope_last(state: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
+def indexer_rope_last(state: dict[str, torch.Tensor], spec: ModelShape) -> dict[str, torch.Tensor]:
     """GLM-5's indexer mapped as Megatron lays it out: each head's rope dims last, not first (the
     mistake of mapping `linear_wq_b`, `linear_wk` and `k_norm` by name alone)."""
     head, rope = spec.dsa_index_head_dim, spec.qk_rope_head_dim
@@ -107,7 +107,7 @@ def indexer_rope_last(state: dict[str, torch.Tensor], spec: ModelSpec) -> dict[s
     return out
 
 
-def eh_proj_halves_swapped(state: dict[str, torch.Tensor], spec: ModelSpec) -> dict[str, torch.Tensor]:
+def eh_proj_halves_swapped(state: dict[str, torch.Tensor], spec: ModelShape) -> dict[str, torch.Tensor]:
     """The MTP projection's input read as [hidden; embedding] (as some checkpoints order it, e.g.
     transformers' `mtp_hidden_states_first`), not Megatron's and SGLang's [embedding; hidden]."""
     out = dict(state)

@@ -10,7 +10,7 @@ import pytest
 
 from orchestrator.errors import ConfigError
 from orchestrator.models import Family, read_config
-from orchestrator.plan.model import from_config
+from orchestrator.plan.model import from_config, total_params
 from orchestrator.plan.presets import QWEN3_4B
 from tests.support.hf_configs import LLAMA4_TEXT, MIXTRAL, QWEN3_VL
 
@@ -23,11 +23,11 @@ def attention(h: int, heads: int, groups: int, d: int) -> int:
 
 def test_qwen3_vl_keeps_its_top_level_tie_and_its_q_k_norms_and_names_the_vision_tower() -> None:
     arch = read_config(QWEN3_VL, source="qwen3-vl")
-    assert arch.tie_embeddings and arch.qk_norm and not arch.qkv_bias
+    assert arch.tie_embeddings and arch.qk_layernorm and not arch.qkv_bias
     assert (arch.model_type, arch.text_model_type, arch.family) == ("qwen3_vl", "qwen3_vl_text", None)
     assert arch.not_counted == ("the vision encoder (vision_config) and what joins it to the text model",)
     assert arch.name == "Qwen3VLForConditionalGeneration"
-    assert from_config(QWEN3_VL, source="qwen3-vl").total_params() == QWEN3_4B_PARAMS
+    assert total_params(from_config(QWEN3_VL, source="qwen3-vl")) == QWEN3_4B_PARAMS
 
 
 def test_qwen2_5_vl_biases_q_k_v_as_its_model_type_does() -> None:
@@ -37,9 +37,9 @@ def test_qwen2_5_vl_biases_q_k_v_as_its_model_type_does() -> None:
     }
     arch = read_config(config, source="qwen2.5-vl")
     assert arch.text_model_type == "qwen2_5_vl_text"  # from the wrapper's type
-    assert arch.qkv_bias and not arch.out_bias and not arch.qk_norm
+    assert arch.qkv_bias and not arch.out_bias and not arch.qk_layernorm
     spec = from_config(config, source="qwen2.5-vl")
-    assert spec.total_params() == QWEN3_4B_PARAMS - 36 * 2 * 128 + 36 * (32 + 2 * 8) * 128  # no q/k norm; biases
+    assert total_params(spec) == QWEN3_4B_PARAMS - 36 * 2 * 128 + 36 * (32 + 2 * 8) * 128  # no q/k norm; biases
 
 
 def test_a_missing_tie_key_takes_the_model_types_default() -> None:
@@ -55,23 +55,23 @@ def test_a_missing_tie_key_takes_the_model_types_default() -> None:
 def test_mixtral_names_its_experts_num_local_experts_and_its_expert_ffn_intermediate_size() -> None:
     arch = read_config(MIXTRAL, source="mixtral")
     assert (arch.num_experts, arch.moe_ffn_hidden_size, arch.ffn_hidden_size) == (4, 96, 0)
-    assert arch.moe_layers == (True, True) and arch.family is Family.MIXTRAL and arch.norm_topk_prob
+    assert arch.moe_layers == (0, 1) and arch.family is Family.MIXTRAL and arch.moe_norm_topk_prob
     h = 64
     layer = 2 * h + attention(h, 4, 2, 16) + 4 * h + 4 * 3 * h * 96  # norms, attention, router, experts
-    assert from_config(MIXTRAL, source="mixtral").total_params() == 2 * 256 * h + 2 * layer + h
+    assert total_params(from_config(MIXTRAL, source="mixtral")) == 2 * 256 * h + 2 * layer + h
 
 
 def test_llama4_interleaves_dense_and_moe_layers_with_a_shared_expert_and_no_qk_norm_weights() -> None:
     arch = read_config(LLAMA4_TEXT, source="llama4")
-    assert arch.moe_layers == (False, True, False, True)
-    assert (arch.ffn_hidden_size, arch.moe_ffn_hidden_size, arch.shared_expert_ffn) == (128, 32, 32)
-    assert arch.qk_l2_norm and not arch.qk_norm and arch.router_score == "sigmoid"
+    assert arch.moe_layers == (1, 3)
+    assert (arch.ffn_hidden_size, arch.moe_ffn_hidden_size, arch.moe_shared_ffn_hidden_size) == (128, 32, 32)
+    assert arch.qk_l2_norm and not arch.qk_layernorm and arch.moe_score_function == "sigmoid"
     h, att = 64, attention(64, 4, 2, 16)
     dense = 2 * h + att + 3 * h * 128
     moe = 2 * h + att + 4 * h + 4 * 3 * h * 32 + 3 * h * 32
-    assert from_config(LLAMA4_TEXT, source="llama4").total_params() == 2 * 256 * h + 2 * dense + 2 * moe + h
+    assert total_params(from_config(LLAMA4_TEXT, source="llama4")) == 2 * 256 * h + 2 * dense + 2 * moe + h
     resolved = read_config({**LLAMA4_TEXT, "moe_layers": [0, 3]}, source="llama4")  # transformers' resolved list
-    assert resolved.moe_layers == (True, False, False, True)
+    assert resolved.moe_layers == (0, 3)
 
 
 def test_the_name_comes_from_the_config() -> None:
@@ -106,10 +106,15 @@ def test_rope_moe_routing_and_mtp_are_read() -> None:
         "rope_scaling": {"type": "yarn", "factor": 40, "rope_theta": 10000},
     }
     a = read_config(config, source="dsv3")
-    assert a.moe_layers == (False, True, True) and a.shared_expert_ffn == 32 and a.num_mtp_layers == 1
-    assert (a.router_score, a.expert_bias, a.n_group, a.topk_group) == ("sigmoid", True, 4, 2)
-    assert (a.routed_scaling_factor, a.norm_topk_prob) == (2.5, True)
-    assert (a.rope_scaling, a.rope_factor, a.rope_theta) == ("yarn", 40.0, 10000.0)
+    assert a.moe_layers == (1, 2) and a.moe_shared_ffn_hidden_size == 32 and a.mtp_num_layers == 1
+    assert (a.moe_score_function, a.expert_bias, a.moe_router_num_groups, a.moe_router_group_topk) == (
+        "sigmoid",
+        True,
+        4,
+        2,
+    )
+    assert (a.moe_routed_scaling_factor, a.moe_norm_topk_prob) == (2.5, True)
+    assert (a.rope_scaling, a.rope_factor, a.rotary_base) == ("yarn", 40.0, 10000.0)
     assert a.mla and a.head_dim == 0 and a.qk_head_dim == 12
 
 
@@ -151,7 +156,7 @@ def test_moe_layer_lists_are_checked() -> None:
         read_config({**moe, "mlp_only_layers": 5}, source="c")
     with pytest.raises(ConfigError, match=r"mlp_only_layers names layers \[7\] outside the model's 4"):
         read_config({**moe, "mlp_only_layers": [1, 7]}, source="c")
-    assert read_config({**moe, "mlp_only_layers": [1]}, source="c").moe_layers == (True, False, True, True)
+    assert read_config({**moe, "mlp_only_layers": [1]}, source="c").moe_layers == (0, 2, 3)
     with pytest.raises(ConfigError, match=r"num_experts_per_tok \(9\) must be in 1..4"):
         read_config({**MIXTRAL, "num_experts_per_tok": 9}, source="c")
     with pytest.raises(ConfigError, match="not a JSON object"):

@@ -4,8 +4,9 @@ tests/integration/test_plan_vs_megatron.py."""
 
 from __future__ import annotations
 
+from orchestrator.models import ModelShape
 from orchestrator.plan.memory import OptimizerSpec, Parallelism, laid_out_numel, plan
-from orchestrator.plan.model import ModelSpec, Tensor
+from orchestrator.plan.model import Tensor, total_bytes, total_params
 from orchestrator.plan.presets import load_model
 
 # hidden 64, 4 heads of 16: every tensor a multiple of 64 elements, so no alignment padding inside
@@ -22,7 +23,7 @@ def test_a_buffer_is_laid_out_last_param_first_on_64_element_starts() -> None:
 
 def test_dense_model_shard_and_optimizer_shard_by_hand() -> None:
     """2 layers, untied, final norm frozen: the frozen norm is saved (bf16) but has no optimizer state."""
-    m = ModelSpec(name="dense", num_layers=2, frozen=("decoder.final_layernorm.weight",), **SMALL)
+    m = ModelShape(name="dense", num_layers=2, frozen=("decoder.final_layernorm.weight",), **SMALL)
     layer = ATTENTION + 64 + 2 * 128 * 64 + 64 * 128  # pre-MLP norm, fc1, fc2
     params = 2 * 256 * 64 + 2 * layer + 64  # embedding, output layer, 2 layers, final norm
     trainable = params - 64
@@ -44,10 +45,10 @@ def test_dense_model_shard_and_optimizer_shard_by_hand() -> None:
 
 def test_moe_model_shard_and_optimizer_shard_by_hand() -> None:
     """1 MoE layer of 4 experts at DP2 x EP2 (expert DP 1), expert_bias and a 64-element fp32 param."""
-    m = ModelSpec(
+    m = ModelShape(
         name="moe",
         num_layers=1,
-        moe_layers=(True,),
+        moe_layers=(0,),
         num_experts=4,
         moe_ffn_hidden_size=32,
         moe_router_topk=2,
@@ -75,5 +76,5 @@ def test_the_last_stages_embedding_copy_is_saved_from_the_first_stage() -> None:
     """GLM-5's MTP layer puts a copy of the word embeddings on the last stage: held there, saved once."""
     m = load_model("glm-5")
     p = plan(m, Parallelism(pp=4, pp_layers=(19, 20, 20, 19)))
-    assert sum(r.params for r in p.ranks) - m.total_params() == 154_880 * 6144  # the copy, held twice
-    assert sum(r.model_shard for r in p.ranks) == p.checkpoint_bytes()[0] == m.total_bytes()  # saved once
+    assert sum(r.params for r in p.ranks) - total_params(m) == 154_880 * 6144  # the copy, held twice
+    assert sum(r.model_shard for r in p.ranks) == p.checkpoint_bytes()[0] == total_bytes(m)  # saved once

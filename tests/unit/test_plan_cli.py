@@ -12,8 +12,8 @@ import pytest
 from typer.testing import CliRunner, Result
 
 from orchestrator.cli.app import app
-from orchestrator.models import SUPPORT
-from orchestrator.plan.model import ModelSpec, padded_vocab
+from orchestrator.models import SUPPORT, ModelShape
+from orchestrator.plan.model import padded_vocab
 from orchestrator.plan.presets import GLM5, QWEN3_4B
 from tests.support.hf_configs import LLAMA4_TEXT, MIXTRAL, QWEN3_VL, SMALL_MLA
 
@@ -149,9 +149,9 @@ def test_help_lists_the_support_table() -> None:
     assert "--spec" in done.stdout
 
 
-def test_model_spec_refuses_what_the_reader_would() -> None:
+def test_model_shape_refuses_what_the_reader_would() -> None:
     with pytest.raises(Exception, match="32 heads do not split into 5 query groups"):
-        ModelSpec(
+        ModelShape(
             name="x", hidden_size=64, num_layers=1, vocab_size=8, num_attention_heads=32, num_query_groups=5,
             ffn_hidden_size=8,
         )  # fmt: skip

@@ -1,5 +1,5 @@
 """Model presets: the CPU default is the job's, the GPU ones have the sizes their names give, and
-every one is built from the planner's spec of its name, to the same numbers as before."""
+every one is built from the planner's shape of its name, to the same numbers as before."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from orchestrator.adapters.megatron.gpt import TinyGPTConfig
 from orchestrator.errors import ConfigError
 from orchestrator.job.grpo import GRPOConfig, SyntheticTask
 from orchestrator.job.presets import BENCHMARK_MODELS, PRESETS, benchmark_model, grpo_config, param_count, preset
+from orchestrator.models import ModelShape
 from orchestrator.plan.presets import GPTS
 
 # Each config as it was written out before the planner's specs declared the shapes (2026-12-02).
@@ -45,21 +46,27 @@ def test_every_config_built_from_a_planner_spec_is_what_it_was_field_by_field() 
     assert asdict(GRPOConfig().model) == TINY
 
 
-def test_each_planner_gpt_is_the_spec_of_what_the_job_builds() -> None:
+def _as_built(name: str, cfg: TinyGPTConfig) -> ModelShape:
+    """The planner's shape `name`, with the RoPE and positions the job gives it (its settings)."""
+    return replace(GPTS[name], rotary_base=float(cfg.rotary_base), max_position_embeddings=cfg.seq_len)
+
+
+def test_each_planner_gpt_is_the_shape_of_what_the_job_builds() -> None:
     from benchmarks.plan_vs_measured import _built  # what the planner's byte-for-byte check builds
 
-    assert {name: _built(name).spec(name) for name in GPTS} == GPTS
-    assert preset("llama-1b").spec("llama-1b") == GPTS["llama-1b"]
+    assert {name: _built(name).shape(name) for name in GPTS} == {name: _as_built(name, _built(name)) for name in GPTS}
+    assert preset("llama-1b").shape("llama-1b") == _as_built("llama-1b", preset("llama-1b"))
 
 
-def test_a_spec_the_gpt_cannot_be_is_refused_naming_each_field() -> None:
-    biased = replace(GPTS["tiny"], qkv_bias=True, moe_layers=(True, False), num_experts=2, moe_ffn_hidden_size=128)
+def test_a_shape_the_gpt_cannot_be_is_refused_naming_each_field() -> None:
+    biased = replace(GPTS["tiny"], qkv_bias=True, moe_layers=(0,), num_experts=2, moe_ffn_hidden_size=128)
     with pytest.raises(ConfigError) as refused:
-        TinyGPTConfig.from_spec(biased, seq_len=10)
+        TinyGPTConfig.from_shape(biased, seq_len=10)
     assert [str(v).split("=")[0] for v in refused.value.violations] == [
         "tiny: qkv_bias",
         "tiny: moe_layers",
         "tiny: expert_bias",
+        "tiny: moe_score_function",
     ]
     assert "tiny: qkv_bias=True, colocate's GPT has False" in refused.value.violations
 

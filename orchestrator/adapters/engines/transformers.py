@@ -37,11 +37,12 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from orchestrator.adapters.digest import sha256_digests
 from orchestrator.adapters.engines.checkpoint import CheckpointSlots, live_tensors
 from orchestrator.adapters.engines.decode import decode, kv_slab, prompt_problems
-from orchestrator.adapters.megatron.convert import ModelSpec, hf_config
+from orchestrator.adapters.megatron.convert import hf_config
 from orchestrator.adapters.megatron.gpt import TinyGPTConfig
 from orchestrator.adapters.regions.storage import return_large_frees_to_the_os
 from orchestrator.adapters.transport.bucketed import nbytes
 from orchestrator.errors import EngineError
+from orchestrator.models import ModelShape
 from orchestrator.protocols import EngineDefaults, EngineFeatures
 from orchestrator.telemetry.logs import note_noop
 from states import EngineMemory
@@ -116,7 +117,7 @@ def _one_storage(params: Iterable[torch.Tensor], device: torch.device) -> torch.
 class TransformersEngine(EngineDefaults):
     """Implements `orchestrator.protocols.RolloutEngine` on an HF causal LM, with no hub download.
 
-    `model` is the trainer's GPT shape (a `ModelSpec`, as `gpt_shape(model)` reads it from a Megatron model,
+    `model` is the trainer's GPT shape (a `ModelShape`, as `gpt_shape(model)` reads it from a Megatron model,
     or a `TinyGPTConfig`: converted by `hf_config`, whose family picks the transformers class) or a ready
     transformers config. A plain constructor, so that a Ray actor can be made of it. The weights it starts
     with are throwaway: it serves nothing until the first complete `update_weights`. `max_len` bounds
@@ -126,7 +127,7 @@ class TransformersEngine(EngineDefaults):
 
     def __init__(
         self,
-        model: ModelSpec | TinyGPTConfig | PretrainedConfig,
+        model: ModelShape | TinyGPTConfig | PretrainedConfig,
         *,
         max_batch: int = 64,
         max_len: int | None = None,

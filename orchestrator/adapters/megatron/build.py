@@ -5,6 +5,10 @@ host (0.19.2 through nccl, as it is): the device is the one the process has.
 
     init_process_group(rank, world_size, master_port)
     chunks, optimizer = build_gpt(TinyGPTConfig(num_experts=2, fp32_param=True))
+
+`build_gpt` reads the model's `ModelShape` (`cfg.shape()`, what the planner and the converter read
+too) to make Megatron's `TransformerConfig`; the config's training settings (seed, learning
+rate, clipping) it reads from the config.
     stats = train_step(chunks, optimizer, tokens)   # tokens: [batch, seq_len + 1] int64
 """
 
@@ -34,6 +38,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 
 from orchestrator.adapters.megatron.cpu import enable_cpu_path
 from orchestrator.adapters.megatron.gpt import TinyGPTConfig
+from orchestrator.models import ModelShape
 
 __all__ = [
     "FP32_PARAM_NAME",
@@ -116,27 +121,27 @@ UNFUSED: dict[str, bool] = dict(
 )
 
 
-def _transformer_config(cfg: TinyGPTConfig) -> TransformerConfig:
+def _transformer_config(shape: ModelShape) -> TransformerConfig:
     moe: dict[str, Any] = {}
-    if cfg.num_experts > 0:
+    if shape.num_experts > 0:
         moe = dict(
-            num_moe_experts=cfg.num_experts,
-            moe_ffn_hidden_size=cfg.ffn_hidden_size,
-            moe_router_topk=cfg.moe_router_topk,
-            moe_router_enable_expert_bias=True,
-            moe_router_score_function="sigmoid",  # softmax is refused with expert_bias
+            num_moe_experts=shape.num_experts,
+            moe_ffn_hidden_size=shape.moe_ffn_hidden_size,
+            moe_router_topk=shape.moe_router_topk,
+            moe_router_enable_expert_bias=shape.expert_bias,
+            moe_router_score_function=shape.moe_score_function,  # softmax is refused with expert_bias
             moe_router_load_balancing_type="none",
             moe_grouped_gemm=False,
-            moe_layer_freq=[0] * (cfg.num_layers - 1) + [1],
+            moe_layer_freq=[int(i in shape.moe_layers) for i in range(shape.num_layers)],
             # Must equal initialize_model_parallel's, or experts silently land in dense buffers.
             expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
         )
     return TransformerConfig(
-        num_layers=cfg.num_layers,
-        hidden_size=cfg.hidden_size,
-        num_attention_heads=cfg.num_attention_heads,
-        num_query_groups=cfg.num_query_groups,
-        ffn_hidden_size=cfg.ffn_hidden_size,
+        num_layers=shape.num_layers,
+        hidden_size=shape.hidden_size,
+        num_attention_heads=shape.num_attention_heads,
+        num_query_groups=shape.num_query_groups,
+        ffn_hidden_size=shape.ffn_hidden_size,
         normalization="RMSNorm",
         gated_linear_unit=True,
         activation_func=F.silu,
@@ -152,13 +157,13 @@ def _transformer_config(cfg: TinyGPTConfig) -> TransformerConfig:
     )
 
 
-def _layer_specs(cfg: TinyGPTConfig) -> TransformerBlockSubmodules:
+def _layer_specs(shape: ModelShape) -> TransformerBlockSubmodules:
     dense = get_gpt_layer_local_spec(normalization="RMSNorm")
-    specs = [dense] * cfg.num_layers
-    if cfg.num_experts > 0:
-        specs[-1] = get_gpt_layer_local_spec(
-            num_experts=cfg.num_experts, moe_grouped_gemm=False, normalization="RMSNorm"
-        )
+    specs = [dense] * shape.num_layers
+    if shape.moe_layers:
+        moe = get_gpt_layer_local_spec(num_experts=shape.num_experts, moe_grouped_gemm=False, normalization="RMSNorm")
+        for i in shape.moe_layers:
+            specs[i] = moe
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=dense.submodules.input_layernorm)
 
 
@@ -191,21 +196,23 @@ def build_gpt(
     Call after ``init_process_group``. All data-parallel ranks end with identical weights.
     """
     torch.manual_seed(cfg.seed)  # CPU initialisation draws from the CPU generator
-    config = _transformer_config(cfg)
+    shape = cfg.shape()
+    config = _transformer_config(shape)
     gpt = GPTModel(
         config=config,
-        transformer_layer_spec=_layer_specs(cfg),
-        vocab_size=cfg.vocab_size,
-        max_sequence_length=cfg.seq_len,
-        share_embeddings_and_output_weights=False,
+        transformer_layer_spec=_layer_specs(shape),
+        vocab_size=shape.vocab_size,
+        max_sequence_length=shape.max_position_embeddings,
+        share_embeddings_and_output_weights=shape.tie_embeddings,
         position_embedding_type="rope",
-        rotary_base=cfg.rotary_base,
+        rotary_base=cfg.rotary_base,  # as the config gives it (an int); the shape's is its float
     )
     gpt.to(device())
-    if cfg.frozen_param:
-        gpt.decoder.layers[0].input_layernorm.weight.requires_grad_(False)
+    params = dict(gpt.named_parameters())
+    for name in shape.frozen:
+        params[name].requires_grad_(False)
     model = Float16Module(config, gpt)
-    if cfg.fp32_param:
+    if shape.fp32_param_numel:
         _add_fp32_param(gpt)
     if fix_router_count_dtype:
         _keep_router_buffers_fp32(gpt)

@@ -67,7 +67,6 @@ import torch
 
 from orchestrator.adapters.digest import DigestMethod
 from orchestrator.adapters.megatron.convert import (
-    ModelSpec,
     conversion_problems,
     hf_buckets,
     is_sync_source,
@@ -79,7 +78,7 @@ from orchestrator.adapters.megatron.transport import Converter, MegatronTranspor
 from orchestrator.core.config import LifecycleConfig
 from orchestrator.core.lifecycle import Lifecycle, require_restore_coverage
 from orchestrator.errors import ConfigError
-from orchestrator.models import Architecture, read_config
+from orchestrator.models import ModelShape, read_config
 from orchestrator.protocols import MemoryRegions, Named, RolloutEngine, WeightTransport
 from orchestrator.telemetry.listeners import Listener
 from states import MemoryBudget, Mode, Offload
@@ -94,9 +93,9 @@ def _chunks(model: Sequence[Any] | Any) -> list[Any]:
     return list(model) if isinstance(model, Sequence) else [model]  # Megatron's list of chunks, or one
 
 
-def gpt_shape(model: Sequence[Any] | Any) -> ModelSpec:
+def gpt_shape(model: Sequence[Any] | Any) -> ModelShape:
     """The shape of a Megatron GPT as an HF engine needs it (`TransformersEngine(gpt_shape(model))`):
-    `ModelSpec.from_megatron` over the chunks' `TransformerConfig` and `GPTModel`, the family read
+    `shape_from_megatron` over the chunks' `TransformerConfig` and `GPTModel`, the family read
     from the config. Raises ConfigError naming every setting no HF family computes the same way."""
     try:
         return model_spec(_chunks(model))
@@ -129,7 +128,7 @@ def hf_converter(
     return converter
 
 
-def _read_served(served: str | Path | Mapping[str, Any]) -> Architecture:
+def _read_served(served: str | Path | Mapping[str, Any]) -> ModelShape:
     if isinstance(served, Mapping):
         return read_config(served, source="served_config")
     path = Path(served)

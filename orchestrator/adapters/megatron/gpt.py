@@ -1,8 +1,9 @@
-"""The embedded default model's shape: a small Llama-shaped GPT, described without megatron-core.
+"""The embedded default model's config: a small Llama-shaped GPT, described without megatron-core.
 
 `megatron_build.build_gpt` turns it into a Megatron-core model; `convert.hf_llama_config` into
-the matching Hugging Face Llama. Its shape comes from a planner `ModelSpec` (`from_spec`: colocate's
-own GPTs are declared in orchestrator/plan/presets.py), its run settings from the job.
+the matching Hugging Face Llama. Its shape comes from a `ModelShape` (`from_shape`: colocate's own
+GPTs are declared in orchestrator/plan/presets.py), its run settings from the job; `shape()` is
+the one way back, the shape it builds.
 """
 
 from __future__ import annotations
@@ -11,11 +12,35 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from orchestrator.errors import ConfigError
-from orchestrator.plan.model import ModelSpec
+from orchestrator.models import Family, ModelShape
 from orchestrator.plan.presets import FROZEN_PARAM
 
-# What a planner spec does not hold: how the job trains the model, not its shape.
+# What a shape does not give this config: how the job trains the model, not its shape.
 SETTINGS = ("seq_len", "rotary_base", "seed", "lr", "clip_grad")
+# The fields this config and a shape both have, meaning the same.
+_SAME: tuple[str, ...] = (
+    "hidden_size",
+    "num_layers",
+    "vocab_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "ffn_hidden_size",
+)
+_SAME += ("num_experts",)
+# What `from_shape` takes of a shape as it is (`_TAKEN`), and what only names the shape or is the
+# job's setting (`_FREE`): every other field must be what this GPT builds (`_builds`).
+_TAKEN = (*_SAME, "moe_router_topk")
+_FREE: tuple[str, ...] = (
+    "name",
+    "family",
+    "source",
+    "model_type",
+    "text_model_type",
+    "architectures",
+    "not_counted",
+    "assumed",
+)
+_FREE += ("rotary_base", "max_position_embeddings")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,48 +64,40 @@ class TinyGPTConfig:
     clip_grad: float = 1.0
 
     @classmethod
-    def from_spec(cls, spec: ModelSpec, **settings: Any) -> TinyGPTConfig:
-        """The config whose GPT is `spec`, trained with `settings` (of SETTINGS; the defaults for
-        the rest). A spec this GPT cannot be (a bias, a q/k norm, MLA, experts on any layer but the
+    def from_shape(cls, shape: ModelShape, **settings: Any) -> TinyGPTConfig:
+        """The config whose GPT is `shape`, trained with `settings` (of SETTINGS; the defaults for
+        the rest). A shape this GPT cannot be (a bias, a q/k norm, MLA, experts on any layer but the
         last, ...) is a ConfigError naming each field that differs from what it builds."""
-        cfg = cls(
-            hidden_size=spec.hidden_size,
-            num_layers=spec.num_layers,
-            num_attention_heads=spec.num_attention_heads,
-            num_query_groups=spec.num_query_groups,
-            ffn_hidden_size=spec.ffn_hidden_size,
-            vocab_size=spec.vocab_size,
-            num_experts=spec.num_experts,
-            moe_router_topk=spec.moe_router_topk,
-            fp32_param=spec.fp32_param_numel > 0,
-            frozen_param=bool(spec.frozen),
+        problems = [
+            f"{shape.name}: {k}={getattr(shape, k)!r}, colocate's GPT has {' or '.join(map(repr, built))}"
+            for k, built in _builds(shape).items()
+            if getattr(shape, k) not in built
+        ]
+        if problems:
+            raise ConfigError(problems)
+        return cls(
+            **{k: getattr(shape, k) for k in _SAME},
+            moe_router_topk=shape.moe_router_topk or 1,
+            fp32_param=shape.fp32_param_numel > 0,
+            frozen_param=bool(shape.frozen),
             **settings,
         )
-        built = cfg.spec(spec.name)
-        differ = [f.name for f in fields(spec) if getattr(spec, f.name) != getattr(built, f.name)]
-        if differ:
-            raise ConfigError(
-                [f"{spec.name}: {k}={getattr(spec, k)!r}, colocate's GPT has {getattr(built, k)!r}" for k in differ]
-            )
-        return cfg
 
-    def spec(self, name: str) -> ModelSpec:
-        """The planner's spec of the GPT `build_gpt` makes of this config: its last layer is MoE
-        when it has experts."""
+    def shape(self, name: str = "", family: Family = Family.LLAMA) -> ModelShape:
+        """The shape of the GPT `build_gpt` makes of this config: its last layer is MoE when it has
+        experts (sigmoid-routed, with expert_bias)."""
         moe = self.num_experts > 0
-        return ModelSpec(
+        return ModelShape(
             name=name,
-            hidden_size=self.hidden_size,
-            num_layers=self.num_layers,
-            vocab_size=self.vocab_size,
-            num_attention_heads=self.num_attention_heads,
-            num_query_groups=self.num_query_groups,
-            ffn_hidden_size=self.ffn_hidden_size,
-            moe_layers=(False,) * (self.num_layers - 1) + (moe,),
-            num_experts=self.num_experts,
+            family=family,
+            **{k: getattr(self, k) for k in _SAME},
+            max_position_embeddings=self.seq_len,
+            rotary_base=float(self.rotary_base),
+            moe_layers=(self.num_layers - 1,) if moe else (),
             moe_ffn_hidden_size=self.ffn_hidden_size if moe else 0,
-            moe_router_topk=self.moe_router_topk,
+            moe_router_topk=self.moe_router_topk if moe else 0,
             expert_bias=moe,
+            moe_score_function="sigmoid" if moe else "softmax",
             fp32_param_numel=self.hidden_size if self.fp32_param else 0,
             frozen=(FROZEN_PARAM,) if self.frozen_param else (),
         )
@@ -88,3 +105,22 @@ class TinyGPTConfig:
     def settings(self) -> dict[str, Any]:
         """How the job trains this model (SETTINGS), for a config of another shape."""
         return {name: getattr(self, name) for name in SETTINGS}
+
+
+def _builds(shape: ModelShape) -> dict[str, tuple[Any, ...]]:
+    """For each field `from_shape` does not take (`_TAKEN`, `_FREE`), the values this GPT can build
+    given the ones it takes: a dense MLP everywhere but an MoE last layer, and none of the
+    features beyond Llama (each at its default)."""
+    moe = shape.num_experts > 0
+    builds: dict[str, tuple[Any, ...]] = {
+        f.name: (f.default,) for f in fields(ModelShape) if f.name not in _TAKEN + _FREE
+    }
+    return builds | {
+        "head_dim": (0, shape.hidden_size // shape.num_attention_heads),
+        "moe_layers": ((shape.num_layers - 1,),) if moe else ((),),
+        "moe_ffn_hidden_size": (shape.ffn_hidden_size if moe else 0,),
+        "expert_bias": (moe,),
+        "moe_score_function": ("sigmoid",) if moe else ("softmax",),
+        "fp32_param_numel": (0, shape.hidden_size),
+        "frozen": ((), (FROZEN_PARAM,)),
+    }

@@ -10,9 +10,9 @@ from rich.console import Console
 
 from orchestrator.cli.plan.show import show, to_json
 from orchestrator.errors import ConfigError
-from orchestrator.models import support_table
+from orchestrator.models import ModelShape, support_table
 from orchestrator.plan.memory import EngineSpec, GradDtype, OptimizerSpec, Parallelism, plan
-from orchestrator.plan.model import LayerSpec, ModelSpec
+from orchestrator.plan.model import LayerSpec
 from orchestrator.plan.offload import PINNED_COPY_GBPS
 from orchestrator.plan.presets import PRESETS, load_model
 from states import Mode, Offload
@@ -56,7 +56,7 @@ def _option_problems(
     return [problem for problem, bad in checks.items() if bad]
 
 
-def _model(model: str, layout: Parallelism, problems: list[str]) -> ModelSpec:
+def _model(model: str, layout: Parallelism, problems: list[str]) -> ModelShape:
     """The model, or one ConfigError naming every problem with it, the layout and the options."""
     try:
         spec = load_model(model)

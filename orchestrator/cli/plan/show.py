@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from orchestrator.plan.memory import GB, Plan, RankBytes
-from orchestrator.plan.model import padded_vocab
+from orchestrator.plan.model import active_params, hf_params, mtp_params, padded_vocab, total_params
 from orchestrator.plan.offload import PINNED_COPY_GBPS, prices
 
 BUFFER_ROWS = (
@@ -30,14 +30,14 @@ def headline(p: Plan) -> str:
     """The model and layout in one line, saying what the count includes and what it leaves out."""
     m, par = p.model, p.parallel
     included = []
-    if m.num_mtp_layers:
-        layers = "layer" if m.num_mtp_layers == 1 else "layers"
-        included.append(f"incl. {m.num_mtp_layers} MTP {layers}: {m.mtp_params() / 1e9:,.1f} B")
+    if m.mtp_num_layers:
+        layers = "layer" if m.mtp_num_layers == 1 else "layers"
+        included.append(f"incl. {m.mtp_num_layers} MTP {layers}: {mtp_params(m) / 1e9:,.1f} B")
     if padded_vocab(m.vocab_size, par.tp) != m.vocab_size:
         included.append(f"vocab padded {m.vocab_size:,} -> {padded_vocab(m.vocab_size, par.tp):,}")
-    params = f"{m.total_params(par.tp) / 1e9:,.2f} B params" + (f" ({'; '.join(included)})" if included else "")
-    if any(m.moe_layers):
-        params += f", {m.active_params(par.tp) / 1e9:,.2f} B active"
+    params = f"{total_params(m, par.tp) / 1e9:,.2f} B params" + (f" ({'; '.join(included)})" if included else "")
+    if m.moe_layers:
+        params += f", {active_params(m, par.tp) / 1e9:,.2f} B active"
         layout = f"TP{par.tp} x PP{par.pp} x DP{par.dp}, EP{par.ep} x ETP{par.etp} (expert DP {par.expert_dp})"
     else:
         layout = f"TP{par.tp} x PP{par.pp} x DP{par.dp}"
@@ -48,14 +48,14 @@ def headline(p: Plan) -> str:
 
 def to_json(p: Plan, *, gbps: float = PINNED_COPY_GBPS) -> dict[str, Any]:
     par, m = p.parallel, p.model
-    moe = any(m.moe_layers)
+    moe = bool(m.moe_layers)
     return {
         "model": {
             "name": m.name,
-            "total_params": m.total_params(par.tp),  # Megatron's: MTP and the padded vocabulary included
-            "active_params": m.active_params(par.tp),
-            "mtp_params": m.mtp_params(),
-            "hf_params": m.hf_params(),  # the HF checkpoint's: no padding, no MTP
+            "total_params": total_params(m, par.tp),  # Megatron's: MTP and the padded vocabulary included
+            "active_params": active_params(m, par.tp),
+            "mtp_params": mtp_params(m),
+            "hf_params": hf_params(m),  # the HF checkpoint's: no padding, no MTP
             "vocab_size": m.vocab_size,
             "padded_vocab_size": padded_vocab(m.vocab_size, par.tp),
             "not_counted": list(m.not_counted),

@@ -5,8 +5,10 @@
   with no collective, why it would refuse a model, `left_out` what it leaves out on purpose (the
   MTP layers, unless `mtp=True`).
 - `to_hf` / `convert`: whole Megatron tensors → HF checkpoint tensors (`hf`).
-- `ModelSpec`: what the conversion reads from Megatron's `TransformerConfig` and `GPTModel`, or
-  from the job's `TinyGPTConfig` (`spec`); `hf_config(spec)` is the transformers config.
+- `shape_from_megatron`: the `ModelShape` (orchestrator.models) of a Megatron `TransformerConfig`
+  and `GPTModel`; a `TinyGPTConfig`'s is `cfg.shape()`. `checked` refuses a shape its HF family
+  would compute otherwise (`spec`); `hf_config(shape)` is the transformers config. `ModelSpec` is
+  the old name of a checked shape (`ModelSpec.from_megatron`), kept for code written against it.
 
 Families: Llama, Qwen3 (q/k norm), Qwen3-MoE (router, experts), Mixtral (every layer MoE, no q/k
 norm), DeepSeek-V3 (MLA and YaRN in `mla`; sigmoid-routed experts with a selection bias, groups,
@@ -33,13 +35,16 @@ from orchestrator.adapters.megatron.convert.hf import (
     hf_targets,
     to_hf,
 )
-from orchestrator.adapters.megatron.convert.spec import Family, ModelSpec, family_of
+from orchestrator.adapters.megatron.convert.spec import Family, ModelSpec, checked, family_of, shape_from_megatron
+from orchestrator.models import ModelShape
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "MEGATRON_LAYERNORM_EPS",
     "Family",
+    "ModelShape",
     "ModelSpec",
+    "checked",
     "conversion_problems",
     "convert",
     "family_of",
@@ -52,5 +57,6 @@ __all__ = [
     "is_sync_source",
     "left_out",
     "model_spec",
+    "shape_from_megatron",
     "to_hf",
 ]

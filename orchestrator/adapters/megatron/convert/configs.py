@@ -1,6 +1,6 @@
 """The transformers config whose model computes what a Megatron GPT computes, per family.
 
-config = hf_config(ModelSpec.from_megatron(config, gpt))   # or hf_config(tiny_gpt_config)
+config = hf_config(shape_from_megatron(config, gpt))   # or hf_config(tiny_gpt_config)
 model = AutoModelForCausalLM.from_config(config)           # transformers' own class
 """
 
@@ -12,8 +12,9 @@ import torch
 
 from orchestrator.adapters.megatron.convert import dsa, glm, mixtral, mla, routed
 from orchestrator.adapters.megatron.convert import mtp as mtp_layers
-from orchestrator.adapters.megatron.convert.spec import Family, ModelSpec
+from orchestrator.adapters.megatron.convert.spec import Family, checked
 from orchestrator.adapters.megatron.gpt import TinyGPTConfig
+from orchestrator.models import ModelShape
 
 if TYPE_CHECKING:
     from transformers import LlamaConfig, PretrainedConfig
@@ -26,12 +27,13 @@ __all__ = ["ATTN_IMPLEMENTATION", "Shape", "as_spec", "hf_config", "hf_llama_con
 # logits of mean magnitude 0.8) and is faster, so the engine uses it.
 ATTN_IMPLEMENTATION = "sdpa"
 
-Shape = TinyGPTConfig | ModelSpec
+Shape = TinyGPTConfig | ModelShape
 
 
-def as_spec(cfg: Shape) -> ModelSpec:
-    """The conversion's spec: `cfg` itself, or the job's tiny GPT read as one."""
-    return cfg if isinstance(cfg, ModelSpec) else ModelSpec.from_tiny(cfg)
+def as_spec(cfg: Shape) -> ModelShape:
+    """The conversion's shape: `cfg` itself, or the job's tiny GPT's (`TinyGPTConfig.shape`); refused
+    (ValueError) where its HF family would compute otherwise (`spec.checked`)."""
+    return checked(cfg if isinstance(cfg, ModelShape) else cfg.shape())
 
 
 def hf_config(cfg: Shape) -> PretrainedConfig:
@@ -46,7 +48,7 @@ def hf_config(cfg: Shape) -> PretrainedConfig:
         num_hidden_layers=spec.num_layers,
         num_attention_heads=spec.num_attention_heads,
         num_key_value_heads=spec.num_query_groups,
-        head_dim=spec.head_dim,
+        head_dim=spec.kv_channels,
         hidden_act="silu",
         max_position_embeddings=spec.max_position_embeddings,
         rms_norm_eps=spec.layernorm_epsilon,

@@ -42,9 +42,8 @@ from typing import Any
 
 import torch
 
-from orchestrator.adapters.megatron.convert.fields import SpecFields
 from orchestrator.adapters.megatron.convert.rules import ANY, LAYER, compile_rules, same
-from orchestrator.models import Family
+from orchestrator.models import Family, ModelShape
 
 __all__ = [
     "DSA_FAMILIES",
@@ -66,7 +65,7 @@ DSA_FAMILIES = frozenset({Family.GLM_MOE_DSA})
 HF_K_NORM_EPS = 1e-6  # GlmMoeDsaIndexer's LayerNorm, whatever the config says
 
 
-def rope_first(tensor: torch.Tensor, spec: SpecFields) -> list[torch.Tensor]:
+def rope_first(tensor: torch.Tensor, spec: ModelShape) -> list[torch.Tensor]:
     """Each indexer head's rows (or a norm's entries) in HF's `[rope; nope]` order: a fresh tensor
     from megatron-core ≤ 0.18's `[nope; rope]`, the tensor as it is from 0.19's `[rope; nope]`."""
     if spec.dsa_index_rope_first:
@@ -130,7 +129,7 @@ def megatron_problems(config: Any) -> list[str]:
     return [problem for problem, bad in checks.items() if bad]
 
 
-def spec_problems(spec: SpecFields) -> list[str]:
+def spec_problems(spec: ModelShape) -> list[str]:
     """Why a DSA family's HF model would compute otherwise than the spec says (a DSA indexer in
     another family is refused with the other features, in `spec`)."""
     if spec.family not in DSA_FAMILIES:
@@ -145,7 +144,7 @@ def spec_problems(spec: SpecFields) -> list[str]:
     return out
 
 
-def shapes(spec: SpecFields) -> dict[str, tuple[int, ...]]:
+def shapes(spec: ModelShape) -> dict[str, tuple[int, ...]]:
     """HF shapes by module name under `self_attn.` (the k norm's weight and bias alike)."""
     head, heads = spec.dsa_index_head_dim, spec.dsa_index_n_heads
     return {
@@ -156,7 +155,7 @@ def shapes(spec: SpecFields) -> dict[str, tuple[int, ...]]:
     }
 
 
-def indexer_names(spec: SpecFields) -> list[str]:
+def indexer_names(spec: ModelShape) -> list[str]:
     """A layer's indexer tensors, as HF names them under `model.layers.<i>.`."""
     if spec.family not in DSA_FAMILIES:
         return []
@@ -164,7 +163,7 @@ def indexer_names(spec: SpecFields) -> list[str]:
     return [f"self_attn.indexer.{module}" for module in modules]
 
 
-def hf_config_keys(spec: SpecFields) -> dict[str, Any]:
+def hf_config_keys(spec: ModelShape) -> dict[str, Any]:
     """`GlmMoeDsaConfig`'s indexer keys: every layer runs its own indexer, as in Megatron."""
     return dict(
         index_n_heads=spec.dsa_index_n_heads,

@@ -45,8 +45,8 @@ import torch
 from orchestrator.adapters.megatron.convert import mtp as mtp_layers
 from orchestrator.adapters.megatron.convert.grouped import GROUPED, per_expert
 from orchestrator.adapters.megatron.convert.hf import hf_targets, to_hf
-from orchestrator.adapters.megatron.convert.spec import Family, ModelSpec
-from orchestrator.models import support_table
+from orchestrator.adapters.megatron.convert.spec import Family, shape_from_megatron
+from orchestrator.models import ModelShape, support_table
 
 __all__ = ["conversion_problems", "hf_buckets", "is_sync_source", "left_out", "model_spec", "say_once", "unwrap_gpt"]
 
@@ -84,12 +84,12 @@ def unwrap_gpt(chunk: Any) -> Any:
     return model
 
 
-def model_spec(model_chunks: Sequence[Any], family: Family | str | None = None, config: Any = None) -> ModelSpec:
-    """The conversion's `ModelSpec`, from the `TransformerConfig` (the chunks' own by default); the
+def model_spec(model_chunks: Sequence[Any], family: Family | str | None = None, config: Any = None) -> ModelShape:
+    """The conversion's `ModelShape`, from the `TransformerConfig` (the chunks' own by default); the
     family is the one the config reads as (`family_of`) unless given. Raises ValueError as
-    `ModelSpec.from_megatron` does."""
+    `shape_from_megatron` does."""
     gpt = unwrap_gpt(model_chunks[0])
-    return ModelSpec.from_megatron(config if config is not None else gpt.config, gpt, family)
+    return shape_from_megatron(config if config is not None else gpt.config, gpt, family)
 
 
 def conversion_problems(
@@ -145,7 +145,7 @@ class _Groups:
     local_experts: int
 
     @classmethod
-    def current(cls, spec: ModelSpec, device: torch.device) -> _Groups:
+    def current(cls, spec: ModelShape, device: torch.device) -> _Groups:
         from megatron.core import parallel_state as ps
 
         tp = ps.get_tensor_model_parallel_group()

@@ -18,9 +18,8 @@ from typing import Any
 
 import torch
 
-from orchestrator.adapters.megatron.convert.fields import SpecFields
 from orchestrator.adapters.megatron.convert.rules import ANY, LAYER, compile_rules, same
-from orchestrator.models import Family
+from orchestrator.models import Family, ModelShape
 
 __all__ = ["PARTIAL_ROTARY_FAMILIES", "QKV_BIAS_FAMILIES", "RULES", "hf_config_keys", "spec_problems", "split_qkv_bias"]
 
@@ -28,9 +27,9 @@ QKV_BIAS_FAMILIES = frozenset({Family.GLM4_MOE})
 PARTIAL_ROTARY_FAMILIES = frozenset({Family.GLM4_MOE})
 
 
-def split_qkv_bias(tensor: torch.Tensor, spec: SpecFields) -> list[torch.Tensor]:
+def split_qkv_bias(tensor: torch.Tensor, spec: ModelShape) -> list[torch.Tensor]:
     """Per query group `[q of nh/ng heads, k, v]`, as `linear_qkv.weight`'s rows."""
-    groups, head_dim = spec.num_query_groups, spec.head_dim
+    groups, head_dim = spec.num_query_groups, spec.kv_channels
     heads_per_group = spec.num_attention_heads // groups
     grouped = tensor.view(groups, (heads_per_group + 2) * head_dim)
     q, k, v = grouped.split([heads_per_group * head_dim, head_dim, head_dim], dim=1)
@@ -54,15 +53,15 @@ RULES = compile_rules(
 )
 
 
-def spec_problems(spec: SpecFields) -> list[str]:
+def spec_problems(spec: ModelShape) -> list[str]:
     """Why HF would rotate other dims than Megatron does."""
-    rotated = spec.head_dim * spec.rotary_percent
+    rotated = spec.kv_channels * spec.rotary_percent
     if spec.family in PARTIAL_ROTARY_FAMILIES and (rotated != int(rotated) or int(rotated) % 2):
-        return [f"rotary_percent={spec.rotary_percent:g} of head_dim {spec.head_dim} is not an even width"]
+        return [f"rotary_percent={spec.rotary_percent:g} of head_dim {spec.kv_channels} is not an even width"]
     return []
 
 
-def hf_config_keys(spec: SpecFields) -> dict[str, Any]:
+def hf_config_keys(spec: ModelShape) -> dict[str, Any]:
     """The GLM-4.5 config keys of the attention."""
     return dict(
         attention_bias=spec.qkv_bias,

@@ -23,7 +23,7 @@ transformers config of each family is `configs.hf_config`.
 What a family has no counterpart for is refused by name rather than dropped, since an engine
 missing it would serve a different policy.
 
-    spec = ModelSpec.from_tiny(cfg)        # or ModelSpec.from_megatron(config, gpt, "qwen3")
+    spec = as_spec(cfg)                    # or shape_from_megatron(config, gpt, "qwen3")
     hf = [pair for name, tensor in whole for pair in to_hf(name, tensor, spec)]
     missing = set(hf_names(spec)) - {name for name, _ in hf}
 """
@@ -55,7 +55,8 @@ from orchestrator.adapters.megatron.convert.rules import Rule, Split, compile_ru
 from orchestrator.adapters.megatron.convert.rules import gate_up as _split_fc1
 from orchestrator.adapters.megatron.convert.rules import same as _same
 from orchestrator.adapters.megatron.convert.rules import split_qkv as _split_qkv
-from orchestrator.adapters.megatron.convert.spec import MEGATRON_LAYERNORM_EPS, Family, ModelSpec
+from orchestrator.adapters.megatron.convert.spec import MEGATRON_LAYERNORM_EPS, Family
+from orchestrator.models import ModelShape
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -186,8 +187,8 @@ _REFUSED: tuple[tuple[re.Pattern[str], frozenset[Family], str], ...] = (
 )
 
 
-def _expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
-    hidden, head_dim = spec.hidden_size, spec.head_dim
+def _expected_shapes(spec: ModelShape) -> dict[str, tuple[int, ...]]:
+    hidden, head_dim = spec.hidden_size, spec.kv_channels
     return {
         "embed_tokens": (spec.vocab_size, hidden),
         "lm_head": (spec.vocab_size, hidden),
@@ -231,13 +232,13 @@ def hf_shape(hf_name: str, cfg: Shape) -> tuple[int, ...]:
     return shapes[module]
 
 
-def _expected_source_shape(targets: list[str], spec: ModelSpec) -> tuple[int, ...]:
+def _expected_source_shape(targets: list[str], spec: ModelShape) -> tuple[int, ...]:
     """The Megatron tensor is its HF parts stacked along the rows (or one of them as is)."""
     shapes = [hf_shape(t, spec) for t in targets]
     return (sum(s[0] for s in shapes), *shapes[0][1:])
 
 
-def _kind_problem(match: re.Match[str], kind: str, spec: ModelSpec) -> str | None:
+def _kind_problem(match: re.Match[str], kind: str, spec: ModelShape) -> str | None:
     layer = match.groupdict().get("i")
     if layer is None:
         return None
@@ -258,13 +259,13 @@ def _kind_problem(match: re.Match[str], kind: str, spec: ModelSpec) -> str | Non
     return None
 
 
-def _refuse(name: str, spec: ModelSpec) -> None:
+def _refuse(name: str, spec: ModelShape) -> None:
     for pattern, families, why in _REFUSED:
         if spec.family in families and pattern.search(name):
             raise ValueError(f"cannot convert {name!r} to HF {spec.family.value}: {why}")
 
 
-def _rule(name: str, spec: ModelSpec) -> tuple[list[str], Split]:
+def _rule(name: str, spec: ModelShape) -> tuple[list[str], Split]:
     """The HF names `name` becomes, and how its tensor splits into them."""
     _refuse(name, spec)
     for pattern, targets, split, kind, families in _RULES:
@@ -275,10 +276,10 @@ def _rule(name: str, spec: ModelSpec) -> tuple[list[str], Split]:
         if problem is not None:
             raise ValueError(f"cannot convert {name!r}: {problem}")
         return [t.format(**match.groupdict()) for t in targets], split
-    raise ValueError(f"cannot convert {name!r} to HF {spec.family.value}: no mapping for this Megatron name")
+    raise ValueError(f"cannot convert {name!r} to HF {spec.family}: no mapping for this Megatron name")
 
 
-def _tied_copy(name: str, spec: ModelSpec) -> bool:
+def _tied_copy(name: str, spec: ModelShape) -> bool:
     """The output layer of tied embeddings: HF's checkpoint holds the embedding alone."""
     return spec.tie_embeddings and name == "output_layer.weight"
 
@@ -331,11 +332,11 @@ def hf_names(cfg: Shape, *, mtp: bool = False) -> list[str]:
     order."""
     spec = as_spec(cfg)
     attention = [f"self_attn.{p}_proj.weight" for p in "qkvo"]
-    if spec.multi_latent_attention:
+    if spec.mla:
         attention = mla.attention_names(spec) + dsa.indexer_names(spec)
     if spec.qkv_bias:
         attention += [f"self_attn.{p}_proj.bias" for p in "qkv"]
-    if spec.qk_layernorm and not spec.multi_latent_attention:
+    if spec.qk_layernorm and not spec.mla:
         attention += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
 
     def layer(i: int) -> list[str]:

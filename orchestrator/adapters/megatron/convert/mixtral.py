@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from orchestrator.adapters.megatron.convert.rules import EXPERT, LAYER, MOE, gate_up, same
-from orchestrator.adapters.megatron.convert.spec import Family, ModelSpec
+from orchestrator.models import Family, ModelShape
 
 if TYPE_CHECKING:
     from transformers import MixtralConfig
@@ -40,19 +40,19 @@ RULES = (
 )
 
 
-def expert_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+def expert_shapes(spec: ModelShape) -> dict[str, tuple[int, ...]]:
     """The shapes of an expert's `w1` (gate), `w3` (up) and `w2` (down), by `hf.hf_shape`'s keys."""
     ffn, hidden = spec.moe_ffn_hidden_size, spec.hidden_size
     return {"expert.w1": (ffn, hidden), "expert.w3": (ffn, hidden), "expert.w2": (hidden, ffn)}
 
 
-def moe_names(spec: ModelSpec) -> list[str]:
+def moe_names(spec: ModelShape) -> list[str]:
     """An MoE layer's MLP names, relative to `model.layers.<i>.`, as `hf_names` lists them."""
     experts = [f"block_sparse_moe.experts.{e}.{w}" for e in range(spec.num_experts) for w in ("w1", "w2", "w3")]
     return ["block_sparse_moe.gate", *experts]
 
 
-def hf_mixtral_config(spec: ModelSpec, common: dict[str, Any]) -> MixtralConfig:
+def hf_mixtral_config(spec: ModelShape, common: dict[str, Any]) -> MixtralConfig:
     """`common` is what every family's config shares; Mixtral's `intermediate_size` is an expert's."""
     from transformers import MixtralConfig
 

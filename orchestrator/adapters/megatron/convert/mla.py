@@ -38,9 +38,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from orchestrator.adapters.megatron.convert.fields import SpecFields
 from orchestrator.adapters.megatron.convert.rules import ANY, LAYER, compile_rules, same
-from orchestrator.models import Family
+from orchestrator.models import Family, ModelShape
 
 __all__ = [
     "MLA_FAMILIES",
@@ -84,7 +83,6 @@ def megatron_fields(config: Any) -> dict[str, Any]:
         return {}
     yarn = config.rope_type == "yarn"
     return dict(
-        multi_latent_attention=True,
         num_query_groups=config.num_attention_heads,  # every head has its own k and v
         q_lora_rank=config.q_lora_rank or 0,
         kv_lora_rank=config.kv_lora_rank,
@@ -93,7 +91,8 @@ def megatron_fields(config: Any) -> dict[str, Any]:
         v_head_dim=config.v_head_dim,
         rotary_base=float(config.rotary_base),
         rotary_percent=1.0 if yarn else float(config.rotary_percent),  # YaRN rotates every rope dim
-        yarn_factor=float(config.rotary_scaling_factor) if yarn else 0.0,
+        rope_scaling="yarn" if yarn else "",
+        rope_factor=float(config.rotary_scaling_factor) if yarn else 1.0,
         yarn_original_max_position_embeddings=config.original_max_position_embeddings if yarn else 0,
         yarn_beta_fast=float(config.beta_fast),
         yarn_beta_slow=float(config.beta_slow),
@@ -112,27 +111,27 @@ def megatron_problems(config: Any) -> list[str]:
     return ["rope_type='rope' with mscale_all_dim (Megatron still scales the softmax by it)"] if unscaled_rope else []
 
 
-def spec_problems(spec: SpecFields) -> list[str]:
+def spec_problems(spec: ModelShape) -> list[str]:
     """Why an MLA family's HF model would compute otherwise than the spec says."""
     if spec.family not in MLA_FAMILIES:
         return []
-    if not spec.multi_latent_attention:
+    if not spec.mla:
         return [f"no multi_latent_attention (HF {spec.family.value}'s attention is MLA)"]
     out = []
     if not spec.qk_layernorm:
         out.append("no qk_layernorm (Megatron's local MLA normalises its q and kv latents only with it)")
     if spec.layernorm_epsilon != MLA_NORM_EPS:
         out.append(f"layernorm_epsilon={spec.layernorm_epsilon:g} (HF's q_a/kv_a norms use {MLA_NORM_EPS:g})")
-    if spec.yarn_factor and spec.yarn_mscale != 1.0 and not spec.yarn_mscale_all_dim:
+    if spec.yarn and spec.yarn_mscale != 1.0 and not spec.yarn_mscale_all_dim:
         out.append("YaRN mscale without mscale_all_dim (HF then scales cos and sin by mscale 1)")
-    if spec.yarn_factor and not (spec.yarn_beta_fast and spec.yarn_beta_slow):
+    if spec.yarn and not (spec.yarn_beta_fast and spec.yarn_beta_slow):
         out.append("YaRN beta_fast or beta_slow 0 (HF reads 0 as its default)")
     return out
 
 
-def shapes(spec: SpecFields) -> dict[str, tuple[int, ...]]:
+def shapes(spec: ModelShape) -> dict[str, tuple[int, ...]]:
     """HF shapes by module name; they replace GQA's `q_proj` and `o_proj`."""
-    if not spec.multi_latent_attention:
+    if not spec.mla:
         return {}
     hidden, heads = spec.hidden_size, spec.num_attention_heads
     q_head = spec.qk_nope_head_dim + spec.qk_rope_head_dim
@@ -148,21 +147,21 @@ def shapes(spec: SpecFields) -> dict[str, tuple[int, ...]]:
     }
 
 
-def attention_names(spec: SpecFields) -> list[str]:
+def attention_names(spec: ModelShape) -> list[str]:
     """A layer's attention tensors, as HF names them under `model.layers.<i>.`."""
     q = ["q_a_proj", "q_a_layernorm", "q_b_proj"] if spec.q_lora_rank else ["q_proj"]
     modules = [*q, "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"]
     return [f"self_attn.{module}.weight" for module in modules]
 
 
-def rope_parameters(spec: SpecFields) -> dict[str, Any]:
+def rope_parameters(spec: ModelShape) -> dict[str, Any]:
     """HF's `rope_parameters`: YaRN's keys where the spec has a YaRN factor."""
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": spec.rotary_base}
-    if not spec.yarn_factor:
+    if not spec.yarn:
         return rope
     return rope | {
         "rope_type": "yarn",
-        "factor": spec.yarn_factor,
+        "factor": spec.rope_factor,
         "original_max_position_embeddings": spec.yarn_original_max_position_embeddings,
         "beta_fast": spec.yarn_beta_fast,
         "beta_slow": spec.yarn_beta_slow,
@@ -171,7 +170,7 @@ def rope_parameters(spec: SpecFields) -> dict[str, Any]:
     }
 
 
-def hf_config_keys(spec: SpecFields) -> dict[str, Any]:
+def hf_config_keys(spec: ModelShape) -> dict[str, Any]:
     """The DeepSeek-V3 config keys of the attention."""
     return dict(
         q_lora_rank=spec.q_lora_rank or None,

@@ -27,9 +27,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from orchestrator.adapters.megatron.convert.fields import SpecFields
 from orchestrator.adapters.megatron.convert.rules import LAYER, MTP, compile_rules, same
-from orchestrator.models import Family
+from orchestrator.models import Family, ModelShape
 
 __all__ = [
     "MTP_FAMILIES",
@@ -78,29 +77,27 @@ def megatron_fields(config: Any) -> dict[str, Any]:
     return {"mtp_num_layers": config.mtp_num_layers or 0}
 
 
-def spec_problems(spec: SpecFields) -> list[str]:
+def spec_problems(spec: ModelShape) -> list[str]:
     """MTP layers of a family whose conversion of them was not checked."""
     if not spec.mtp_num_layers or spec.family in MTP_FAMILIES:
         return []
     checked = ", ".join(sorted(f.value for f in MTP_FAMILIES))
-    return [
-        f"mtp_num_layers={spec.mtp_num_layers} (MTP layers are not converted for {spec.family.value}; for {checked})"
-    ]
+    return [f"mtp_num_layers={spec.mtp_num_layers} (MTP layers are not converted for {spec.family}; for {checked})"]
 
 
-def shapes(spec: SpecFields) -> dict[str, tuple[int, ...]]:
+def shapes(spec: ModelShape) -> dict[str, tuple[int, ...]]:
     """HF shapes by module name (`shared_head.norm` is a `norm`)."""
     hidden = spec.hidden_size
     return {"enorm": (hidden,), "hnorm": (hidden,), "eh_proj": (hidden, 2 * hidden)}
 
 
-def hf_config_keys(spec: SpecFields) -> dict[str, Any]:
+def hf_config_keys(spec: ModelShape) -> dict[str, Any]:
     """How many MTP layers the checkpoint has: `num_nextn_predict_layers` is what GLM-5's and
     DeepSeek-V3's configs say and SGLang reads (DeepSeek-V3's config maps `num_mtp_layers` to it)."""
     return {"num_nextn_predict_layers": spec.mtp_num_layers, "num_mtp_layers": spec.mtp_num_layers}
 
 
-def mtp_names(spec: SpecFields, layer_names: list[str]) -> list[str]:
+def mtp_names(spec: ModelShape, layer_names: list[str]) -> list[str]:
     """The HF names of every MTP layer, given a decoder layer's (`layer_names`, under
     `model.layers.<i>.`, of the kind of the last decoder layer, whose spec Megatron's MTP reuses)."""
     own = [f"{hf}.weight" for hf in _OWN.values()]

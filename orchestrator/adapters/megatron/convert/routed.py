@@ -28,9 +28,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from orchestrator.adapters.megatron.convert.fields import SpecFields
 from orchestrator.adapters.megatron.convert.rules import EXPERT, LAYER, MOE, compile_rules, gate_up, same
-from orchestrator.models import Family
+from orchestrator.models import Family, ModelShape
 
 __all__ = [
     "ROUTED_FAMILIES",
@@ -86,7 +85,7 @@ def megatron_problems(config: Any) -> list[str]:
     return []
 
 
-def spec_problems(spec: SpecFields) -> list[str]:
+def spec_problems(spec: ModelShape) -> list[str]:
     """Why a routed family's HF model would compute otherwise than the spec says."""
     if spec.family not in ROUTED_FAMILIES:
         return []
@@ -115,7 +114,7 @@ def spec_problems(spec: SpecFields) -> list[str]:
     return out
 
 
-def shapes(spec: SpecFields) -> dict[str, tuple[int, ...]]:
+def shapes(spec: ModelShape) -> dict[str, tuple[int, ...]]:
     """HF shapes by module name (a shared expert's as `shared.<module>`)."""
     hidden, shared = spec.hidden_size, spec.moe_shared_ffn_hidden_size
     return {
@@ -126,14 +125,14 @@ def shapes(spec: SpecFields) -> dict[str, tuple[int, ...]]:
     }
 
 
-def moe_names(spec: SpecFields) -> list[str]:
+def moe_names(spec: ModelShape) -> list[str]:
     """An MoE layer's tensors, as HF names them under `model.layers.<i>.`."""
     experts = [f"mlp.experts.{e}.{p}.weight" for e in range(spec.num_experts) for p in _GATED]
     shared = [f"mlp.shared_experts.{p}.weight" for p in _GATED]
     return ["mlp.gate.weight", "mlp.gate.e_score_correction_bias", *experts, *shared]
 
 
-def hf_config_keys(spec: SpecFields) -> dict[str, Any]:
+def hf_config_keys(spec: ModelShape) -> dict[str, Any]:
     """The HF config keys of the MoE layers (DeepSeek-V3's and GLM-4.5's are the same)."""
     return dict(
         n_routed_experts=spec.num_experts,

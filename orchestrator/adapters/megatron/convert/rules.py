@@ -13,8 +13,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from orchestrator.adapters.megatron.convert.fields import SpecFields
-from orchestrator.models import Family
+from orchestrator.models import Family, ModelShape
 
 __all__ = [
     "ANY",
@@ -31,7 +30,7 @@ __all__ = [
     "split_qkv",
 ]
 
-Split = Callable[[torch.Tensor, SpecFields], list[torch.Tensor]]
+Split = Callable[[torch.Tensor, ModelShape], list[torch.Tensor]]
 Rule = tuple[re.Pattern[str], tuple[str, ...], Split, str, frozenset[Family]]
 
 LAYER = r"decoder\.layers\.(?P<i>\d+)\."
@@ -39,20 +38,20 @@ EXPERT = LAYER + r"mlp\.experts\.local_experts\.(?P<e>\d+)\."
 DENSE, MOE, ANY, MTP = "dense", "moe", "any", "mtp"  # which layers a rule's tensor belongs to
 
 
-def same(tensor: torch.Tensor, spec: SpecFields) -> list[torch.Tensor]:
+def same(tensor: torch.Tensor, spec: ModelShape) -> list[torch.Tensor]:
     """The HF tensor is the Megatron tensor, as it is."""
     return [tensor]
 
 
-def gate_up(tensor: torch.Tensor, spec: SpecFields) -> list[torch.Tensor]:
+def gate_up(tensor: torch.Tensor, spec: ModelShape) -> list[torch.Tensor]:
     """SwiGLU's fc1 is cat([gate, up]) along the output rows."""
     gate, up = tensor.chunk(2, dim=0)
     return [gate, up]
 
 
-def split_qkv(tensor: torch.Tensor, spec: SpecFields) -> list[torch.Tensor]:
+def split_qkv(tensor: torch.Tensor, spec: ModelShape) -> list[torch.Tensor]:
     """Megatron interleaves per query group: [q of nh/ng heads, k, v] for each group in turn."""
-    groups, head_dim = spec.num_query_groups, spec.head_dim
+    groups, head_dim = spec.num_query_groups, spec.kv_channels
     heads_per_group = spec.num_attention_heads // groups
     grouped = tensor.view(groups, (heads_per_group + 2) * head_dim, spec.hidden_size)
     q, k, v = grouped.split([heads_per_group * head_dim, head_dim, head_dim], dim=1)

@@ -15,14 +15,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from orchestrator.adapters.megatron.convert.spec import ModelSpec
-from orchestrator.models import Architecture, Family, support_table
+from orchestrator.models import Family, ModelShape, support_table
 
 __all__ = ["served_problems"]
 
 
-def served_problems(spec: ModelSpec, served: Architecture) -> list[str]:
-    """Every way the HF config `served` differs from the Megatron model `spec` describes; empty
+def served_problems(spec: ModelShape, served: ModelShape) -> list[str]:
+    """Every way the HF config's shape `served` differs from the Megatron model's `spec`; empty
     when an engine that loads it computes what the trainer does."""
     if served.family is None:
         return [
@@ -30,7 +29,8 @@ def served_problems(spec: ModelSpec, served: Architecture) -> list[str]:
             f"it maps to:\n{support_table()}"
         ]
     if served.family is not spec.family:
-        return [f"{served.source}: the engine serves {served.family.value}, the trainer's model is {spec.family.value}"]
+        family = spec.family.value if spec.family else None
+        return [f"{served.source}: the engine serves {served.family.value}, the trainer's model is {family}"]
     return [
         f"{served.source}: {what} is {theirs!r} there, {ours!r} in the trainer's model"
         for what, ours, theirs in _pairs(spec, served)
@@ -44,50 +44,56 @@ def _same(ours: Any, theirs: Any) -> bool:
     return bool(ours == theirs)
 
 
-def _pairs(spec: ModelSpec, served: Architecture) -> list[tuple[str, Any, Any]]:
+# (what, the field both shapes hold it in), for everything an engine builds or computes from its config
+_ALWAYS = (
+    ("vocab_size (Megatron's padded vocabulary must be the checkpoint's)", "vocab_size"),
+    ("hidden_size", "hidden_size"),
+    ("num_hidden_layers", "num_layers"),
+    ("num_attention_heads", "num_attention_heads"),
+    ("tie_word_embeddings", "tie_embeddings"),
+    ("rope_theta", "rotary_base"),
+    ("partial_rotary_factor", "rotary_percent"),
+    ("attention q/k/v biases", "qkv_bias"),
+)
+_MLA = (
+    ("q_lora_rank", "q_lora_rank"),
+    ("kv_lora_rank", "kv_lora_rank"),
+    ("qk_nope_head_dim", "qk_nope_head_dim"),
+    ("qk_rope_head_dim", "qk_rope_head_dim"),
+    ("v_head_dim", "v_head_dim"),
+    ("YaRN factor", "yarn_factor"),
+)
+_GQA = (("num_key_value_heads", "num_query_groups"), ("head_dim", "kv_channels"), ("q/k norm", "qk_layernorm"))
+_MOE = (
+    ("experts", "num_experts"),
+    ("an expert's intermediate_size", "moe_ffn_hidden_size"),
+    ("experts per token", "moe_router_topk"),
+    ("router score function", "moe_score_function"),
+    ("expert bias (e_score_correction_bias)", "expert_bias"),
+    ("shared experts' intermediate_size", "moe_shared_ffn_hidden_size"),
+    ("n_group", "moe_router_num_groups"),
+    ("topk_group", "moe_router_group_topk"),
+    ("routed_scaling_factor", "moe_routed_scaling_factor"),
+)
+
+
+def _value(shape: ModelShape, field: str) -> Any:
+    if field == "yarn_factor":
+        return shape.rope_factor if shape.yarn else 1.0
+    return getattr(shape, field)
+
+
+def _pairs(spec: ModelShape, served: ModelShape) -> list[tuple[str, Any, Any]]:
     """(what, the trainer's value, the served config's value), for everything an engine builds
     or computes from its config."""
-    pairs: list[tuple[str, Any, Any]] = [
-        ("vocab_size (Megatron's padded vocabulary must be the checkpoint's)", spec.vocab_size, served.vocab_size),
-        ("hidden_size", spec.hidden_size, served.hidden_size),
-        ("num_hidden_layers", spec.num_layers, served.num_layers),
-        ("num_attention_heads", spec.num_attention_heads, served.num_attention_heads),
-        ("tie_word_embeddings", spec.tie_embeddings, served.tie_embeddings),
-        ("rope_theta", spec.rotary_base, served.rope_theta),
-        ("partial_rotary_factor", spec.rotary_percent, served.partial_rotary_factor),
-        ("attention q/k/v biases", spec.qkv_bias, served.qkv_bias),
-    ]
-    if spec.multi_latent_attention:
-        pairs += [
-            ("q_lora_rank", spec.q_lora_rank, served.q_lora_rank),
-            ("kv_lora_rank", spec.kv_lora_rank, served.kv_lora_rank),
-            ("qk_nope_head_dim", spec.qk_nope_head_dim, served.qk_nope_head_dim),
-            ("qk_rope_head_dim", spec.qk_rope_head_dim, served.qk_rope_head_dim),
-            ("v_head_dim", spec.v_head_dim, served.v_head_dim),
-            ("YaRN factor", spec.yarn_factor or 1.0, served.rope_factor if served.rope_scaling == "yarn" else 1.0),
-        ]
-    else:
-        pairs += [
-            ("num_key_value_heads", spec.num_query_groups, served.num_kv_heads),
-            ("head_dim", spec.head_dim, served.head_dim),
-            ("q/k norm", spec.qk_layernorm, served.qk_norm),
-        ]
-    moe = set(spec.moe_layers)
-    if len(moe) < spec.num_layers:
-        pairs.append(("intermediate_size (the dense MLP's)", spec.ffn_hidden_size, served.ffn_hidden_size))
-    pairs.append(("MoE layers", sorted(moe), [i for i, routed in enumerate(served.moe_layers) if routed]))
-    if moe:
-        pairs += [
-            ("experts", spec.num_experts, served.num_experts),
-            ("an expert's intermediate_size", spec.moe_ffn_hidden_size, served.moe_ffn_hidden_size),
-            ("experts per token", spec.moe_router_topk, served.moe_router_topk),
-            ("router score function", spec.moe_score_function, served.router_score),
-            ("expert bias (e_score_correction_bias)", spec.expert_bias, served.expert_bias),
-            ("shared experts' intermediate_size", spec.moe_shared_ffn_hidden_size, served.shared_expert_ffn),
-            ("n_group", spec.moe_router_num_groups, served.n_group),
-            ("topk_group", spec.moe_router_group_topk, served.topk_group),
-            ("routed_scaling_factor", spec.moe_routed_scaling_factor, served.routed_scaling_factor),
-        ]
+    compared = [*_ALWAYS, *(_MLA if spec.mla else _GQA)]
+    if spec.dense_layers:
+        compared.append(("intermediate_size (the dense MLP's)", "ffn_hidden_size"))
+    pairs = [(what, _value(spec, f), _value(served, f)) for what, f in compared]
+    pairs.append(("MoE layers", sorted(spec.moe_layers), sorted(served.moe_layers)))
+    if spec.moe_layers:
+        moe = [*_MOE]
         if spec.family is not Family.MIXTRAL:  # Mixtral always renormalises: its config has no key
-            pairs.append(("norm_topk_prob", spec.moe_norm_topk_prob, served.norm_topk_prob))
+            moe.append(("norm_topk_prob", "moe_norm_topk_prob"))
+        pairs += [(what, _value(spec, f), _value(served, f)) for what, f in moe]
     return pairs

@@ -1,34 +1,31 @@
-"""What a conversion needs to know about a model, read from Megatron's own configs.
+"""What a conversion needs to know about a model: its `ModelShape`, read from Megatron's configs,
+and what the HF family it converts to cannot compute.
 
-`ModelSpec.from_megatron(config, gpt)` reads a `TransformerConfig` and the `GPTModel` built from it
-(vocab, RoPE base, tied embeddings live on the model, not the config); `ModelSpec.from_tiny(cfg)`
-is the thin front the job's `TinyGPTConfig` goes through. A spec is plain data (ints, bools,
-a tuple), so the ranks can hand it to a process that has no Megatron.
+`shape_from_megatron(config, gpt)` reads a `TransformerConfig` and the `GPTModel` built from it
+(vocab, RoPE base, tied embeddings live on the model, not the config). `checked(shape)` is the
+converter's door: every function that takes a shape (`hf_config`, `to_hf`, `hf_names`, ...) goes
+through it, the job's `TinyGPTConfig` as `cfg.shape()`.
 
-Only what the HF family can compute the same way is accepted: anything else is refused here,
-before a rank starts a collective, with every problem named at once. The fields themselves are
-`fields.SpecFields`, below the family modules that read them; the checks and constructors here
-call those modules, so they sit above them.
+Only what the HF family can compute the same way is accepted: anything else is refused, before a
+rank starts a collective, with every problem named at once. The family modules (`mla`, `routed`,
+`glm`, `dsa`, `mtp`) each name their own; the checks here call them, so they sit above them.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
 from typing import Any
 
 from orchestrator.adapters.megatron.convert import dsa, glm, mla, mtp, routed
-from orchestrator.adapters.megatron.convert.fields import MEGATRON_LAYERNORM_EPS, SpecFields
-from orchestrator.adapters.megatron.gpt import TinyGPTConfig
-from orchestrator.models import Family, support_table
+from orchestrator.models import MEGATRON_LAYERNORM_EPS, Family, ModelShape, support_table
 
-__all__ = ["MEGATRON_LAYERNORM_EPS", "Family", "ModelSpec", "SpecFields", "family_of"]
+__all__ = ["MEGATRON_LAYERNORM_EPS", "Family", "ModelSpec", "checked", "family_of", "refusals", "shape_from_megatron"]
 
 
 def family_of(config: Any) -> Family:
     """The family a `TransformerConfig` reads as: DSA makes it GLM-5, MLA DeepSeek-V3, sigmoid-routed
     experts GLM-4.5, other experts Qwen3-MoE with a q/k norm and Mixtral without; a dense model is
     Qwen3 with a q/k norm and Llama without. A model the family cannot compute is refused by
-    `ModelSpec.from_megatron`."""
+    `shape_from_megatron`."""
     if getattr(config, "experimental_attention_variant", None) == "dsa":
         return Family.GLM_MOE_DSA
     if getattr(config, "multi_latent_attention", False):
@@ -40,138 +37,138 @@ def family_of(config: Any) -> Family:
     return Family.QWEN3 if config.qk_layernorm else Family.LLAMA
 
 
-@dataclass(frozen=True, kw_only=True)
-class ModelSpec(SpecFields):
-    """The shape of a Llama-like GPT, as HF needs it: `SpecFields`'s fields (documented there),
-    checked when built. A spec HF's `family` would compute otherwise is refused with every
-    problem named, by the base checks here and each family module's `spec_problems`."""
-
-    def __post_init__(self) -> None:
-        problems = self.problems()
-        if problems:
-            raise ValueError(f"no HF {self.family.value} equivalent: " + "; ".join(problems))
-
-    def problems(self) -> list[str]:
-        out = []
-        if self.num_attention_heads % self.num_query_groups:
-            out.append(f"{self.num_attention_heads} heads do not split into {self.num_query_groups} query groups")
-        if self.family is Family.LLAMA and self.qk_layernorm:
-            out.append("qk_layernorm (Llama has no q/k norm: use the qwen3 family)")
-        if self.family in (Family.LLAMA, Family.QWEN3) and self.num_experts:
-            moe = "qwen3_moe" if self.qk_layernorm else "mixtral"
-            out.append(f"num_experts={self.num_experts} (the {self.family.value} family is dense: use {moe})")
-        if self.family is Family.QWEN3 and not self.qk_layernorm:
-            out.append("no qk_layernorm (Qwen3 normalises q and k: use the llama family)")
-        if self.family is Family.QWEN3_MOE:
-            if not self.num_experts or not self.moe_layers:
-                out.append("no MoE layer (use the qwen3 family)")
-            if not self.qk_layernorm:
-                out.append("no qk_layernorm (Qwen3-MoE normalises q and k)")
-            if self.expert_bias:
-                # Megatron's expert_bias needs sigmoid scores; Qwen3-MoE routes by softmax with
-                # no bias, so an engine would pick other experts than the trainer did.
-                out.append("moe_router_enable_expert_bias (Qwen3-MoE's router has no expert bias)")
-        if self.family is Family.MIXTRAL:
-            out += self._mixtral_problems()
-        for what, used, families in _features(self):
-            if used and self.family not in families:
-                others = ", ".join(sorted(f.value for f in families))
-                out.append(f"{what} (HF {self.family.value} has no counterpart; {others} do)")
-        specific = mla.spec_problems(self) + routed.spec_problems(self) + glm.spec_problems(self)
-        return out + specific + dsa.spec_problems(self) + mtp.spec_problems(self)
-
-    def _mixtral_problems(self) -> list[str]:
-        out = []
-        dense = [i for i in range(self.num_layers) if i not in self.moe_layers]
-        if not self.num_experts:
-            out.append("no MoE layer (use the llama family)")
-        elif dense:
-            out.append(f"dense layers {dense} (every Mixtral layer is MoE)")
-        if self.qk_layernorm:
-            out.append("qk_layernorm (Mixtral has no q/k norm: use qwen3_moe)")
-        if self.expert_bias:
-            out.append("moe_router_enable_expert_bias (Mixtral's router has no expert bias)")
-        if not self.moe_norm_topk_prob:
-            out.append("moe_router_pre_softmax=True (Mixtral renormalises its top-k probabilities)")
-        return out
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ModelSpec:
-        return cls(**{**data, "family": Family(data["family"]), "moe_layers": tuple(data["moe_layers"])})
-
-    @classmethod
-    def from_tiny(cls, cfg: TinyGPTConfig, family: Family = Family.LLAMA) -> ModelSpec:
-        """The job's model: what `megatron_build.build_gpt(cfg)` builds."""
-        return cls(
-            family=family,
-            vocab_size=cfg.vocab_size,
-            hidden_size=cfg.hidden_size,
-            num_layers=cfg.num_layers,
-            num_attention_heads=cfg.num_attention_heads,
-            num_query_groups=cfg.num_query_groups,
-            head_dim=cfg.hidden_size // cfg.num_attention_heads,
-            ffn_hidden_size=cfg.ffn_hidden_size,
-            max_position_embeddings=cfg.seq_len,
-            rotary_base=float(cfg.rotary_base),
-            num_experts=cfg.num_experts,
-            moe_ffn_hidden_size=cfg.ffn_hidden_size if cfg.num_experts else 0,
-            moe_router_topk=cfg.moe_router_topk if cfg.num_experts else 0,
-            moe_layers=(cfg.num_layers - 1,) if cfg.num_experts else (),
-            expert_bias=cfg.num_experts > 0,
-        )
-
-    @classmethod
-    def from_megatron(cls, config: Any, gpt: Any, family: Family | str | None = None) -> ModelSpec:
-        """From a `TransformerConfig` and the (unwrapped) `GPTModel` built with it; the family is
-        `family_of(config)` unless given.
-
-        Raises ValueError naming every setting HF's `family` cannot compute the same way."""
-        if family is not None and family not in set(Family):
-            raise ValueError(f"no family {family!r}: colocate converts to\n{support_table()}")
-        family = family_of(config) if family is None else Family(family)
-        problems = _megatron_problems(config, gpt)
-        if problems:
-            raise ValueError(f"no HF {family.value} equivalent: " + "; ".join(problems))
-        experts = config.num_moe_experts or 0
-        fields: dict[str, Any] = dict(
-            family=family,
-            vocab_size=gpt.vocab_size,
-            hidden_size=config.hidden_size,
-            num_layers=config.num_layers,
-            num_attention_heads=config.num_attention_heads,
-            num_query_groups=config.num_query_groups or config.num_attention_heads,
-            head_dim=config.kv_channels,
-            ffn_hidden_size=config.ffn_hidden_size,
-            max_position_embeddings=gpt.max_sequence_length,
-            layernorm_epsilon=config.layernorm_epsilon,
-            tie_embeddings=bool(gpt.share_embeddings_and_output_weights),
-            qk_layernorm=bool(config.qk_layernorm),
-            num_experts=experts,
-            moe_ffn_hidden_size=(config.moe_ffn_hidden_size or 0) if experts else 0,
-            moe_router_topk=config.moe_router_topk if experts else 0,
-            moe_layers=_moe_layers(config) if experts else (),
-            expert_bias=bool(experts and config.moe_router_enable_expert_bias),
-        )
-        attention = mla.megatron_fields(config) or dict(  # MLA's RoPE is in its attention, not the GPTModel
-            rotary_base=_rotary_base(gpt),
-            rotary_percent=float(getattr(gpt, "rotary_percent", 1.0)),
-            qkv_bias=bool(getattr(config, "add_qkv_bias", False)),
-        )
-        extra = routed.megatron_fields(config) | dsa.megatron_fields(config) | mtp.megatron_fields(config)
-        return cls(**fields | attention | extra)
+def checked(shape: ModelShape) -> ModelShape:
+    """`shape`, when its HF family computes what it says; ValueError naming every problem otherwise."""
+    problems = refusals(shape)
+    if problems:
+        family = shape.family.value if shape.family else "family"
+        raise ValueError(f"no HF {family} equivalent: " + "; ".join(problems))
+    return shape
 
 
-def _features(spec: ModelSpec) -> tuple[tuple[str, bool, frozenset[Family]], ...]:
+def refusals(shape: ModelShape) -> list[str]:
+    """Why HF's `shape.family` would compute otherwise than `shape` says: the base checks here and
+    each family module's `spec_problems`."""
+    if shape.family is None:
+        return [f"no family (colocate converts to\n{support_table()})"]
+    out = []
+    if shape.family is Family.LLAMA and shape.qk_layernorm:
+        out.append("qk_layernorm (Llama has no q/k norm: use the qwen3 family)")
+    if shape.family in (Family.LLAMA, Family.QWEN3) and shape.num_experts:
+        moe = "qwen3_moe" if shape.qk_layernorm else "mixtral"
+        out.append(f"num_experts={shape.num_experts} (the {shape.family.value} family is dense: use {moe})")
+    if shape.family is Family.QWEN3 and not shape.qk_layernorm:
+        out.append("no qk_layernorm (Qwen3 normalises q and k: use the llama family)")
+    if shape.family is Family.QWEN3_MOE:
+        if not shape.num_experts or not shape.moe_layers:
+            out.append("no MoE layer (use the qwen3 family)")
+        if not shape.qk_layernorm:
+            out.append("no qk_layernorm (Qwen3-MoE normalises q and k)")
+        if shape.expert_bias:
+            # Megatron's expert_bias needs sigmoid scores; Qwen3-MoE routes by softmax with
+            # no bias, so an engine would pick other experts than the trainer did.
+            out.append("moe_router_enable_expert_bias (Qwen3-MoE's router has no expert bias)")
+    if shape.family is Family.MIXTRAL:
+        out += _mixtral_problems(shape)
+    out += [f"{what} (the converter writes no such model)" for what, used in _unwritten(shape) if used]
+    for what, used, families in _features(shape):
+        if used and shape.family not in families:
+            others = ", ".join(sorted(f.value for f in families))
+            out.append(f"{what} (HF {shape.family.value} has no counterpart; {others} do)")
+    specific = mla.spec_problems(shape) + routed.spec_problems(shape) + glm.spec_problems(shape)
+    return out + specific + dsa.spec_problems(shape) + mtp.spec_problems(shape)
+
+
+def _mixtral_problems(shape: ModelShape) -> list[str]:
+    out = []
+    dense = [i for i in range(shape.num_layers) if i not in shape.moe_layers]
+    if not shape.num_experts:
+        out.append("no MoE layer (use the llama family)")
+    elif dense:
+        out.append(f"dense layers {dense} (every Mixtral layer is MoE)")
+    if shape.qk_layernorm:
+        out.append("qk_layernorm (Mixtral has no q/k norm: use qwen3_moe)")
+    if shape.expert_bias:
+        out.append("moe_router_enable_expert_bias (Mixtral's router has no expert bias)")
+    if not shape.moe_norm_topk_prob:
+        out.append("moe_router_pre_softmax=True (Mixtral renormalises its top-k probabilities)")
+    return out
+
+
+def _unwritten(shape: ModelShape) -> tuple[tuple[str, bool], ...]:
+    """What a shape read from an HF config can say and no converted family computes."""
+    return (
+        (f"rope_scaling={shape.rope_scaling!r}", shape.rope_scaling not in ("", "yarn")),
+        ("an L2 q/k norm", shape.qk_l2_norm),
+        ("an attention output bias", shape.out_bias),
+        ("sandwich norms", shape.sandwich_norms),
+        ("a gated shared expert", shape.shared_expert_gate),
+    )
+
+
+def shape_from_megatron(config: Any, gpt: Any, family: Family | str | None = None) -> ModelShape:
+    """The shape of the (unwrapped) `GPTModel` `gpt` built with the `TransformerConfig` `config`;
+    the family is `family_of(config)` unless given.
+
+    Raises ValueError naming every setting HF's `family` cannot compute the same way."""
+    if family is not None and family not in set(Family):
+        raise ValueError(f"no family {family!r}: colocate converts to\n{support_table()}")
+    family = family_of(config) if family is None else Family(family)
+    problems = _megatron_problems(config, gpt)
+    if problems:
+        raise ValueError(f"no HF {family.value} equivalent: " + "; ".join(problems))
+    experts = config.num_moe_experts or 0
+    fields: dict[str, Any] = dict(
+        family=family,
+        vocab_size=gpt.vocab_size,
+        hidden_size=config.hidden_size,
+        num_layers=config.num_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_query_groups=config.num_query_groups or config.num_attention_heads,
+        head_dim=config.kv_channels,
+        ffn_hidden_size=config.ffn_hidden_size,
+        max_position_embeddings=gpt.max_sequence_length,
+        layernorm_epsilon=config.layernorm_epsilon,
+        tie_embeddings=bool(gpt.share_embeddings_and_output_weights),
+        qk_layernorm=bool(config.qk_layernorm),
+        num_experts=experts,
+        moe_ffn_hidden_size=(config.moe_ffn_hidden_size or 0) if experts else 0,
+        moe_router_topk=config.moe_router_topk if experts else 0,
+        moe_layers=_moe_layers(config) if experts else (),
+        expert_bias=bool(experts and config.moe_router_enable_expert_bias),
+    )
+    attention = mla.megatron_fields(config) or dict(  # MLA's RoPE is in its attention, not the GPTModel
+        rotary_base=_rotary_base(gpt),
+        rotary_percent=float(getattr(gpt, "rotary_percent", 1.0)),
+        qkv_bias=bool(getattr(config, "add_qkv_bias", False)),
+    )
+    extra = routed.megatron_fields(config) | dsa.megatron_fields(config) | mtp.megatron_fields(config)
+    return checked(ModelShape(**fields | attention | extra))
+
+
+class ModelSpec:
+    """The converter's name for a shape before there was one `ModelShape` (docs/conversion.md
+    documented it): `ModelSpec(**fields)` is `checked(ModelShape(**fields))`, and its
+    constructors are `shape_from_megatron` and `TinyGPTConfig.shape`."""
+
+    def __new__(cls, **fields: Any) -> ModelShape:  # type: ignore[misc]
+        return checked(ModelShape(**fields))
+
+    from_megatron = staticmethod(shape_from_megatron)
+
+    @staticmethod
+    def from_tiny(cfg: Any, family: Family = Family.LLAMA) -> ModelShape:
+        return checked(cfg.shape(family=family))
+
+
+def _features(spec: ModelShape) -> tuple[tuple[str, bool, frozenset[Family]], ...]:
     """What a model computes beyond Llama and Qwen3(-MoE): (what, whether this one does, the
     families that compute it the same way)."""
     return (
         ("add_qkv_bias", spec.qkv_bias, glm.QKV_BIAS_FAMILIES),
         (f"rotary_percent={spec.rotary_percent:g}", spec.rotary_percent != 1.0, glm.PARTIAL_ROTARY_FAMILIES),
-        ("multi_latent_attention", spec.multi_latent_attention, mla.MLA_FAMILIES),
-        ("YaRN RoPE", bool(spec.yarn_factor), mla.MLA_FAMILIES),
+        ("multi_latent_attention", spec.mla, mla.MLA_FAMILIES),
+        ("YaRN RoPE", spec.yarn, mla.MLA_FAMILIES),
         (
             f"moe_router_score_function={spec.moe_score_function!r}",
             spec.moe_score_function != "softmax",
