@@ -3,7 +3,7 @@
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from orchestrator.core.config import LifecycleConfig
+from orchestrator.core.config import Checkpoint, LifecycleConfig, Verify
 from orchestrator.core.lifecycle import Lifecycle
 from orchestrator.errors import (
     ActionFailed,
@@ -35,12 +35,15 @@ from orchestrator.telemetry.listeners import FanOut, Listener, TransitionRecord
 if TYPE_CHECKING:
     from orchestrator.adapters.megatron.cpu import enable_cpu_path
     from orchestrator.adapters.megatron.embed import colocate_megatron
+    from orchestrator.adapters.megatron.options import Memory, Sync
 
 # Names whose modules import torch: loaded at first use, so `import orchestrator` (and
 # `colocate diagram`) needs neither torch nor megatron-core.
 _LAZY = {
     "colocate_megatron": "orchestrator.adapters.megatron.embed",
     "enable_cpu_path": "orchestrator.adapters.megatron.cpu",
+    "Memory": "orchestrator.adapters.megatron.options",  # colocate_megatron's option groups
+    "Sync": "orchestrator.adapters.megatron.options",
 }
 
 
@@ -52,6 +55,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "ActionFailed",
+    "Checkpoint",
     "ConfigError",
     "EngineDefaults",
     "EngineError",
@@ -65,6 +69,7 @@ __all__ = [
     "LifecycleConfig",
     "LifecycleError",
     "Listener",
+    "Memory",
     "MemoryRegions",
     "RankFailed",
     "RecoveryRefused",
@@ -72,10 +77,12 @@ __all__ = [
     "RestoreMismatch",
     "RolloutEngine",
     "StashMismatch",
+    "Sync",
     "Trainer",
     "TrainerControl",
     "TransferReport",
     "TransitionRecord",
+    "Verify",
     "WeightTransport",
     "colocate_megatron",
     "enable_cpu_path",

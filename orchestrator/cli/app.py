@@ -140,10 +140,12 @@ def run_command(
     ] = None,
 ) -> None:
     """Run the colocated GRPO job: Megatron-core ranks and a rollout engine, one full cycle per step."""
+    from orchestrator.core.config import Checkpoint, Verify
     from orchestrator.job.checkpoint import resume_point
-    from orchestrator.job.config import RunConfig
+    from orchestrator.job.config import Cluster, Engine, RunConfig
     from orchestrator.job.grpo import GRPOConfig
     from orchestrator.job.outputs import output_problems
+    from orchestrator.job.preflight import preflight
     from orchestrator.job.presets import grpo_config
     from orchestrator.job.run import run
     from orchestrator.telemetry.tracing import exporter_problems
@@ -163,21 +165,15 @@ def run_command(
             ranks=ranks if ranks is not None else (1 if device is Device.CUDA else 2),
             mode=Mode(mode.value),
             offload=offload,
-            verify_cycles=verify_cycles,
-            digest=digest,
             seed=seed,
-            rank_timeout_s=rank_timeout,
             device=device,
-            engine=engine,
-            engine_urls=tuple(engine_url or ()),
-            weight_sync=weight_sync,
-            engine_pause=engine_pause,
-            ray_address=ray_address or None,
-            save_every=save_every,
-            save_dir=save_dir,
-            resume=resume,
+            engine=Engine(kind=engine, urls=tuple(engine_url or ()), weight_sync=weight_sync, pause=engine_pause),
+            cluster=Cluster(ray_address=ray_address or None, rank_timeout_s=rank_timeout),
+            verify=Verify(cycles=verify_cycles, digest=digest),
+            checkpoint=Checkpoint(save_every=save_every, save_dir=save_dir, resume=resume),
         )
-        resumed = resume_point(config) if config.resume is not None and not problems else None
+        preflight(config)  # the machine: read once, once the config itself holds
+        resumed = resume_point(config) if config.checkpoint.resume is not None and not problems else None
     except ConfigError as exc:
         problems += [str(v) for v in exc.violations]
     if problems:  # every problem at once, before any rank starts

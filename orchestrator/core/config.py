@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
+from pathlib import Path
+from typing import Any
 
 from guards.config import violations
 from guards.verdict import Verdict
@@ -91,3 +93,44 @@ class DigestMethod(StrEnum):
 
     DEVICE = "device"  # sums over the words, where the tensors live
     SHA256 = "sha256"  # of every byte, on the host
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Verify:
+    """How many drop/restore cycles are checked bit-identical, and how (`--verify-cycles`,
+    `--digest`; `colocate_megatron(verify=)`).
+
+    `cycles`: the first N cycles digest every param at the drop and check the restore against it.
+    `digest`: how; None lets each rank's trainer choose by its params' device (the device digest
+    on a GPU, SHA256 on the CPU: `orchestrator.adapters.digest.default_digest`)."""
+
+    cycles: int = 2
+    digest: DigestMethod | None = None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Checkpoint:
+    """Where checkpoints go and which one a run continues from (`--save-every`, `--save-dir`,
+    `--resume`; `colocate_megatron(checkpoint=)`).
+
+    `save_every`: a checkpoint every N steps (0: never) into `save_dir`. `resume`: a folder whose
+    last complete checkpoint the run continues from. `state`: the embedding's own JSON-able state
+    (a sampler's position, say), called on rank 0 at each save; `colocate run` saves its own.
+    A path given as a string is taken as a `Path`. Checked where it is used, each user naming
+    its own options (`RunConfig`, `MegatronCheckpointer`)."""
+
+    save_dir: Path | None = None
+    save_every: int = 0
+    resume: Path | None = None
+    state: Callable[[], dict[str, Any]] | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("save_dir", "resume"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                object.__setattr__(self, name, Path(value))
+
+    @property
+    def used(self) -> bool:
+        """Whether anything is saved or loaded."""
+        return bool(self.save_every) or self.save_dir is not None or self.resume is not None or self.state is not None

@@ -12,7 +12,6 @@ engine a bundle of one CPU more.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 
 # What each rank or engine process holds in memory of its own at the least: 350 MiB, the USS
@@ -23,19 +22,16 @@ PROCESS_BYTES = 350 << 20
 GIB = 1 << 30
 
 
-def machine_problems(ranks: int, *, engine_processes: int) -> list[str]:
-    """What keeps this machine from holding `ranks` ranks and the engine's processes.
+def machine_problems(ranks: int, *, engine_processes: int, cores: int, available: int) -> list[str]:
+    """What keeps a machine of `cores` CPU cores and `available` bytes of memory free from
+    holding `ranks` ranks and the engine's processes (`job.preflight` reads both).
 
     A core per rank: each trains on one thread (`TrainerRank`), all of them at once, while the
-    engine computes only when they wait for its rollout. Memory: `PROCESS_BYTES` a process, of
-    what the machine has available now."""
-    import psutil
-
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    engine computes only when they wait for its rollout. Memory: `PROCESS_BYTES` a process."""
     problems = []
     if ranks > cores:
         problems.append(f"--ranks {ranks}: a rank needs a CPU core of its own, and this machine has {cores}")
-    needed, available = (ranks + engine_processes) * PROCESS_BYTES, psutil.virtual_memory().available
+    needed = (ranks + engine_processes) * PROCESS_BYTES
     if needed > available:
         problems.append(
             f"--ranks {ranks}: {ranks + engine_processes} processes need {needed / GIB:.1f} GiB of memory at the "

@@ -78,10 +78,10 @@ class ResumePoint:
 
 
 def resume_point(config: RunConfig) -> ResumePoint:
-    """Read and verify the last complete checkpoint under `config.resume`; CheckpointRefused
+    """Read and verify the last complete checkpoint under `config.checkpoint.resume`; CheckpointRefused
     (a ConfigError) names the file that is missing or damaged, or each way the run differs."""
-    assert config.resume is not None
-    path = store.latest(config.resume)
+    assert config.checkpoint.resume is not None
+    path = store.latest(config.checkpoint.resume)
     store.verify(path)
     state_file = path / store.RUN_FILE
     try:
@@ -114,8 +114,8 @@ class JobCheckpointer:
     def __init__(
         self, config: RunConfig, trainer: DistributedTrainer, sampler: torch.Generator, report: RunReport
     ) -> None:
-        assert config.save_dir is not None
-        self.root, self.every = config.save_dir, config.save_every
+        assert config.checkpoint.save_dir is not None
+        self.root, self.every = config.checkpoint.save_dir, config.checkpoint.save_every
         self._identity, self._ranks = identity(config), config.ranks
         self._trainer, self._sampler, self._report = trainer, sampler, report
 
@@ -124,7 +124,7 @@ class JobCheckpointer:
         cls, config: RunConfig, trainer: DistributedTrainer, sampler: torch.Generator, report: RunReport
     ) -> JobCheckpointer | None:
         """The run's checkpointer, or None where it saves nothing (no --save-dir)."""
-        return None if config.save_dir is None else cls(config, trainer, sampler, report)
+        return None if config.checkpoint.save_dir is None else cls(config, trainer, sampler, report)
 
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0

@@ -1,21 +1,20 @@
-"""`RunConfig`: what `colocate run` runs, every option checked at once before anything starts."""
+"""`RunConfig`: what `colocate run` runs, every option checked at once before anything starts.
+
+The config is pure: building one reads nothing of the machine. What the run needs of the
+machine (cores, memory, GPUs, the environment's Ray settings) is judged apart, once, by
+`job.preflight`."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
-
-import torch
 
 from orchestrator.adapters.engines.sglang.group import url_problems
 from orchestrator.adapters.registry import ENGINES
-from orchestrator.core.config import Device, DigestMethod, EngineKind, EnginePause, WeightSync
+from orchestrator.core.config import Checkpoint, Device, EngineKind, EnginePause, Verify, WeightSync
 from orchestrator.errors import ConfigError
-from orchestrator.job.capacity import machine_problems
 from orchestrator.job.grpo import GRPOConfig
-from orchestrator.job.ray_cluster import address_problems, auth_problems
-from orchestrator.job.workers.placement import in_process
+from orchestrator.job.ray_cluster import address_problems
 from orchestrator.job.workers.pool import RANK_TIMEOUT_S
 from states import Mode, Offload
 
@@ -25,106 +24,129 @@ RANK_TIMEOUT_MAX_S = 7 * 24 * 3600.0
 SEED_MAX = 2**64 - 1  # torch.Generator.manual_seed takes 64 bits; the seed goes nowhere else
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Engine:
+    """The rollout engine and how weights reach it (`--engine`, `--engine-url`, `--weight-sync`,
+    `--engine-pause`)."""
+
+    kind: EngineKind = EngineKind.TRANSFORMERS
+    urls: tuple[str, ...] = ()  # the SGLang servers; an engine the job runs takes none
+    weight_sync: WeightSync = WeightSync.TENSOR
+    # How SGLang servers hold generation around an update; None: retract (the RL frameworks'
+    # default), and for the transformers engine, which generates only inside the step, nothing.
+    pause: EnginePause | None = None
+    bucket_bytes: int = 1 << 20  # the most bytes of weights sent in one update call
+
+    @property
+    def served(self) -> bool:
+        """Whether the engine is served apart (SGLang), reached by URL, rather than run by the job."""
+        return ENGINES[self.kind].served
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Cluster:
+    """Where the ranks run and how long each may take to answer (`--ray-address`, `--rank-timeout`)."""
+
+    # A running Ray cluster's GCS address (HOST:PORT); None: a private cluster of the job's own,
+    # on loopback (`orchestrator.job.ray_cluster`), or the driver's process for one rank.
+    ray_address: str | None = None
+    rank_timeout_s: float = RANK_TIMEOUT_S
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class RunConfig:
+    """A run: its shape at the top, then one section per group of the CLI's options."""
+
     steps: int = 30
     ranks: int = 2
     mode: Mode = Mode.REMATERIALIZE
     # Which of grad_buffer, default leave the device for the rollout (orchestrator/core/offload.py).
     # `auto` decides from the measured budget on GPUs (`job.memory`); on the CPU it moves both.
     offload: Offload = Offload.AUTO
-    verify_cycles: int = 2
-    # How the verified cycles check their restores; None: the device digest on GPUs, SHA256 on
-    # the CPU (`orchestrator.adapters.digest.default_digest`, which each rank applies).
-    digest: DigestMethod | None = None
     seed: int = 0
-    bucket_bytes: int = 1 << 20
-    rank_timeout_s: float = RANK_TIMEOUT_S
     device: Device = Device.CPU
-    engine: EngineKind = EngineKind.TRANSFORMERS
-    engine_urls: tuple[str, ...] = ()
-    weight_sync: WeightSync = WeightSync.TENSOR
-    # How SGLang servers hold generation around an update; None: retract (the RL frameworks'
-    # default), and for the transformers engine, which generates only inside the step, nothing.
-    engine_pause: EnginePause | None = None
-    # A running Ray cluster's GCS address (HOST:PORT) to run the ranks on; None: a private cluster
-    # of the job's own, on loopback (`orchestrator.job.ray_cluster`).
-    ray_address: str | None = None
-    # Checkpoints (job/checkpoint.py): every N steps (0: never) into save_dir; resume from the last in resume.
-    save_every: int = 0
-    save_dir: Path | None = None
-    resume: Path | None = None
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    engine: Engine = field(default_factory=Engine)
+    cluster: Cluster = field(default_factory=Cluster)
+    verify: Verify = field(default_factory=Verify)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)  # job/checkpoint.py
 
     def __post_init__(self) -> None:
-        problems = []
-        # An engine served apart (SGLang) is reached by URL; one the job runs takes none.
-        served = ENGINES[self.engine].served
-        if served:
-            problems += url_problems(
-                self.engine_urls, label="--engine-url", missing="--engine sglang needs at least one --engine-url"
-            )
-        elif self.engine_urls:
-            problems.append(f"--engine-url is for --engine sglang; the {self.engine} engine runs in this job")
-        if self.engine_pause not in (None, EnginePause.NONE) and not served:
-            problems.append(
-                f"--engine-pause {self.engine_pause} is for --engine sglang; the {self.engine} engine generates "
-                "only inside the step, never during an update"
-            )
-        if self.weight_sync is WeightSync.BROADCAST and not served:
-            problems.append("--weight-sync broadcast is for --engine sglang, to servers off the trainer's GPUs")
-        if self.device is Device.CUDA and not torch.cuda.is_available():
-            problems.append("--device cuda: no CUDA device is visible to this process")
-        if self.device is Device.CUDA and torch.cuda.is_available() and self.ranks > torch.cuda.device_count():
-            problems.append(
-                f"--device cuda --ranks {self.ranks}: one rank per GPU, and {torch.cuda.device_count()} GPU(s) are visible"
-            )
-        if self.device is Device.CUDA and self.ranks > 1 and served:
-            problems.append("--device cuda --ranks N > 1 runs the transformers engine (a replica per GPU), not sglang")
-        if self.ray_address is not None:
-            problems += address_problems(self.ray_address)
-        elif self.ranks >= 1 and not in_process(ranks=self.ranks, device=self.device.value, address=None):
-            problems += self._private_cluster_problems(served)
-        if self.steps < 1:
-            problems.append(f"--steps must be at least 1, got {self.steps}")
-        if self.ranks < 1:
-            problems.append(f"--ranks must be at least 1, got {self.ranks}")
-        if self.mode not in (Mode.REMATERIALIZE, Mode.BACKUP):
-            problems.append(f"--mode must be rematerialize or backup, got {self.mode!r}")
-        if self.offload not in Offload.__members__.values():
-            problems.append(f"--offload must be one of {', '.join(Offload)}, got {self.offload!r}")
-        if self.verify_cycles < 0:
-            problems.append(f"--verify-cycles must be >= 0, got {self.verify_cycles}")
-        if self.ranks >= 1 and self.grpo.prompts_per_step * self.grpo.group_size % self.ranks:
-            rows = self.grpo.prompts_per_step * self.grpo.group_size
-            problems.append(f"the {rows} samples of a step do not split evenly over {self.ranks} ranks")
-        if not (math.isfinite(self.rank_timeout_s) and 0 < self.rank_timeout_s <= RANK_TIMEOUT_MAX_S):
-            problems.append(
-                f"--rank-timeout must be a positive number of seconds, at most {RANK_TIMEOUT_MAX_S:.0f} (a week), "
-                f"got {self.rank_timeout_s}"
-            )
-        if not 0 <= self.seed <= SEED_MAX:
-            problems.append(f"--seed must be >= 0 and < 2**64 (torch's generator takes 64 bits), got {self.seed}")
-        if self.bucket_bytes < 1:
-            problems.append(f"bucket size must be positive, got {self.bucket_bytes}")
-        problems += checkpoint_problems(self)
+        problems = [
+            *_run_problems(self),
+            *_engine_problems(self.engine, self.device, self.ranks),
+            *_cluster_problems(self.cluster),
+            *_verify_problems(self.verify),
+            *checkpoint_problems(self.checkpoint),
+        ]
         if problems:
             raise ConfigError(problems)
 
-    def _private_cluster_problems(self, served: bool) -> list[str]:
-        """A private Ray cluster runs on this machine, and only in token mode (`ray_cluster`)."""
-        engine_processes = 0 if served else self.ranks if self.device is Device.CUDA else 1
-        return auth_problems() + machine_problems(self.ranks, engine_processes=engine_processes)
 
-
-def checkpoint_problems(config: RunConfig) -> list[str]:
-    """The save and resume options' own problems (a resume's checkpoint is read by
-    `job.checkpoint.resume_point`)."""
+def _run_problems(config: RunConfig) -> list[str]:
     problems = []
-    if config.save_every < 0:
-        problems.append(f"--save-every must be >= 0 (0: never), got {config.save_every}")
-    if config.save_every > 0 and config.save_dir is None:
+    if config.steps < 1:
+        problems.append(f"--steps must be at least 1, got {config.steps}")
+    if config.ranks < 1:
+        problems.append(f"--ranks must be at least 1, got {config.ranks}")
+    if config.mode not in (Mode.REMATERIALIZE, Mode.BACKUP):
+        problems.append(f"--mode must be rematerialize or backup, got {config.mode!r}")
+    if config.offload not in Offload.__members__.values():
+        problems.append(f"--offload must be one of {', '.join(Offload)}, got {config.offload!r}")
+    rows = config.grpo.prompts_per_step * config.grpo.group_size
+    if config.ranks >= 1 and rows % config.ranks:
+        problems.append(f"the {rows} samples of a step do not split evenly over {config.ranks} ranks")
+    if not 0 <= config.seed <= SEED_MAX:
+        problems.append(f"--seed must be >= 0 and < 2**64 (torch's generator takes 64 bits), got {config.seed}")
+    return problems
+
+
+def _engine_problems(engine: Engine, device: Device, ranks: int) -> list[str]:
+    """An engine served apart (SGLang) is reached by URL; one the job runs takes none."""
+    problems = []
+    if engine.served:
+        problems += url_problems(
+            engine.urls, label="--engine-url", missing="--engine sglang needs at least one --engine-url"
+        )
+    elif engine.urls:
+        problems.append(f"--engine-url is for --engine sglang; the {engine.kind} engine runs in this job")
+    if engine.pause not in (None, EnginePause.NONE) and not engine.served:
+        problems.append(
+            f"--engine-pause {engine.pause} is for --engine sglang; the {engine.kind} engine generates "
+            "only inside the step, never during an update"
+        )
+    if engine.weight_sync is WeightSync.BROADCAST and not engine.served:
+        problems.append("--weight-sync broadcast is for --engine sglang, to servers off the trainer's GPUs")
+    if device is Device.CUDA and ranks > 1 and engine.served:
+        problems.append("--device cuda --ranks N > 1 runs the transformers engine (a replica per GPU), not sglang")
+    if engine.bucket_bytes < 1:
+        problems.append(f"bucket size must be positive, got {engine.bucket_bytes}")
+    return problems
+
+
+def _cluster_problems(cluster: Cluster) -> list[str]:
+    problems = address_problems(cluster.ray_address) if cluster.ray_address is not None else []
+    timeout = cluster.rank_timeout_s
+    if not (math.isfinite(timeout) and 0 < timeout <= RANK_TIMEOUT_MAX_S):
+        problems.append(
+            f"--rank-timeout must be a positive number of seconds, at most {RANK_TIMEOUT_MAX_S:.0f} (a week), "
+            f"got {timeout}"
+        )
+    return problems
+
+
+def _verify_problems(verify: Verify) -> list[str]:
+    return [f"--verify-cycles must be >= 0, got {verify.cycles}"] if verify.cycles < 0 else []
+
+
+def checkpoint_problems(checkpoint: Checkpoint) -> list[str]:
+    """The save and resume options' own problems (a resume's checkpoint is read by
+    `job.checkpoint.resume_point`; whether `--save-dir` is a folder, by `job.preflight`)."""
+    problems = []
+    if checkpoint.save_every < 0:
+        problems.append(f"--save-every must be >= 0 (0: never), got {checkpoint.save_every}")
+    if checkpoint.save_every > 0 and checkpoint.save_dir is None:
         problems.append("--save-every needs --save-dir: where the checkpoints go")
-    if config.save_dir is not None and config.save_dir.exists() and not config.save_dir.is_dir():
-        problems.append(f"--save-dir {config.save_dir}: not a folder")
+    if checkpoint.state is not None:
+        problems.append("checkpoint state= is the embedding's (colocate_megatron); colocate run saves its own")
     return problems

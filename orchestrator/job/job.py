@@ -106,7 +106,7 @@ class ColocatedJob:
         resumed: ResumePoint | None = None,
     ) -> None:
         self.config, self.listeners, self.trace_dir, self.stop = config, tuple(listeners), trace_dir, stop
-        self.resumed = resumed  # verified up front (the CLI); else `start` reads config.resume
+        self.resumed = resumed  # verified up front (the CLI); else `start` reads config.checkpoint.resume
         self.task = SyntheticTask(config.grpo.task)
         self.report = RunReport(mode=config.mode.value, ranks=config.ranks)
         self._generator = torch.Generator().manual_seed(config.seed)
@@ -145,31 +145,31 @@ class ColocatedJob:
 
     def _start(self) -> None:
         cfg, grpo = self.config, self.config.grpo
-        if cfg.resume is not None and self.resumed is None:  # before anything starts: refused, nothing lost
+        if cfg.checkpoint.resume is not None and self.resumed is None:  # before anything starts: refused, nothing lost
             self.resumed = resume_point(cfg)
-        adapter = ENGINES[cfg.engine]
+        adapter = ENGINES[cfg.engine.kind]
         spec = EngineSpec(
             model=grpo.model, max_batch=grpo.prompts_per_step * grpo.group_size, max_len=grpo.max_len,
-            device=cfg.device.value, urls=cfg.engine_urls, timeout_s=cfg.rank_timeout_s,
-            pause=cfg.engine_pause or EnginePause.RETRACT,
+            device=cfg.device.value, urls=cfg.engine.urls, timeout_s=cfg.cluster.rank_timeout_s,
+            pause=cfg.engine.pause or EnginePause.RETRACT,
         )  # fmt: skip
         # Before any rank starts: an unreachable server fails the run at once, by its URL.
         with _part(semconv.START_CONNECT_SPAN):
             served = self._started.enter_context(adapter.build(spec)) if adapter.served else None
         with _part(semconv.START_CLUSTER_SPAN):
-            store_host = driver_ip(cfg.ray_address)
+            store_host = driver_ip(cfg.cluster.ray_address)
             self._store = rendezvous_store(store_host)
             self._started.callback(setattr, self, "_store", None)  # the port goes back once no rank needs it
             placement = self._place(store_host, engine_bundle=served is None)
             self._started.callback(placement.close, flush=self.trace_dir is not None or bool(exporters_requested()))
         with _part(semconv.START_RANKS_SPAN):
-            ranks = placement.start_ranks(int(self._store.port), grpo.model, grpo.clip_eps, cfg.digest)
+            ranks = placement.start_ranks(int(self._store.port), grpo.model, grpo.clip_eps, cfg.verify.digest)
         interrupt.check(self.stop)  # ranks built in this process do not look at it
         if self.resumed is not None:
             with _part(semconv.RESUME_SPAN):
                 self._step = self.resumed.load(DistributedTrainer(ranks), self._generator, self.report, cfg.ranks)
         with _part(semconv.START_ENGINE_SPAN):
-            self.engine: RolloutEngine = served if served is not None else placement.start_engine(cfg.engine, spec)
+            self.engine: RolloutEngine = served if served is not None else placement.start_engine(cfg.engine.kind, spec)
         interrupt.check(self.stop)
         self.trainer = DistributedTrainer(ranks)
         listeners = [ReportListener(self.report), *self.listeners]
@@ -186,12 +186,12 @@ class ColocatedJob:
         setup = self.trainer.setup()
         return Lifecycle(
             config=LifecycleConfig(
-                mode=cfg.mode, verify_cycles=cfg.verify_cycles, setup=setup, offload=cfg.offload, memory=self._memory()
+                mode=cfg.mode, verify_cycles=cfg.verify.cycles, setup=setup, offload=cfg.offload, memory=self._memory()
             ),
             trainer=self.trainer,
             regions=self.trainer,
             engine=self.engine,
-            transport=WEIGHT_SYNCS[cfg.weight_sync](ranks, self.engine, cfg.bucket_bytes),
+            transport=WEIGHT_SYNCS[cfg.engine.weight_sync](ranks, self.engine, cfg.engine.bucket_bytes),
             listeners=listeners,
             checkpointer=JobCheckpointer.of(cfg, self.trainer, self._generator, self.report),
             resumed_version=self.resumed.weight_version if self.resumed is not None else 0,
@@ -209,11 +209,11 @@ class ColocatedJob:
         """The driver's own process where it can hold the job (one rank, on the device it has);
         else Ray: a private cluster, or the one at `--ray-address`."""
         cfg = self.config
-        if in_process(ranks=cfg.ranks, device=cfg.device.value, address=cfg.ray_address):
+        if in_process(ranks=cfg.ranks, device=cfg.device.value, address=cfg.cluster.ray_address):
             return LocalPlacement(device=cfg.device.value)
         return RayPlacement(
             ranks=cfg.ranks, cuda=cfg.device is Device.CUDA, engine_bundle=engine_bundle,
-            timeout=cfg.rank_timeout_s, trace_file=self._trace_file, address=cfg.ray_address, store_host=store_host,
+            timeout=cfg.cluster.rank_timeout_s, trace_file=self._trace_file, address=cfg.cluster.ray_address, store_host=store_host,
             stop=self.stop,
         )  # fmt: skip
 

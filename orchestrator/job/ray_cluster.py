@@ -216,17 +216,16 @@ def _token_mode_for_this_process() -> None:
     from ray._private.authentication.authentication_token_setup import _enable_token_auth
 
     with _TOKEN_MODE:
-        problems = auth_problems()
+        problems = auth_problems(os.environ.get("RAY_AUTH_MODE"))
         if problems:
             raise ConfigError(problems)
         if os.environ.get("RAY_AUTH_MODE") is None:
             _enable_token_auth()
 
 
-def auth_problems() -> list[str]:
-    """Why this process's environment cannot drive a private cluster (empty: it can); checked
-    with the rest of the configuration, before anything starts."""
-    mode = os.environ.get("RAY_AUTH_MODE")
+def auth_problems(mode: str | None) -> list[str]:
+    """Why an environment whose RAY_AUTH_MODE is `mode` cannot drive a private cluster (empty:
+    it can); checked by `job.preflight`, before anything starts."""
     if mode is None or mode.lower() == "token":
         return []
     return [

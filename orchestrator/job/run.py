@@ -130,37 +130,56 @@ def _progress(console: Console) -> Progress:
     )
 
 
-def _close(job: ColocatedJob, err: Console) -> None:
+def _close_job(job: ColocatedJob, err: Console) -> None:
     try:
         job.close()
     except Exception as exc:  # the report and the spans still matter more
         err.print(f"[yellow]warning:[/] stopping the job's processes: {type(exc).__name__}: {exc}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Ending:
-    """How a run ended: what it failed of (None: it did not), and whether Ctrl-C stopped it."""
+    """How a run ended: what it failed of (None: it did not), whether Ctrl-C stopped it, and what
+    is raised on once the run is wrapped up (anything but an error or Ctrl-C: SystemExit, say)."""
 
     error: str | None = None
     interrupted: bool = False
     refused: bool = False  # by a configuration problem found only once started (an attached cluster's size)
+    raised: BaseException | None = None
 
     @property
     def code(self) -> int:  # 130: the shell's code for SIGINT; 2: a configuration problem, as up front
         return 130 if self.interrupted else 2 if self.refused else 1 if self.error else 0
 
 
+@dataclass(frozen=True)
+class Traces:
+    """Where a run's spans go: one file per process under `parts`, merged into `file` at the end;
+    neither without --trace-dir."""
+
+    file: Path | None = None
+    parts: Path | None = None
+
+    @classmethod
+    def under(cls, trace_dir: Path | None, config: RunConfig) -> Traces:
+        if trace_dir is None:
+            return cls()
+        name = f"colocate-{config.mode}-{time.strftime('%Y%m%d-%H%M%S')}"
+        return cls(file=trace_dir / f"{name}.otlp.jsonl", parts=trace_dir / f".{name}")
+
+
 @contextlib.contextmanager
-def _telemetry(parts: Path | None, trace_file: Path | None, log_path: Path | None) -> Iterator[list[Listener]]:
-    """The run's listeners: spans (to `parts`, one file per process, and any OTEL_* exporter) and
-    the JSON log. On the way out, however the run ends, every span is flushed, the per-process
-    files are merged into `trace_file` and the log is closed."""
+def _telemetry(traces: Traces, log_path: Path | None) -> Iterator[list[Listener]]:
+    """The run's listeners: spans (to `traces.parts`, one file per process, and any OTEL_*
+    exporter) and the JSON log. On the way out, however the run ends, every span is flushed, the
+    per-process files are merged into `traces.file` and the log is closed."""
     with contextlib.ExitStack() as stack:
         listeners: list[Listener] = []
+        parts = traces.parts
         provider = configure_tracing(rank=0, trace_file=parts / "driver.otlp.jsonl" if parts else None)
         if provider is not None:
-            if trace_file is not None and parts is not None:
-                stack.callback(merge_traces, parts, trace_file)  # after the flush: callbacks run last first
+            if traces.file is not None and parts is not None:
+                stack.callback(merge_traces, parts, traces.file)  # after the flush: callbacks run last first
             stack.callback(provider.shutdown)  # flushes every span, the fault's too
             trace.set_tracer_provider(provider)  # adapters in this process trace through it
             listeners.append(TracingListener(provider))
@@ -168,34 +187,6 @@ def _telemetry(parts: Path | None, trace_file: Path | None, log_path: Path | Non
             log_file = stack.enter_context(log_path.open("a"))
             listeners.append(LoggingListener(sink=configure_logging(log_file)))
         yield listeners
-
-
-def _drive(job: ColocatedJob, ending: Ending, progress: Progress, err: Console) -> None:
-    """Start the job and run its steps (the caller stops it). A failure is recorded in `ending`
-    and told to `err`; anything but an error or Ctrl-C (SystemExit, say) is raised on."""
-    config = job.config
-    task = progress.add_task("starting ranks and engine", total=config.steps, reward="-")
-    try:
-        job.start()  # a Ctrl-C during it ends it (KeyboardInterrupt), and what it started
-        description = f"{config.mode} x{config.ranks} {config.device}, {config.engine} engine"
-        progress.update(task, description=description, completed=job.steps_begun)  # a resumed run's steps
-        for _ in range(config.steps - job.steps_begun):
-            if CTRL_C.requested.is_set():
-                raise KeyboardInterrupt
-            outcome = job.run_step()
-            progress.update(task, advance=1, reward=f"{outcome.reward_mean:.3f}")
-        if config.save_dir is not None or config.resume is not None:  # a host pass over every weight
-            job.report.weights_sha256 = job.trainer.weights_sha256()
-    except KeyboardInterrupt:
-        ending.interrupted = True
-    except Exception as exc:  # a LifecycleError names what failed; anything else, its type
-        ending.interrupted = CTRL_C.requested.is_set()  # a Ctrl-C came first
-        ending.refused = isinstance(exc, ConfigError)
-        ending.error = str(exc) if isinstance(exc, LifecycleError) else f"{type(exc).__name__}: {exc}"
-        err.print(f"[bold red]error:[/] {ending.error}\n[red]the lifecycle is {job.phase}; the run stopped[/]")
-    except BaseException as exc:
-        ending.error = f"{type(exc).__name__}: {exc}"
-        raise
 
 
 def run(
@@ -214,46 +205,95 @@ def run(
     steps end, and then its processes are stopped, its spans flushed and merged into one trace
     file and its log closed, before the exit code is returned or the exception that ended it is
     raised on."""
-    run_name = f"colocate-{config.mode}-{time.strftime('%Y%m%d-%H%M%S')}"
-    trace_file = trace_dir / f"{run_name}.otlp.jsonl" if trace_dir else None
-    parts = trace_dir / f".{run_name}" if trace_dir else None  # one file per process, merged at the end
+    traces = Traces.under(trace_dir, config)
     start = time.perf_counter()
-    ending = Ending()
-    report = RunReport(mode=config.mode.value, ranks=config.ranks)
-    settled = False
-    lost: str | None = None  # why the report could not be written
-
-    def settle() -> None:
-        """Mark the report with how the run ended, say so, and write it; once."""
-        nonlocal settled, lost
-        if settled:
-            return
-        settled = True
-        report.trace_file = str(trace_file) if trace_file else None
-        report.error, report.interrupted = ending.error, ending.interrupted
-        if ending.interrupted:
-            done = sum(s.loss is not None for s in report.steps)
-            kept = f"; the report keeps them in {report_path}" if report_path is not None else ""
-            err.print(f"[bold yellow]interrupted[/] after {done} of {config.steps} step(s){kept}")
-        if report_path is not None:
-            lost = _write_report(report, report_path)
-
-    try:
-        with _telemetry(parts, trace_file, log_path) as listeners, _progress(console) as progress:
-            job = ColocatedJob(config, listeners, trace_dir=parts, stop=CTRL_C.requested, resumed=resumed)
-            report = job.report
-            try:
-                _drive(job, ending, progress, err)
-            finally:  # the report before the clean-up, whose Ray processes are the slow part to end
-                settle()
-                _close(job, err)
-    finally:
-        settle()  # where the run ended before its job did
-        if report.steps:
-            console.print(summary(report, time.perf_counter() - start))
-        if lost is not None:  # after the summary, so it is the last thing said
-            err.print(f"[bold red]error:[/] {lost}")
+    with contextlib.ExitStack() as stack:  # the telemetry, the progress bar, the job: ended last first
+        report, ending = _start_and_drive(stack, config, resumed, traces, log_path, console, err)
+        # The report before the clean-up, whose Ray processes are the slow part to end.
+        lost = _settle(report, ending, traces, report_path, config.steps, err)
+        unwound = _unwind(stack)
+    if report.steps:
+        console.print(summary(report, time.perf_counter() - start))
+    if lost is not None:  # after the summary, so it is the last thing said
+        err.print(f"[bold red]error:[/] {lost}")
+    raised = unwound or ending.raised
+    if raised is not None:
+        raise raised
     return ending.code or (1 if lost is not None else 0)
+
+
+def _start_and_drive(
+    stack: contextlib.ExitStack,
+    config: RunConfig,
+    resumed: ResumePoint | None,
+    traces: Traces,
+    log_path: Path | None,
+    console: Console,
+    err: Console,
+) -> tuple[RunReport, Ending]:
+    """Open the telemetry, the progress bar and the job on `stack` (which ends them), and drive
+    the job: its report, and how the run ended. A failure before the job exists (telemetry that
+    cannot start, say) ends the run with an empty report, raised on once the run is wrapped up."""
+    try:
+        listeners = stack.enter_context(_telemetry(traces, log_path))
+        progress = stack.enter_context(_progress(console))
+        job = ColocatedJob(config, listeners, trace_dir=traces.parts, stop=CTRL_C.requested, resumed=resumed)
+    except BaseException as exc:
+        return RunReport(mode=config.mode.value, ranks=config.ranks), Ending(raised=exc)
+    stack.callback(_close_job, job, err)
+    return job.report, _drive(job, progress, err)
+
+
+def _drive(job: ColocatedJob, progress: Progress, err: Console) -> Ending:
+    """Start the job and run its steps (the caller stops it): how that ended. A failure is told
+    to `err`; anything but an error or Ctrl-C (SystemExit, say) is returned to be raised on."""
+    config = job.config
+    task = progress.add_task("starting ranks and engine", total=config.steps, reward="-")
+    try:
+        job.start()  # a Ctrl-C during it ends it (KeyboardInterrupt), and what it started
+        description = f"{config.mode} x{config.ranks} {config.device}, {config.engine.kind} engine"
+        progress.update(task, description=description, completed=job.steps_begun)  # a resumed run's steps
+        for _ in range(config.steps - job.steps_begun):
+            if CTRL_C.requested.is_set():
+                raise KeyboardInterrupt
+            outcome = job.run_step()
+            progress.update(task, advance=1, reward=f"{outcome.reward_mean:.3f}")
+        if config.checkpoint.save_dir is not None or config.checkpoint.resume is not None:  # a host pass
+            job.report.weights_sha256 = job.trainer.weights_sha256()
+    except KeyboardInterrupt:
+        return Ending(interrupted=True)
+    except Exception as exc:  # a LifecycleError names what failed; anything else, its type
+        error = str(exc) if isinstance(exc, LifecycleError) else f"{type(exc).__name__}: {exc}"
+        err.print(f"[bold red]error:[/] {error}\n[red]the lifecycle is {job.phase}; the run stopped[/]")
+        # CTRL_C: a Ctrl-C came first.
+        return Ending(error=error, interrupted=CTRL_C.requested.is_set(), refused=isinstance(exc, ConfigError))
+    except BaseException as exc:
+        return Ending(error=f"{type(exc).__name__}: {exc}", raised=exc)
+    return Ending()
+
+
+def _settle(
+    report: RunReport, ending: Ending, traces: Traces, report_path: Path | None, steps: int, err: Console
+) -> str | None:
+    """Mark the report with how the run ended, say so where Ctrl-C ended it, and write it: None,
+    or why it could not be written."""
+    report.trace_file = str(traces.file) if traces.file else None
+    report.error, report.interrupted = ending.error, ending.interrupted
+    if ending.interrupted:
+        done = sum(s.loss is not None for s in report.steps)
+        kept = f"; the report keeps them in {report_path}" if report_path is not None else ""
+        err.print(f"[bold yellow]interrupted[/] after {done} of {steps} step(s){kept}")
+    return _write_report(report, report_path) if report_path is not None else None
+
+
+def _unwind(stack: contextlib.ExitStack) -> BaseException | None:
+    """End what `stack` holds, last first, each one tried: what that raised, if anything, to be
+    raised on once the run has said how it ended."""
+    try:
+        stack.close()
+    except BaseException as exc:
+        return exc
+    return None
 
 
 def _write_report(report: RunReport, path: Path) -> str | None:

@@ -20,6 +20,7 @@ pytest.importorskip("megatron.core")
 pytest.importorskip("transformers")
 
 from orchestrator.errors import RankFailed
+from orchestrator.job.config import Engine
 from orchestrator.job.job import ColocatedJob, RunConfig, rendezvous_store
 from orchestrator.telemetry.listeners import Listener, TransitionRecord
 from orchestrator.telemetry.tracing import TracingListener
@@ -184,7 +185,7 @@ def test_with_an_engine_that_cannot_report_its_weights_no_check_span_is_left_wit
     grpo = GRPOConfig()
     model = TransformersEngine(grpo.model, max_batch=grpo.prompts_per_step * grpo.group_size)
     with SGLangStandIn(model=model) as server:
-        config = RunConfig(engine=EngineKind.SGLANG, engine_urls=(server.url,), ranks=1, steps=1, grpo=grpo)
+        config = RunConfig(engine=Engine(kind=EngineKind.SGLANG, urls=(server.url,)), ranks=1, steps=1, grpo=grpo)
         listeners = [TracingListener(trace.get_tracer_provider())]
         with ColocatedJob(config, listeners=listeners) as job:
             outcome = job.run_step()

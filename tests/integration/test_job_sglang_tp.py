@@ -16,6 +16,7 @@ pytest.importorskip("transformers")
 from orchestrator.adapters.digest import sha256_digests
 from orchestrator.adapters.engines.transformers import TransformersEngine
 from orchestrator.core.config import EngineKind
+from orchestrator.job.config import Engine
 from orchestrator.job.grpo import GRPOConfig
 from orchestrator.job.job import ColocatedJob, RunConfig
 from orchestrator.telemetry.listeners import Listener, TransitionRecord
@@ -44,7 +45,7 @@ def test_each_tp_rank_gets_the_payload_of_the_rank_on_its_gpu() -> None:
     with SGLangStandIn(tp_size=2, model=model) as server:
         at_sync = AtSync(server, holder)
         config = RunConfig(
-            engine=EngineKind.SGLANG, engine_urls=(server.url,), ranks=2, steps=1, grpo=grpo, bucket_bytes=1 << 15
+            engine=Engine(kind=EngineKind.SGLANG, urls=(server.url,), bucket_bytes=1 << 15), ranks=2, steps=1, grpo=grpo
         )  # buckets of 32 KiB: the ranks walk several together
         with ColocatedJob(config, listeners=[at_sync]) as job:
             holder.append(job)

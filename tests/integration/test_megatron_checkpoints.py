@@ -1,5 +1,5 @@
-"""Checkpoints in the one-call embedding (`colocate_megatron(save_dir=, save_every=, resume=)`), on
-real megatron-core at DP=2 over gloo and a real transformers engine (tests/support/checkpoint_ranks.py).
+"""Checkpoints in the one-call embedding (`colocate_megatron(checkpoint=Checkpoint(save_dir=,
+save_every=, resume=))`), on real megatron-core at DP=2 over gloo and a real transformers engine (tests/support/checkpoint_ranks.py).
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def test_another_models_checkpoint_is_refused_naming_it_and_megatrons_message(ru
     ],
 )
 def test_save_every_without_save_dir_or_below_zero_is_refused_naming_it(kwargs: dict[str, Any], problem: str) -> None:
-    """What `colocate_megatron` builds from its `save_every`, `save_dir`: refused before anything."""
+    """What `colocate_megatron` builds from its checkpoint's `save_every`, `save_dir`: refused before anything."""
     every, save_dir = kwargs["save_every"], kwargs.get("save_dir")
     with pytest.raises(ConfigError, match=problem):
         MegatronCheckpointer([], None, save_dir=save_dir, every=every)

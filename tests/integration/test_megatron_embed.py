@@ -48,6 +48,19 @@ def test_one_call_syncs_drops_and_restores_bit_identically(embed: dict[str, Any]
     assert embed["backup"] == {"verified": True, "mode": "backup"}
 
 
+def test_the_flat_keywords_of_the_release_before_still_work_and_warn_naming_their_group(
+    embed: dict[str, Any],
+) -> None:
+    deprecated = embed["deprecated"]
+    assert deprecated["warnings"] == [
+        ["DeprecationWarning", "verify_cycles= is deprecated: pass verify=Verify(cycles=...)", "embed_ranks.py"],
+        ["DeprecationWarning", "bucket_bytes= is deprecated: pass sync=Sync(bucket_bytes=...)", "embed_ranks.py"],
+        ["DeprecationWarning", "offload= is deprecated: pass memory=Memory(offload=...)", "embed_ranks.py"],
+    ]  # each once, at the caller's line
+    assert deprecated["taken"] == [1, 1 << 16, "always"]
+    assert deprecated["version"] == 1 and deprecated["verified"] is True
+
+
 def test_setup_is_read_from_megatrons_configs_not_taken_on_trust(embed: dict[str, Any]) -> None:
     assert "overlap-param-gather" in embed["overlap_param_gather"], embed["overlap_param_gather"]
     assert "distributed_optimizer: read from Megatron's DDP and optimizer configs" in embed["megatron_flag"]

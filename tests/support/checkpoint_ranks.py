@@ -1,7 +1,7 @@
 """gloo ranks for checkpoints in the embedding: real megatron-core at DP=2 on the CPU path, one real
 transformers engine in rank 0's process that both ranks reach (tests/support/embed_parallel_ranks.py).
 
-`unbroken`: 4 steps through `colocate_megatron(save_dir=, save_every=2)`. `resumed` (a fresh pair):
+`unbroken`: 4 steps through `colocate_megatron(checkpoint=Checkpoint(save_dir=, save_every=2))`. `resumed` (a fresh pair):
 a damaged copy of step 2 refused, then step 2 resumed and steps 3-4 trained again; then rank 0
 alone, a world of one (DP=1), resumes the unbroken run's last checkpoint (step 4). Each records
 SHA256 of its model params, fp32 mains and Adam moments (its own shards) where the test compares.
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from orchestrator import ConfigError, colocate_megatron
+from orchestrator import Checkpoint, ConfigError, colocate_megatron
 from orchestrator.adapters.digest import sha256_digests
 from orchestrator.adapters.megatron.build import TinyGPTConfig, build_gpt, destroy_process_group, init_process_group
 from orchestrator.adapters.megatron.build import train_step as lm_step
@@ -82,9 +82,8 @@ def unbroken(out: Path) -> dict[str, Any]:
     chunks, optimizer = build_gpt(DENSE)
     engine = _engine(chunks)
     position = {"next_step": 1}
-    lifecycle = colocate_megatron(
-        chunks, optimizer, engine, save_dir=out / "ckpt", save_every=EVERY, checkpoint_state=lambda: dict(position)
-    )
+    saving = Checkpoint(save_dir=out / "ckpt", save_every=EVERY, state=lambda: dict(position))
+    lifecycle = colocate_megatron(chunks, optimizer, engine, checkpoint=saving)
     result: dict[str, Any] = {"versions": [], "digests": {}}
     for step in range(1, STEPS + 1):
         position["next_step"] = step + 1
@@ -117,7 +116,7 @@ def resumed(out: Path) -> dict[str, Any]:
     result["truncated"] = truncated[0]
     before = digests(chunks, optimizer)
     try:
-        colocate_megatron(chunks, optimizer, engine, resume=out / "damaged")
+        colocate_megatron(chunks, optimizer, engine, checkpoint=Checkpoint(resume=out / "damaged"))
         result["refused"] = None
     except ConfigError as error:
         result["refused"] = f"{type(error).__name__}: {error}"
@@ -137,10 +136,9 @@ def resumed(out: Path) -> dict[str, Any]:
         chunks,
         optimizer,
         engine,
-        save_dir=out / "resume",
-        save_every=EVERY,
-        resume=out / "resume",
-        checkpoint_state=lambda: dict(position),
+        checkpoint=Checkpoint(
+            save_dir=out / "resume", save_every=EVERY, resume=out / "resume", state=lambda: dict(position)
+        ),
     )
     point = lifecycle.checkpointer.resumed
     result["point"] = {"step": point.step, "weight_version": point.weight_version, "state": point.state}
@@ -159,7 +157,7 @@ def one_rank(out: Path, saved: dict[str, str]) -> dict[str, Any]:
     """Rank 0 alone (DP=1) resumes the DP=2 run's last checkpoint, train-only; then another
     model (another FFN width) tries to."""
     chunks, optimizer = build_gpt(DENSE)
-    lifecycle = colocate_megatron(chunks, optimizer, None, Mode.TRAIN_ONLY, resume=out / "ckpt")
+    lifecycle = colocate_megatron(chunks, optimizer, None, Mode.TRAIN_ONLY, checkpoint=Checkpoint(resume=out / "ckpt"))
     point = lifecycle.checkpointer.resumed
     params = digests(chunks, optimizer, optimizer_state=False)
     expected = {n: d for n, d in saved.items() if n.startswith("param/")}
@@ -167,7 +165,7 @@ def one_rank(out: Path, saved: dict[str, str]) -> dict[str, Any]:
         stats = lifecycle.train(partial(lm_step, chunks, optimizer, _tokens(point.step + 1)))
     other, other_optimizer = build_gpt(TinyGPTConfig(ffn_hidden_size=96))  # another model
     try:
-        colocate_megatron(other, other_optimizer, None, Mode.TRAIN_ONLY, resume=out / "ckpt")
+        colocate_megatron(other, other_optimizer, None, Mode.TRAIN_ONLY, checkpoint=Checkpoint(resume=out / "ckpt"))
         another: str | None = None
     except ConfigError as error:
         another = f"{type(error).__name__}: {error}"

@@ -20,7 +20,7 @@ import torch
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # the router's torch.compile costs ~9 s cold
 
 from guards.bitexact import restore_bit_identical
-from orchestrator import ActionFailed, ConfigError, Trainer, colocate_megatron
+from orchestrator import ActionFailed, ConfigError, Sync, Trainer, colocate_megatron
 from orchestrator.adapters.engines.transformers import TransformersEngine
 from orchestrator.adapters.megatron.build import TinyGPTConfig, build_gpt, destroy_process_group, init_process_group
 from orchestrator.adapters.megatron.build import train_step as lm_step
@@ -167,13 +167,17 @@ def embed_scenario() -> dict[str, Any]:
     result["not_llama"] = _refusal(lambda: colocate_megatron(*_not_a_llama(), engine))
     served = hf_config(gpt_shape(chunks)).to_dict()  # what the engine was built from
     other_theta = served | {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}
-    result["served_other"] = _refusal(lambda: colocate_megatron(chunks, optimizer, engine, served_config=other_theta))
-    result["served_missing"] = _refusal(lambda: colocate_megatron(chunks, optimizer, engine, served_config="/nowhere"))
+    result["served_other"] = _refusal(
+        lambda: colocate_megatron(chunks, optimizer, engine, sync=Sync(served_config=other_theta))
+    )
+    result["served_missing"] = _refusal(
+        lambda: colocate_megatron(chunks, optimizer, engine, sync=Sync(served_config="/nowhere"))
+    )
     result["engine_untouched"] = engine.resident_bytes() == resident and engine.weight_version() is None
 
     # The cycle, as the example drives it.
     # one chunk, not in a list: taken as [chunk]; the config the engine serves agrees with the model
-    lifecycle = colocate_megatron(chunks[0], optimizer, engine, served_config=served)
+    lifecycle = colocate_megatron(chunks[0], optimizer, engine, sync=Sync(served_config=served))
     (tracing, *_) = lifecycle.listeners.listeners
     result["tracing_provider"] = type(tracing._provider).__name__ if isinstance(tracing, TracingListener) else None
     result["regions"] = type(lifecycle._regions._regions).__name__
@@ -213,7 +217,7 @@ def embed_scenario() -> dict[str, Any]:
 
     # A converter that writes to a live param: the push raises, naming it, and the lifecycle faults.
     fresh = TransformersEngine(gpt_shape(chunks), max_batch=8, max_len=DENSE.seq_len)  # the first one is taken
-    writing = colocate_megatron(chunks, optimizer, fresh, convert=_writes_first_param)
+    writing = colocate_megatron(chunks, optimizer, fresh, sync=Sync(convert=_writes_first_param))
     writing.pause_grads()
     try:
         writing.update_weights()
@@ -305,10 +309,35 @@ def chunks_sync(chunks: Any, optimizer: Any) -> list[Named]:
     return [(n, t) for n, t in MegatronTrainer(chunks, optimizer).sync_tensors()]
 
 
+def deprecated_scenario() -> dict[str, Any]:
+    """The flat keywords of the release before the option groups: each still taken, into its group,
+    with a DeprecationWarning naming the group; then a whole cycle."""
+    import warnings
+
+    chunks, optimizer = build_gpt(DENSE)
+    engine = TransformersEngine(gpt_shape(chunks), max_batch=8, max_len=DENSE.seq_len)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lc = colocate_megatron(chunks, optimizer, engine, verify_cycles=1, bucket_bytes=1 << 16, offload="always")
+    with lc.step():
+        lc.pause_grads()
+        lc.update_weights()
+        lc.drop_params()
+        lc.rollout(partial(engine.generate, tokens(DENSE, 0)[:, :4], max_new_tokens=2, temperature=1.0, seed=0))
+        lc.restore()
+        lc.train(partial(lm_step, chunks, optimizer, tokens(DENSE, 10)))
+    return {
+        "warnings": [(w.category.__name__, str(w.message), Path(w.filename).name) for w in caught],
+        "taken": [lc.config.verify_cycles, lc._actions._transport._bucket_bytes, str(lc.config.offload)],
+        "version": engine.weight_version(),
+        "verified": lc.last_restore_verified,
+    }
+
+
 SCENARIOS: dict[str, Callable[[], dict[str, Any]]] = {
     "extras_written": extras_written_scenario,
     # One spawn for both: megatron's import is most of a spawn's time.
-    "embed": lambda: embed_scenario() | {"after_effect": after_effect_scenario()},
+    "embed": lambda: embed_scenario() | {"after_effect": after_effect_scenario(), "deprecated": deprecated_scenario()},
 }
 
 

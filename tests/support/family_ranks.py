@@ -216,7 +216,7 @@ def case_scenario(rank: int, case: str, layout: tuple[int, int, int], host: Engi
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
-    from orchestrator import colocate_megatron
+    from orchestrator import Sync, Verify, colocate_megatron
     from orchestrator.adapters.megatron.convert import is_sync_source, left_out, model_spec
     from orchestrator.adapters.megatron.convert.gather import unwrap_gpt
     from orchestrator.adapters.megatron.embed import gpt_shape
@@ -229,7 +229,9 @@ def case_scenario(rank: int, case: str, layout: tuple[int, int, int], host: Engi
     torch.manual_seed(1234)
     chunks, optimizer = build(family, *layout, **options, device=device)
     engine = host.engine(gpt_shape(chunks))
-    lifecycle = colocate_megatron(chunks, optimizer, engine, bucket_bytes=BUCKET_BYTES, verify_cycles=CYCLES)
+    lifecycle = colocate_megatron(
+        chunks, optimizer, engine, sync=Sync(bucket_bytes=BUCKET_BYTES), verify=Verify(cycles=CYCLES)
+    )
     inputs = [b.to(device) for b in batches(CYCLES + 1)]  # the last one held out: never trained on
     sharded, largest = _sharded(chunks)
     sources = lifecycle.snapshot().layout.sync_sources

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from orchestrator.adapters.checkpoints import CheckpointRefused, begin, seal
+from orchestrator.core.config import Checkpoint
 from orchestrator.errors import ConfigError
 from orchestrator.job.checkpoint import identity, resume_point
 from orchestrator.job.config import RunConfig
@@ -37,7 +38,7 @@ def _checkpoint(root: Path, config: RunConfig, step: int, **state: object) -> No
 
 
 def test_the_last_complete_checkpoint_is_read_whole(tmp_path: Path) -> None:
-    config = RunConfig(ranks=1, steps=6, resume=tmp_path)
+    config = RunConfig(ranks=1, steps=6, checkpoint=Checkpoint(resume=tmp_path))
     _checkpoint(tmp_path, config, 2)
     _checkpoint(tmp_path, config, 4)
     point = resume_point(config)
@@ -51,7 +52,9 @@ def test_another_run_is_refused_naming_each_difference(tmp_path: Path) -> None:
     saved = RunConfig(ranks=1, steps=6)
     _checkpoint(tmp_path, saved, 2)
     wider = replace(saved.grpo.model, hidden_size=128)
-    other = RunConfig(ranks=1, steps=6, resume=tmp_path, mode=Mode.BACKUP, grpo=GRPOConfig(model=wider))
+    other = RunConfig(
+        ranks=1, steps=6, checkpoint=Checkpoint(resume=tmp_path), mode=Mode.BACKUP, grpo=GRPOConfig(model=wider)
+    )
     with pytest.raises(CheckpointRefused) as refused:
         resume_point(other)
     said = str(refused.value)
@@ -60,14 +63,14 @@ def test_another_run_is_refused_naming_each_difference(tmp_path: Path) -> None:
 
 
 def test_a_run_file_of_another_shape_is_refused_naming_it(tmp_path: Path) -> None:
-    config = RunConfig(ranks=1, steps=6, resume=tmp_path)
+    config = RunConfig(ranks=1, steps=6, checkpoint=Checkpoint(resume=tmp_path))
     _checkpoint(tmp_path, config, 2, identity=None)
     with pytest.raises(CheckpointRefused, match=r"colocate\.json: not a colocate run's \(TypeError"):
         resume_point(config)
 
 
 def test_a_checkpoint_at_the_last_step_leaves_nothing_to_run(tmp_path: Path) -> None:
-    config = RunConfig(ranks=1, steps=4, resume=tmp_path)
+    config = RunConfig(ranks=1, steps=4, checkpoint=Checkpoint(resume=tmp_path))
     _checkpoint(tmp_path, config, 4)
     with pytest.raises(CheckpointRefused, match="the checkpoint is at step 4; --steps 4 leaves none to run"):
         resume_point(config)
@@ -82,4 +85,4 @@ def test_a_checkpoint_at_the_last_step_leaves_nothing_to_run(tmp_path: Path) -> 
 )
 def test_save_options_are_checked_with_the_rest(changes: dict[str, object], words: str) -> None:
     with pytest.raises(ConfigError, match=words):
-        RunConfig(ranks=1, **changes)  # type: ignore[arg-type]
+        RunConfig(ranks=1, checkpoint=Checkpoint(**changes))  # type: ignore[arg-type]

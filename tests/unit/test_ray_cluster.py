@@ -9,6 +9,7 @@ import psutil
 import pytest
 
 from orchestrator.errors import ConfigError, RayUnreachable
+from orchestrator.job.config import Cluster
 from orchestrator.job.job import RunConfig, rendezvous_store
 from orchestrator.job.ray_cluster import LOOPBACK_FOR_RAY, _keep_loopback, address_problems, driver_ip
 
@@ -22,7 +23,7 @@ def is_loopback(ip: str) -> bool:
 @pytest.mark.parametrize("address", ["10.0.0.5:6379", "127.0.0.1:41000", "[fd00::5]:6379", "head-node:6379"])
 def test_a_gcs_address_is_accepted(address: str) -> None:
     assert address_problems(address) == []
-    assert RunConfig(ray_address=address).ray_address == address
+    assert RunConfig(cluster=Cluster(ray_address=address)).cluster.ray_address == address
 
 
 @pytest.mark.parametrize(
@@ -38,7 +39,7 @@ def test_a_gcs_address_is_accepted(address: str) -> None:
 )
 def test_a_bad_address_is_a_config_error_naming_it(address: str, words: str) -> None:
     with pytest.raises(ConfigError) as refused:
-        RunConfig(ray_address=address)
+        RunConfig(cluster=Cluster(ray_address=address))
     assert words in str(refused.value) and address in str(refused.value)
 
 

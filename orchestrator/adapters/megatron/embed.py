@@ -16,12 +16,12 @@ argument that replaces each choice:
 | part | chosen | replaced by |
 | --- | --- | --- |
 | trainer | `MegatronTrainer(model, optimizer)`: expert_bias, fp32 and frozen params are extras | `extras=` |
-| regions | torch_memory_saver where the param buffers are on a GPU, storage resizing on the CPU | `regions=` |
+| regions | torch_memory_saver where the param buffers are on a GPU, storage resizing on the CPU | `memory=Memory(regions=)` |
 | setup | read from the DDP and optimizer configs (`megatron_setup`); the trainer's other flags as keywords | `**flags` |
-| transport | `MegatronTransport` through `hf_buckets` (`orchestrator.adapters.megatron.convert`): Megatron GPT → HF at any TP, PP and EP, the family read from the config (`family_of`); only sync sources send (`is_sync_source`) | `convert=`, `transport=` |
+| transport | `MegatronTransport` through `hf_buckets` (`orchestrator.adapters.megatron.convert`): Megatron GPT → HF at any TP, PP and EP, the family read from the config (`family_of`); only sync sources send (`is_sync_source`) | `sync=Sync(convert=)`, `sync=Sync(transport=)` |
 | listeners | spans to the trainer's global tracer provider, else to one the `OTEL_*` variables ask for (set as the global one: `otel_listeners`); structlog lines | `listeners=` |
 | rank | torch.distributed's | `rank=` |
-| checkpoints | none saved, none loaded | `save_dir=`, `save_every=`, `resume=`, `checkpoint_state=` |
+| checkpoints | none saved, none loaded | `checkpoint=Checkpoint(save_dir=, save_every=, resume=, state=)` |
 
 On a CUDA-less host it applies `enable_cpu_path()` (idempotent): the restore's cast and
 all-gather run Megatron code that assumes CUDA. Building the model needs it too, so call it
@@ -37,15 +37,17 @@ before the last stage has sent, and a send that fails on one rank fails the upda
 every rank: a shared engine's handle must take them once (this module does not choose a rank).
 An engine replica per rank (each rank's own, loading the whole model) is not what this wires: a
 rank that is no source would leave its replica empty, and its update fails naming the version the
-replica serves. Pass `transport=` for that layout.
+replica serves. Pass `sync=Sync(transport=)` for that layout.
 
-Checkpoints (`orchestrator.adapters.megatron.checkpointing`): with `save_every=N, save_dir=DIR`,
-every step numbered a multiple of N ends with a collective save of the model, the optimizer, the
-RNG and `checkpoint_state()` (rank 0's call: the trainer's own JSON-able state, its sampler's
-position say) into DIR/step-N/. With `resume=DIR`, the last complete checkpoint there is loaded
-before anything else is built, and the resume point is `lifecycle.checkpointer.resumed`:
+Checkpoints (`orchestrator.adapters.megatron.checkpointing`): with
+`checkpoint=Checkpoint(save_every=N, save_dir=DIR)`, every step numbered a multiple of N ends with
+a collective save of the model, the optimizer, the RNG and `state()` (rank 0's call: the
+trainer's own JSON-able state, its sampler's position say) into DIR/step-N/. With `resume=DIR`,
+the last complete checkpoint there is loaded before anything else is built, and the resume point
+is `lifecycle.checkpointer.resumed`:
 
-    lifecycle = colocate_megatron(model, optimizer, engine, save_dir=DIR, save_every=100, resume=DIR)
+    ckpt = Checkpoint(save_dir=DIR, save_every=100, resume=DIR)
+    lifecycle = colocate_megatron(model, optimizer, engine, checkpoint=ckpt)
     point = lifecycle.checkpointer.resumed      # ResumePoint: step, weight_version, state, path, resharded
     for step in range(point.step + 1, last + 1):
         with lifecycle.step(step): ...          # number the steps: a save is named by its step
@@ -59,13 +61,12 @@ takes the engine over (releases its memory) as it always does.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from orchestrator.adapters.digest import DigestMethod
 from orchestrator.adapters.megatron.convert import (
     conversion_problems,
     hf_buckets,
@@ -73,20 +74,21 @@ from orchestrator.adapters.megatron.convert import (
     model_spec,
 )
 from orchestrator.adapters.megatron.convert.served import served_problems
+from orchestrator.adapters.megatron.options import Groups, Memory, Sync, grouped
 from orchestrator.adapters.megatron.trainer import ALL_EXTRAS, Extra, MegatronTrainer, megatron_setup
 from orchestrator.adapters.megatron.transport import Converter, MegatronTransport
-from orchestrator.core.config import LifecycleConfig
+from orchestrator.core.config import Checkpoint, LifecycleConfig, Verify
 from orchestrator.core.lifecycle import Lifecycle, require_restore_coverage
 from orchestrator.errors import ConfigError
 from orchestrator.models import ModelShape, read_config
 from orchestrator.protocols import MemoryRegions, Named, RolloutEngine, WeightTransport
 from orchestrator.telemetry.listeners import Listener
-from states import MemoryBudget, Mode, Offload
+from states import Mode
 
 if TYPE_CHECKING:
     from orchestrator.adapters.megatron.checkpointing import MegatronCheckpointer
 
-__all__ = ["colocate_megatron", "gpt_shape", "hf_converter", "otel_listeners"]
+__all__ = ["Checkpoint", "Memory", "Sync", "Verify", "colocate_megatron", "gpt_shape", "hf_converter", "otel_listeners"]
 
 
 def _chunks(model: Sequence[Any] | Any) -> list[Any]:
@@ -198,24 +200,19 @@ def _loads_weights(engine: RolloutEngine | None, transport: WeightTransport | No
     return engine
 
 
-def _checkpointer(
-    model: list[Any],
-    optimizer: Any,
-    save_dir: str | Path | None,
-    save_every: int,
-    resume: str | Path | None,
-    state: Callable[[], dict[str, Any]] | None,
-) -> MegatronCheckpointer | None:
-    """The rank's checkpointer, if any of its arguments is given; with `resume`, the last complete
-    checkpoint loaded into the model and optimizer (before the trainer wraps the optimizer: its
-    step counter hooks it)."""
-    if not save_every and save_dir is None and resume is None and state is None:
+def _checkpointer(model: list[Any], optimizer: Any, checkpoint: Checkpoint) -> MegatronCheckpointer | None:
+    """The rank's checkpointer, if `checkpoint` saves or loads anything; with `resume`, the last
+    complete checkpoint loaded into the model and optimizer (before the trainer wraps the
+    optimizer: its step counter hooks it)."""
+    if not checkpoint.used:
         return None
     from orchestrator.adapters.megatron.checkpointing import MegatronCheckpointer  # imports megatron.core
 
-    checkpointer = MegatronCheckpointer(model, optimizer, save_dir=save_dir, every=save_every, state=state)
-    if resume is not None:
-        checkpointer.resume(resume)
+    checkpointer = MegatronCheckpointer(
+        model, optimizer, save_dir=checkpoint.save_dir, every=checkpoint.save_every, state=checkpoint.state
+    )
+    if checkpoint.resume is not None:
+        checkpointer.resume(checkpoint.resume)
     return checkpointer
 
 
@@ -225,59 +222,57 @@ def colocate_megatron(
     engine: RolloutEngine | None,
     mode: Mode | str = Mode.REMATERIALIZE,
     *,
-    convert: Converter | None = None,
-    transport: WeightTransport | None = None,
-    bucket_bytes: int = 64 << 20,
-    regions: MemoryRegions | None = None,
+    sync: Sync | None = None,
+    memory: Memory | None = None,
+    verify: Verify | None = None,
+    checkpoint: Checkpoint | None = None,
     listeners: Sequence[Listener] | None = None,
     extras: Collection[Extra] = ALL_EXTRAS,
-    digest: DigestMethod | None = None,
-    verify_cycles: int = 2,
     rank: int | None = None,
-    offload: Offload | str = Offload.AUTO,
-    memory: Callable[[], MemoryBudget] | None = None,
-    served_config: str | Path | Mapping[str, Any] | None = None,
-    mtp: bool = False,
-    save_dir: str | Path | None = None,
-    save_every: int = 0,
-    resume: str | Path | None = None,
-    checkpoint_state: Callable[[], dict[str, Any]] | None = None,
-    **flags: bool,
+    **flags: Any,
 ) -> Lifecycle:
     """The `Lifecycle` for one rank of a Megatron-core trainer (see the module docstring).
 
     `engine` must load weights (`update_weights(named, version)`, `features.loads_weights`) unless
-    `transport` is given; it is None in `Mode.TRAIN_ONLY`. `flags` are the `TrainingSetup` flags
-    Megatron does not hold (`compute_advantages`, `lora`, `keep_old_actor`, ...); those it holds
-    are read from its configs and refused as keywords.
+    `sync.transport` is given; it is None in `Mode.TRAIN_ONLY`. `flags` are the `TrainingSetup`
+    flags Megatron does not hold (`compute_advantages`, `lora`, `keep_old_actor`, ...); those it
+    holds are read from its configs and refused as keywords. The flat keywords of the release
+    before (`save_dir=`, `offload=`, `bucket_bytes=`, ...) still work, each with a
+    DeprecationWarning naming its group (`orchestrator.adapters.megatron.options`).
 
     Raises ConfigError, naming every problem, with the engine untouched: a setup the mode refuses,
     a flag Megatron's configs hold, an engine that loads no weights, a model the HF conversion
-    cannot map (when `convert` and `transport` are not given), a param no restore path covers.
+    cannot map (when `sync.convert` and `sync.transport` are not given), a param no restore path
+    covers.
 
-    `offload` chooses which of `grad_buffer` and `default` leave the device for the rollout
-    (`orchestrator.core.offload`); `auto` decides from `memory`, the memory guard's budget
-    (`orchestrator.plan.MemoryProbe.for_plan(...)`), and moves both without one. `never` keeps
-    both and, given `memory`, raises ConfigError naming the bytes where the rollout does not fit
-    beside them (checked once the engine is taken over).
+    `memory=Memory(offload=, budget=, regions=)`: `offload` chooses which of `grad_buffer` and
+    `default` leave the device for the rollout (`orchestrator.core.offload`); `auto` decides from
+    `budget`, the memory guard's (`orchestrator.plan.MemoryProbe.for_plan(...)`), and moves both
+    without one. `never` keeps both and, given a budget, raises ConfigError naming the bytes where
+    the rollout does not fit beside them (checked once the engine is taken over).
 
-    `served_config` is the HF config the engine serves (a path or a dict): with the default
-    converter, a model it builds or computes otherwise (another vocabulary, RoPE base, routed
-    scale, tied embeddings, ...) is a ConfigError too, since an engine would load such weights
-    cleanly and serve another policy. `mtp=True` syncs the MTP layers as well, as the checkpoint's
-    layers after the last decoder layer, for an engine serving them as its NextN draft; without
-    it they are left out, and the sync logs so once.
+    `sync=Sync(served_config=, mtp=, ...)`: `served_config` is the HF config the engine serves (a
+    path or a dict): with the default converter, a model it builds or computes otherwise (another
+    vocabulary, RoPE base, routed scale, tied embeddings, ...) is a ConfigError too, since an
+    engine would load such weights cleanly and serve another policy. `mtp=True` syncs the MTP
+    layers as well, as the checkpoint's layers after the last decoder layer, for an engine serving
+    them as its NextN draft; without it they are left out, and the sync logs so once.
 
-    `save_dir`, `save_every`: a step `lifecycle.step(n)` with n a multiple of `save_every` ends
-    with a save into `save_dir` (every rank's part; a directory every rank sees), with
-    `checkpoint_state()`, called on rank 0, saved beside. `resume`: a directory whose last complete
-    checkpoint is loaded into the model and optimizer before the trainer wraps them (so before
-    the restore-coverage and conversion checks, which the engine still waits on); CheckpointRefused (a ConfigError) on
-    every rank, before anything is loaded, where there is none or it is damaged, and naming
-    Megatron's message where it is another model's. The resume point (the step to continue
-    after, the saved state) is `lifecycle.checkpointer.resumed`, and the first sync pushes the
-    saved weight version + 1. ConfigError names `save_every` below 0, or given without `save_dir`.
+    `checkpoint=Checkpoint(save_dir=, save_every=, resume=, state=)`: a step `lifecycle.step(n)`
+    with n a multiple of `save_every` ends with a save into `save_dir` (every rank's part; a
+    directory every rank sees), with `state()`, called on rank 0, saved beside. `resume`: a
+    directory whose last complete checkpoint is loaded into the model and optimizer before the
+    trainer wraps them (so before the restore-coverage and conversion checks, which the engine
+    still waits on); CheckpointRefused (a ConfigError) on every rank, before anything is loaded,
+    where there is none or it is damaged, and naming Megatron's message where it is another
+    model's. The resume point (the step to continue after, the saved state) is
+    `lifecycle.checkpointer.resumed`, and the first sync pushes the saved weight version + 1.
+    ConfigError names `save_every` below 0, or given without `save_dir`.
     """
+    given = Groups(sync=sync or Sync(), memory=memory if isinstance(memory, Memory) else Memory(),
+                   verify=verify or Verify(), checkpoint=checkpoint or Checkpoint())  # fmt: skip
+    groups, flags = grouped(given, flags, memory=memory, stacklevel=2)
+    sync, memory, verify, checkpoint = groups.sync, groups.memory, groups.verify, groups.checkpoint
     model = _chunks(model)
     if not torch.cuda.is_available():
         from orchestrator.adapters.megatron.cpu import enable_cpu_path
@@ -289,30 +284,31 @@ def colocate_megatron(
     config = LifecycleConfig(
         mode=Mode(mode),
         rank=rank,
-        verify_cycles=verify_cycles,
+        verify_cycles=verify.cycles,
         setup=megatron_setup(model, optimizer, **flags),
-        offload=offload,  # type: ignore[arg-type]  # the config takes "never" as well as Offload.NEVER
-        memory=memory,
+        offload=memory.offload,  # type: ignore[arg-type]  # the config takes "never" as well as Offload.NEVER
+        memory=memory.budget,
     )
-    sink = _loads_weights(engine, transport)
-    checkpointer = _checkpointer(model, optimizer, save_dir, save_every, resume, checkpoint_state)
-    trainer = MegatronTrainer(model, optimizer, extras=extras, digest=digest)
+    sink = _loads_weights(engine, sync.transport)
+    checkpointer = _checkpointer(model, optimizer, checkpoint)
+    trainer = MegatronTrainer(model, optimizer, extras=extras, digest=verify.digest)
     if config.mode is not Mode.TRAIN_ONLY:
         require_restore_coverage(trainer.layout())  # before regions re-home anything
+    transport = sync.transport
     if sink is not None:
         distributed = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
         transport = MegatronTransport(
             trainer,
             sink,
-            convert=hf_converter(model, served_config, mtp=mtp) if convert is None else convert,
-            bucket_bytes=bucket_bytes,
+            convert=hf_converter(model, sync.served_config, mtp=sync.mtp) if sync.convert is None else sync.convert,
+            bucket_bytes=sync.bucket_bytes,
             source=is_sync_source() if distributed else True,
             any_rank=_any_rank if distributed else None,
         )
     return Lifecycle(
         config=config,
         trainer=trainer,
-        regions=_regions(trainer) if regions is None else regions,
+        regions=_regions(trainer) if memory.regions is None else memory.regions,
         engine=engine,
         transport=transport,
         listeners=otel_listeners(rank) if listeners is None else tuple(listeners),

@@ -43,10 +43,12 @@ class Placement(Protocol):
     def close(self, *, flush: bool) -> None: ...
 
 
-def in_process(*, ranks: int, device: str, address: str | None) -> bool:
+def in_process(*, ranks: int, device: str, address: str | None, cuda: bool | None = None) -> bool:
     """Whether a job's workers can run in the driver's process: one rank, no cluster named, and a
-    device this process already trains on (Megatron takes the process's: its GPU where it sees one)."""
-    return ranks == 1 and address is None and (device == "cuda") == torch.cuda.is_available()
+    device this process already trains on (Megatron takes the process's: its GPU where it sees one).
+    `cuda`: whether this process sees a GPU (None: asked of torch now)."""
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    return ranks == 1 and address is None and (device == "cuda") == cuda
 
 
 class LocalPlacement:
