@@ -26,6 +26,11 @@ class RegionLedger:
         if missing:
             raise ConfigError([f"memory regions lack tag {tag!r}" for tag in sorted(missing)])
 
+    @property
+    def paused(self) -> frozenset[Region]:
+        """What the regions report paused, as the event in flight read them."""
+        return self._reading().paused()
+
     def _known(self, tag: str) -> Region:
         if tag not in self._tags or tag not in Region.__members__.values():
             raise RegionRefused(tag, f"unknown tag; known: {', '.join(r.value for r in Region)}")
