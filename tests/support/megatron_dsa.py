@@ -1,32 +1,27 @@
-"""Megatron-core's DSA (DeepSeek Sparse Attention) layer on a host without its CUDA extensions.
+"""What Megatron-core's DSA (DeepSeek Sparse Attention) layers chose, recorded for the GLM-5 tests.
 
-megatron-core 0.16.1 builds DSA only through Transformer Engine: `get_dsa_module_spec_for_backend`
-asks its backend for `linear()` (a replicated `TELinear`, `parallel_mode="duplicated"`), which the
-local `LocalSpecProvider` lacks, and its `rotate_activation` calls `fast_hadamard_transform`, a CUDA
-extension. Neither is installed here or on the GPU machine. Three narrow seams stand in, and nothing
-else is replaced: the attention is Megatron's `MLASelfAttention` around its `DSAttention`, the
-indexer its `DSAIndexer`, the sparse attention its `unfused_dsa_fn`, with their own math.
-
-1. `walsh_hadamard` for `dsa.hadamard_transform`: the same transform as `fast_hadamard_transform`'s
-   (x times the Sylvester Hadamard matrix of the last dim, times `scale`, computed in fp32 and
-   returned in the input's dtype), in plain torch ops, so autograd goes through it.
-2. `duplicated_linear()` for the indexer's `linear_wq_b`, `linear_wk` and `linear_weights_proj`:
-   Megatron's own local replicated `Linear` (`megatron.core.post_training.modelopt.layers`), taking
-   the `parallel_mode="duplicated"` that `DSAIndexer` passes to a `TELinear`.
-3. `presize_indexer_loss_tracker`: the indexer-loss logger sizes its per-layer tracker by
-   `num_layers`, so an MTP layer's DSA (layer `num_layers + 1`) indexes past its end (IndexError in
-   0.16.1 whenever `dsa_indexer_loss_coeff > 0` and `mtp_num_layers` are set, on any device). The
-   tracker is made once with a slot per MTP layer too; the loss itself is untouched.
+The layers are built by the package's specs (`orchestrator.adapters.megatron.specs`, which says
+what stands in for Transformer Engine and `fast_hadamard_transform`); its seams are re-exported
+here for the tests that import them from this module. `recorded_selections` keeps, per DSA layer,
+the index scores, the keys chosen, their inputs and each score's rounding terms.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+from orchestrator.adapters.megatron.specs import (
+    dsa_attention_spec,
+    dsa_block_spec,
+    duplicated_linear,
+    enable_dsa_without_extensions,
+    presize_indexer_loss_tracker,
+    walsh_hadamard,
+)
 
 __all__ = [
     "dsa_attention_spec",
@@ -37,81 +32,6 @@ __all__ = [
     "recorded_selections",
     "walsh_hadamard",
 ]
-
-
-def walsh_hadamard(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
-    """`x @ H.T * scale` for the Sylvester Hadamard matrix `H` of `x`'s last dim (a power of 2), as
-    `fast_hadamard_transform.hadamard_transform` computes it: in fp32, returned in `x.dtype`."""
-    dim = x.shape[-1]
-    if dim < 1 or dim & (dim - 1):
-        raise ValueError(f"the Hadamard transform needs a power-of-2 last dim, not {dim}")
-    y = x.float().reshape(-1, dim)
-    half = 1
-    while half < dim:  # the butterflies of H_2n = [[H_n, H_n], [H_n, -H_n]]
-        pairs = y.view(-1, dim // (2 * half), 2, half)
-        y = torch.stack((pairs[:, :, 0] + pairs[:, :, 1], pairs[:, :, 0] - pairs[:, :, 1]), dim=2)
-        half *= 2
-    return (y.reshape(x.shape) * scale).to(x.dtype)
-
-
-@functools.cache
-def duplicated_linear() -> type:
-    """Seam 2's class (made on first use: it subclasses a megatron class)."""
-    from megatron.core.post_training.modelopt.layers import Linear
-
-    class DuplicatedLinear(Linear):
-        """Megatron's local replicated `Linear`, built as `TELinear(parallel_mode="duplicated")` is."""
-
-        def __init__(self, *args: Any, parallel_mode: str | None = None, **kwargs: Any) -> None:
-            if parallel_mode != "duplicated":
-                raise ValueError(f"a replicated linear, not parallel_mode={parallel_mode!r}")
-            super().__init__(*args, **kwargs)
-
-    return DuplicatedLinear
-
-
-def enable_dsa_without_extensions() -> None:
-    """Seam 1: Megatron's DSA rotates with `walsh_hadamard` where `fast_hadamard_transform` is
-    missing (and only there)."""
-    from megatron.core.transformer.experimental_attention_variant import dsa
-
-    if dsa.hadamard_transform is None:
-        dsa.hadamard_transform = walsh_hadamard
-
-
-def dsa_attention_spec(config: Any) -> Any:
-    """Megatron's DSA core attention spec, as `get_dsa_module_spec_for_backend` makes it:
-    `DSAttention` around a `DSAIndexer`, its linears `duplicated_linear()` (seam 2), its k norm
-    Megatron's local LayerNorm."""
-    from megatron.core.models.backends import LocalSpecProvider
-    from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
-        get_dsa_module_spec_for_backend,
-    )
-
-    linear = duplicated_linear()
-
-    class Backend(LocalSpecProvider):
-        def linear(self) -> type:
-            return linear
-
-    return get_dsa_module_spec_for_backend(config, backend=Backend()).submodules.core_attention
-
-
-def dsa_block_spec(config: Any, block: Any) -> Any:
-    """`block` (Megatron's local `get_gpt_decoder_block_spec` for an MLA config) with each layer's
-    core attention `dsa_attention_spec`'s. The rest of the MLA layer stays the local spec's."""
-    core = dsa_attention_spec(config)
-    for layer in block.layer_specs:
-        layer.submodules.self_attention.submodules.core_attention = core
-    return block
-
-
-def presize_indexer_loss_tracker(config: Any, device: torch.device | str = "cpu") -> None:
-    """Seam 3: the indexer-loss tracker with a slot for every decoder and MTP layer."""
-    from megatron.core.transformer.experimental_attention_variant.dsa import DSAIndexerLossLoggingHelper
-
-    slots = config.num_layers + (config.mtp_num_layers or 0)
-    DSAIndexerLossLoggingHelper.tracker["values"] = torch.zeros(slots, device=device)
 
 
 def _factors_seen(indexer: Any, into: dict[str, torch.Tensor]) -> Any:

@@ -18,27 +18,23 @@ with YaRN (factor 4 over 4 original positions, mscale 1, mscale_all_dim 0.8, bas
 GLM-4.5's heads 24 wide (not hidden / heads), q/k/v with biases, a q/k norm, half of each head
 rotated. GLM-5: DeepSeek-V3's attention and MoE layers with a DSA indexer in every layer (4 heads
 of 32 dims, the top 4 of up to 16 keys, trained by its KL loss), and one MTP layer; the DSA layer
-is built as `megatron_dsa` says.
+is built as the package builds it.
 
-Megatron-core 0.16.1's local spec cannot build MLA as it is: `MLASelfAttention` passes
-`k_channels` and `v_channels` to its core attention, which only Transformer Engine's
-`TEDotProductAttention` (CUDA only) takes; the local `DotProductAttention` refuses them. The one
-seam replaced here is that core attention: `MLADotProductAttention` is Megatron's own
-`DotProductAttention`, taking the two and giving its output `v_channels` per head. The math
-(scaled QK^T with MLA's softmax scale, causal softmax, probs·V) is Megatron's unchanged.
+The layers are Megatron's own local specs, made as the package makes them
+(`orchestrator.adapters.megatron.specs`, which names the seams standing in for Transformer
+Engine: MLA's core attention, DSA's replicated linears and Hadamard rotation).
 """
 
 from __future__ import annotations
 
-import copy
 from functools import partial
 from typing import Any
 
 import torch
 
 from orchestrator.adapters.megatron.convert import Family
+from orchestrator.adapters.megatron.specs import decoder_block_spec, mtp_block_spec
 from orchestrator.models import SUPPORT
-from tests.support.megatron_dsa import dsa_block_spec, enable_dsa_without_extensions, presize_indexer_loss_tracker
 
 __all__ = [
     "BATCH",
@@ -247,44 +243,9 @@ def _random_qkv_biases(gpt: Any) -> None:
 
 
 def layer_spec(config: Any) -> Any:
-    """Megatron's own local block spec; with MLA, its core attention takes MLA's head widths; with
-    DSA, it is Megatron's DSA (see `megatron_dsa`)."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
-    if config.experimental_attention_variant == "dsa":
-        enable_dsa_without_extensions()
-        presize_indexer_loss_tracker(config, "cpu" if config.use_cpu_initialization else "cuda")
-        return dsa_block_spec(config, spec)
-    if config.multi_latent_attention:
-        for layer in spec.layer_specs:
-            layer.submodules.self_attention.submodules.core_attention = _mla_dot_product_attention()
-    return spec
-
-
-def mtp_block_spec(config: Any, block: Any) -> Any:
-    """Megatron's own local MTP block spec (its layer: the last decoder layer's); None without MTP
-    or off the last pipeline stage."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
-
-    return get_gpt_mtp_block_spec(config, block, use_transformer_engine=False) if config.mtp_num_layers else None
-
-
-def _mla_dot_product_attention() -> type:
-    from megatron.core.transformer.dot_product_attention import DotProductAttention
-
-    class MLADotProductAttention(DotProductAttention):
-        """Megatron's `DotProductAttention`, taking MLA's `k_channels` and `v_channels`: the
-        scores need no head width (they are q·k over whatever q and k hold, times the softmax
-        scale MLA passes); the context is `v_channels` wide per head."""
-
-        def __init__(self, config: Any, *, k_channels: int | None = None, v_channels: int | None = None, **kw: Any):
-            if v_channels is not None:
-                config = copy.copy(config)
-                config.kv_channels = v_channels
-            super().__init__(config=config, **kw)
-
-    return MLADotProductAttention
+    """Megatron's own local block spec, as the package builds it (`specs.decoder_block_spec`:
+    MLA's core attention takes its head widths; DSA is Megatron's, built as each version does)."""
+    return decoder_block_spec(config)
 
 
 def batches(steps: int) -> list[torch.Tensor]:

@@ -1,4 +1,9 @@
-"""The embedded default model's config: a small Llama-shaped GPT, described without megatron-core.
+"""The configs of the GPTs colocate builds, described without megatron-core.
+
+- `TinyGPTConfig`: colocate's own Llama-shaped GPT (the job's default and presets, and the
+  benchmarks' models with every kind of extra a restore must handle).
+- `GPTConfig`: a GPT of any family colocate converts (`orchestrator.models.SUPPORT`), as a
+  published or user's HF `config.json` describes it, perhaps with fewer layers and experts.
 
 `megatron_build.build_gpt` turns it into a Megatron-core model; `convert.hf_llama_config` into
 the matching Hugging Face Llama. Its shape comes from a `ModelShape` (`from_shape`: colocate's own
@@ -8,6 +13,7 @@ the one way back, the shape it builds.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -124,3 +130,39 @@ def _builds(shape: ModelShape) -> dict[str, tuple[Any, ...]]:
         "fp32_param_numel": (0, shape.hidden_size),
         "frozen": ((), (FROZEN_PARAM,)),
     }
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPTConfig:
+    """A GPT of any family colocate converts, as the job trains it.
+
+    `model` is its shape, read from `served` (`orchestrator.models.read_config`): the HF config the
+    engine builds its own transformers class from, and the one the trainer's model is checked
+    against (`served_config`). `shrunk` says what was made smaller than the source's, one phrase
+    each ("3 of 78 layers"). `init_method_std` is the HF config's `initializer_range`.
+    """
+
+    model: ModelShape
+    served: Mapping[str, Any]
+    shrunk: tuple[str, ...] = ()
+    seq_len: int = 128
+    seed: int = 1234
+    lr: float = 1e-4
+    clip_grad: float = 1.0
+    init_method_std: float = 0.02
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
+
+    @property
+    def rotary_base(self) -> float:
+        return self.model.rotary_base
+
+    def shape(self, name: str = "", family: Family | None = None) -> ModelShape:
+        """The shape the builder builds (`name` and `family` are `TinyGPTConfig.shape`'s; this one
+        knows its own)."""
+        return self.model
+
+    def settings(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in ("seq_len", "seed", "lr", "clip_grad")}
