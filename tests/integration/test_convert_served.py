@@ -33,7 +33,7 @@ def test_the_config_the_converter_writes_reads_back_as_its_model(spec: ModelShap
     [
         (QWEN3_TIED, {"tie_word_embeddings": False}, "tie_word_embeddings is False there, True"),
         (QWEN3_TIED, {"model_type": "llama"}, "the engine serves llama, the trainer's model is qwen3"),
-        (MIXTRAL, {"num_experts_per_tok": 1}, "experts per token is 1 there, 2"),
+        (MIXTRAL, {"num_experts_per_tok": 1}, "num_experts_per_tok is 1 there, 2"),
         (DEEPSEEK, {"routed_scaling_factor": 1.0}, "routed_scaling_factor is 1.0 there, 2.5"),
         (
             GLM,
