@@ -27,9 +27,10 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from orchestrator.errors import ConfigError
 from orchestrator.models import Family, ModelShape, support_table
 
-__all__ = ["SERVED_KEYS", "served_problems"]
+__all__ = ["SERVED_KEYS", "check_served", "served_problems"]
 
 Getter = Callable[[ModelShape], Any]
 
@@ -65,8 +66,6 @@ _ALWAYS: tuple[_Row, ...] = (
     _row("partial_rotary_factor", "rotary_percent"),
     _row("rope_type", "rope_scaling"),
     _row("attention_bias", "qkv_bias"),
-    # Megatron's MLA rotates interleaved pairs whatever its config says; its GQA never does
-    ("rope_interleave", lambda s: s.mla or s.rotary_interleaved, _field("rotary_interleaved")),
 )
 _YARN: tuple[_Row, ...] = tuple(
     (key, _yarn(field), _yarn(field))
@@ -81,8 +80,10 @@ _YARN: tuple[_Row, ...] = tuple(
         ("truncate", "yarn_truncate"),
     )
 )
-_MLA: tuple[_Row, ...] = tuple(
-    _row(key, key) for key in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+_MLA: tuple[_Row, ...] = (
+    *(_row(key, key) for key in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")),
+    # Megatron's MLA rotates interleaved pairs whatever its config says (HF's GQA classes read no such key)
+    ("rope_interleave", lambda s: True, _field("rotary_interleaved")),
 )
 _DSA: tuple[_Row, ...] = (
     _row("index_topk", "dsa_index_topk"),
@@ -146,6 +147,13 @@ def served_problems(spec: ModelShape, served: ModelShape) -> list[str]:
         if not _same(ours, theirs):
             out.append(f"{served.source}: {_label(key)} is {_show(theirs)} there, {_show(ours)} in the trainer's model")
     return out
+
+
+def check_served(spec: ModelShape, served: ModelShape) -> None:
+    """`served_problems`, raised as one ConfigError naming each (nothing when there are none)."""
+    problems = served_problems(spec, served)
+    if problems:
+        raise ConfigError(problems)
 
 
 def _label(key: str) -> str:
