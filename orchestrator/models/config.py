@@ -112,7 +112,10 @@ def read_config(mapping: Mapping[str, Any], *, source: str) -> ModelShape:
     facts = facts_for(text_type) or TypeFacts(text_type, qk_norm=QKNorm.RMS_IF_KEY)
 
     fields = _shape(keys)
-    fields |= _experts(keys, facts, fields["num_layers"] or 1) | _attention_extras(keys, facts) | _positions(keys)
+    fields |= (
+        _experts(keys, facts, fields["num_layers"] or 1) | _attention_extras(keys, facts) | _positions(keys, facts)
+    )
+    fields |= _computed(keys, facts, fields["num_layers"] or 1)
     tie, assumed = _tie(keys, top_facts or facts, model_type)
     problems = keys.problems or _relations(fields, keys)
     if problems:
@@ -181,6 +184,7 @@ def _experts(keys: _Keys, facts: TypeFacts, layers: int) -> dict[str, Any]:
         "shared_expert_gate": facts.shared_expert_gate and shared > 0,
         "moe_score_function": str(keys.raw("scoring_func") or facts.router_score),
         "expert_bias": facts.expert_bias or topk_method == "noaux_tc",
+        # HF's n_group 1 is one group of every expert: no grouping (ModelShape reads 1 as 0)
         "moe_router_num_groups": keys.integer("n_group", 0),
         "moe_router_group_topk": keys.integer("topk_group", 0),
         "moe_routed_scaling_factor": keys.number("routed_scaling_factor", 1.0),
@@ -221,9 +225,11 @@ def _attention_extras(keys: _Keys, facts: TypeFacts) -> dict[str, Any]:
     }
 
 
-def _positions(keys: _Keys) -> dict[str, Any]:
+def _positions(keys: _Keys, facts: TypeFacts) -> dict[str, Any]:
     """RoPE: transformers 5's `rope_parameters`, or the older `rope_scaling` beside a top-level
-    `rope_theta`; Gemma-3 keeps one per layer type (its full-attention one is read)."""
+    `rope_theta`; Gemma-3 keeps one per layer type (its full-attention one is read). YaRN's keys
+    default as transformers' `_compute_yarn_parameters` defaults them (`original_max_position_embeddings`
+    to `max_position_embeddings`, beta 32 and 1; `attention_factor` inferred from the mscales)."""
     rope = keys.raw("rope_parameters") or keys.raw("rope_scaling") or {}
     if not isinstance(rope, Mapping):
         keys.problems.append(f"rope_parameters must be an object, got {rope!r}")
@@ -237,9 +243,49 @@ def _positions(keys: _Keys) -> dict[str, Any]:
         "rope_scaling": "" if kind == "default" else kind,
         "rope_factor": inner.number("factor", 1.0),
         "rotary_percent": inner.number("partial_rotary_factor", keys.number("partial_rotary_factor", 1.0)),
+        "rotary_interleaved": keys.flag("rope_interleave", facts.rope_interleave),
     }
+    if kind == "yarn":
+        original = inner.integer(
+            "original_max_position_embeddings", keys.integer("max_position_embeddings", 0), minimum=1
+        )
+        fields |= {
+            "yarn_original_max_position_embeddings": original,
+            # HF reads a beta of 0 (or null) as its default
+            "yarn_beta_fast": inner.number("beta_fast", 0.0) or 32.0,
+            "yarn_beta_slow": inner.number("beta_slow", 0.0) or 1.0,
+            "yarn_mscale": inner.number("mscale", 1.0),
+            "yarn_mscale_all_dim": inner.number("mscale_all_dim", 0.0),
+            "yarn_attention_factor": inner.number("attention_factor", 0.0),
+            "yarn_truncate": inner.flag("truncate", True),
+        }
     keys.problems += [f"rope: {p}" for p in inner.problems]
     return fields
+
+
+def _computed(keys: _Keys, facts: TypeFacts, layers: int) -> dict[str, Any]:
+    """What the engine computes with that no shape shows: the norms' eps, the activation, the
+    DSA layers that reuse an earlier layer's top-k."""
+    act = keys.raw("hidden_act") or keys.raw("hidden_activation") or "silu"
+    return {
+        "layernorm_epsilon": keys.number("rms_norm_eps", facts.norm_eps),
+        "activation_func": str(act),
+        "dsa_shared_index_layers": _shared_index_layers(keys, layers) if keys.has("index_n_heads") else (),
+    }
+
+
+def _shared_index_layers(keys: _Keys, layers: int) -> tuple[int, ...]:
+    """GLM-5's `indexer_types` ("full" or "shared" per layer), or the schedule transformers'
+    GlmMoeDsaConfig derives without one from `index_topk_freq` and `index_skip_topk_offset`."""
+    types = keys.raw("indexer_types")
+    if types is None:
+        freq = max(keys.integer("index_topk_freq", 1, minimum=1), 1)
+        offset = keys.integer("index_skip_topk_offset", 2)
+        types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(layers)]
+    if not isinstance(types, list) or len(types) != layers or not set(types) <= {"full", "shared"}:
+        keys.problems.append(f"indexer_types must list 'full' or 'shared' for each of {layers} layers")
+        return ()
+    return tuple(i for i, t in enumerate(types) if t == "shared")
 
 
 def _tie(keys: _Keys, facts: TypeFacts, model_type: str) -> tuple[bool, tuple[str, ...]]:

@@ -52,6 +52,8 @@ class TypeFacts:
     router_score: str = "softmax"  # the router's score function, where no `scoring_func` key says
     expert_bias: bool = False  # e_score_correction_bias on the sigmoid scores (DeepSeek-V3's noaux_tc)
     norm_topk_prob: bool = True  # `norm_topk_prob`'s default (Mixtral has no key and always does)
+    norm_eps: float = 1e-6  # the config class's `rms_norm_eps` default
+    rope_interleave: bool = False  # `rope_interleave`'s default (MLA's rotate interleaved pairs)
     text_type: str = ""  # a multimodal wrapper: its text config's model_type
     lm_head_in_text: bool = False  # the wrapper's LM head is the text sub-model's (tie from text_config)
 
@@ -59,7 +61,7 @@ class TypeFacts:
 HF_TYPES: tuple[TypeFacts, ...] = (
     TypeFacts("llama", ("LlamaForCausalLM",)),
     TypeFacts("mistral", ("MistralForCausalLM",), bias=Bias.NONE),
-    TypeFacts("mixtral", ("MixtralForCausalLM",), bias=Bias.NONE),
+    TypeFacts("mixtral", ("MixtralForCausalLM",), bias=Bias.NONE, norm_eps=1e-5),
     TypeFacts("qwen2", ("Qwen2ForCausalLM",), bias=Bias.QKV),
     TypeFacts(
         "qwen2_moe",
@@ -72,7 +74,9 @@ HF_TYPES: tuple[TypeFacts, ...] = (
     ),
     TypeFacts("qwen3", ("Qwen3ForCausalLM",), qk_norm=QKNorm.RMS),
     TypeFacts("qwen3_moe", ("Qwen3MoeForCausalLM",), qk_norm=QKNorm.RMS, norm_topk_prob=False),
-    TypeFacts("deepseek_v3", ("DeepseekV3ForCausalLM",), router_score="sigmoid", expert_bias=True),
+    TypeFacts(
+        "deepseek_v3", ("DeepseekV3ForCausalLM",), router_score="sigmoid", expert_bias=True, rope_interleave=True
+    ),
     TypeFacts(
         "glm4_moe",
         ("Glm4MoeForCausalLM",),
@@ -80,8 +84,16 @@ HF_TYPES: tuple[TypeFacts, ...] = (
         qk_norm=QKNorm.RMS_IF_KEY,
         router_score="sigmoid",
         expert_bias=True,
+        norm_eps=1e-5,
     ),
-    TypeFacts("glm_moe_dsa", ("GlmMoeDsaForCausalLM",), router_score="sigmoid", expert_bias=True),
+    TypeFacts(
+        "glm_moe_dsa",
+        ("GlmMoeDsaForCausalLM",),
+        router_score="sigmoid",
+        expert_bias=True,
+        norm_eps=1e-5,
+        rope_interleave=True,
+    ),
     TypeFacts("gemma2", ("Gemma2ForCausalLM",), tie=True, sandwich_norms=True),
     TypeFacts("gemma3_text", ("Gemma3ForCausalLM",), tie=True, qk_norm=QKNorm.RMS, sandwich_norms=True),
     TypeFacts("gemma3", ("Gemma3ForConditionalGeneration",), tie=True, text_type="gemma3_text"),
@@ -92,6 +104,7 @@ HF_TYPES: tuple[TypeFacts, ...] = (
         qk_norm_default=True,
         shared_experts=1,
         router_score="sigmoid",
+        norm_eps=1e-5,
     ),
     TypeFacts("llama4", ("Llama4ForConditionalGeneration",), text_type="llama4_text", lm_head_in_text=True),
     TypeFacts("qwen2_vl_text", bias=Bias.QKV),

@@ -63,10 +63,13 @@ class ModelShape:
     # for them; a Gemma layer spec adds its own).
     sandwich_norms: bool = False
     tie_embeddings: bool = False  # Megatron's share_embeddings_and_output_weights
+    activation_func: str = "silu"  # the gated MLP's activation, by HF's `hidden_act` name
 
     # positions
     rotary_base: float = 10000.0
     rotary_percent: float = 1.0  # the fraction of each head RoPE rotates
+    # rotate interleaved pairs (HF's `rope_interleave`; Megatron's MLA always does, its GQA never)
+    rotary_interleaved: bool = False
     rope_scaling: str = ""
     rope_factor: float = 1.0
     yarn_original_max_position_embeddings: int = 0
@@ -74,6 +77,8 @@ class ModelShape:
     yarn_beta_slow: float = 1.0
     yarn_mscale: float = 1.0
     yarn_mscale_all_dim: float = 0.0
+    yarn_attention_factor: float = 0.0  # HF's explicit cos/sin scale; 0: inferred from the mscales
+    yarn_truncate: bool = True  # HF rounds YaRN's correction range to whole dims (Megatron does)
 
     # multi-latent attention (DeepSeek-V3, GLM-5): the q latent (0: q projected straight from the
     # hidden state), the kv latent, per-head dims
@@ -87,6 +92,8 @@ class ModelShape:
     dsa_index_head_dim: int = 0
     dsa_index_topk: int = 0
     dsa_index_rope_first: bool = False  # megatron-core >= 0.19's indexer layout (see convert/dsa.py)
+    # layers whose indexer reuses an earlier layer's top-k (HF's `indexer_types` "shared")
+    dsa_shared_index_layers: tuple[int, ...] = ()
 
     # mixture of experts
     moe_layers: tuple[int, ...] = ()
@@ -98,7 +105,9 @@ class ModelShape:
     moe_score_function: str = "softmax"  # or "sigmoid"
     moe_shared_ffn_hidden_size: int = 0  # all shared experts together
     shared_expert_gate: bool = False  # a sigmoid gate on the shared expert's output (Qwen2-MoE)
-    moe_router_num_groups: int = 0  # group-limited routing: groups, and groups a token may pick
+    # group-limited routing: groups, and groups a token may pick; 0 is no grouping, as one group
+    # is (Megatron's None, HF's n_group 1)
+    moe_router_num_groups: int = 0
     moe_router_group_topk: int = 0
     moe_routed_scaling_factor: float = 1.0
 
@@ -111,6 +120,10 @@ class ModelShape:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "moe_layers", tuple(self.moe_layers))
+        object.__setattr__(self, "dsa_shared_index_layers", tuple(self.dsa_shared_index_layers))
+        if self.moe_router_num_groups == 1:  # one group of every expert routes as no groups do
+            object.__setattr__(self, "moe_router_num_groups", 0)
+            object.__setattr__(self, "moe_router_group_topk", 0)
         problems = self.problems()
         if problems:
             raise ConfigError([f"model {self.name or self.source or '?'}: {p}" for p in problems])

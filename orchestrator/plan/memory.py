@@ -39,15 +39,24 @@ class GradDtype(StrEnum):
 @dataclass(frozen=True, kw_only=True)
 class Parallelism:
     """TP x PP x DP ranks; experts split EP x expert-TP within each stage's TP x DP ranks;
-    `spec`: the Megatron layer spec, which decides how MLA's down projections shard."""
+    `spec`: the Megatron layer spec, which decides how MLA's down projections shard.
+
+    `etp` left out (None) is `tp`, as megatron-core's `initialize_model_parallel` makes it when
+    `expert_tensor_parallel_size` is not given; `etp_is_tp` says the plan took that default."""
 
     tp: int = 1
     pp: int = 1
     dp: int = 1
     ep: int = 1
-    etp: int = 1
+    etp: int = None  # type: ignore[assignment]  # None: `tp` (resolved in __post_init__)
+    etp_is_tp: bool = field(default=False, init=False)
     pp_layers: tuple[int, ...] = ()  # decoder layers per stage; () splits evenly
     spec: LayerSpec = LayerSpec.TE
+
+    def __post_init__(self) -> None:
+        if self.etp is None:
+            object.__setattr__(self, "etp", self.tp)
+            object.__setattr__(self, "etp_is_tp", True)
 
     @property
     def world(self) -> int:
@@ -58,7 +67,8 @@ class Parallelism:
         return self.tp * self.dp // (self.ep * self.etp)
 
     def problems(self, m: ModelShape) -> list[str]:
-        out = [f"{k} must be >= 1, got {v}" for k, v in vars(self).items() if isinstance(v, int) and v < 1]
+        sizes = {k: v for k, v in vars(self).items() if isinstance(v, int) and not isinstance(v, bool)}
+        out = [f"{k} must be >= 1, got {v}" for k, v in sizes.items() if v < 1]
         empty = [n for n in self.pp_layers if n < 1]
         if empty:
             out.append(f"--pp-layers {','.join(map(str, self.pp_layers))}: every stage needs >= 1 layer")

@@ -2,15 +2,18 @@
 
 colocate's GPTs are declared here, once, as plain numbers: orchestrator/job/presets.py builds each
 as the `TinyGPTConfig` it trains, adding what a shape does not hold (sequence length, learning
-rate, RoPE base). The published configs are written out from their model cards' `config.json` values,
-so planning never downloads anything.
+rate, RoPE base). The published ones are their `config.json` files, kept as package data in
+orchestrator/models/published/ (its README says where each came from), so planning never
+downloads anything.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from orchestrator.errors import ConfigError
 from orchestrator.models import Family, ModelShape
@@ -60,54 +63,33 @@ GPTS: dict[str, ModelShape] = {shape.name: shape for shape in _TRAINED} | {
 }
 
 
-# Qwen/Qwen3-4B's config.json (the values that size it).
-QWEN3_4B = {
-    "architectures": ["Qwen3ForCausalLM"],
-    "hidden_size": 2560,
-    "intermediate_size": 9728,
-    "num_hidden_layers": 36,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "vocab_size": 151936,
-    "attention_bias": False,
-    "tie_word_embeddings": True,
-}
-
-# GLM-5 as the issue states its published architecture: MLA (q LoRA 2048, kv LoRA 512, qk head
-# 192 = 128 nope + 64 RoPE, v head 256, 64 heads), 3 dense + 75 MoE layers and 1 MTP layer,
-# 256 routed experts (8 active) + 1 shared, a sigmoid router with expert_bias; and, as a DSA
-# model, a sparse-attention indexer per layer (32 heads of 128).
-GLM5 = {
-    "architectures": ["GlmMoeDsaForCausalLM"],
-    "hidden_size": 6144,
-    "intermediate_size": 12288,
-    "moe_intermediate_size": 2048,
-    "num_hidden_layers": 78,
-    "first_k_dense_replace": 3,
-    "num_nextn_predict_layers": 1,
-    "n_routed_experts": 256,
-    "n_shared_experts": 1,
-    "num_experts_per_tok": 8,
-    "num_attention_heads": 64,
-    "num_key_value_heads": 64,
-    "q_lora_rank": 2048,
-    "kv_lora_rank": 512,
-    "qk_nope_head_dim": 128,
-    "qk_rope_head_dim": 64,
-    "v_head_dim": 256,
-    "index_n_heads": 32,  # DeepSeek sparse attention's indexer
-    "index_head_dim": 128,
-    "vocab_size": 154880,
-    "topk_method": "noaux_tc",
-    "tie_word_embeddings": False,
+_PUBLISHED_DIR = Path(__file__).resolve().parent.parent / "models" / "published"
+# name -> the published model it is (orchestrator/models/published/README.md says where each
+# config.json came from)
+PUBLISHED_MODELS = {
+    "qwen3-4b": "Qwen/Qwen3-4B",
+    "deepseek-v3": "deepseek-ai/DeepSeek-V3",
+    "glm-4.5": "zai-org/GLM-4.5",
+    "glm-5": "zai-org/GLM-5",
 }
 
 
-PUBLISHED: dict[str, Callable[[], ModelShape]] = {
-    "qwen3-4b": lambda: from_config(QWEN3_4B, source="preset qwen3-4b", name="qwen3-4b"),
-    "glm-5": lambda: from_config(GLM5, source="preset glm-5", name="glm-5"),
-}
+def published_config(name: str) -> dict[str, Any]:
+    """The published `config.json` of the model `name` (a key of `PUBLISHED_MODELS`), as a fresh dict."""
+    if name not in PUBLISHED_MODELS:
+        raise ConfigError([f"no published config {name!r} (there are: {', '.join(PUBLISHED_MODELS)})"])
+    config: dict[str, Any] = json.loads((_PUBLISHED_DIR / f"{name}.json").read_text())
+    return config
+
+
+def _published(name: str) -> Callable[[], ModelShape]:
+    return lambda: from_config(published_config(name), source=f"preset {name}", name=name)
+
+
+PUBLISHED: dict[str, Callable[[], ModelShape]] = {name: _published(name) for name in PUBLISHED_MODELS}
+# The two the planner's tests read most, by their old names.
+QWEN3_4B = published_config("qwen3-4b")
+GLM5 = published_config("glm-5")
 PRESETS: tuple[str, ...] = (*GPTS, *PUBLISHED)
 
 

@@ -35,7 +35,7 @@ QWEN3_VL = {
     "tie_word_embeddings": True,
     "text_config": {
         "model_type": "qwen3_vl_text",
-        **{k: v for k, v in QWEN3_4B.items() if k not in ("architectures", "tie_word_embeddings")},
+        **{k: v for k, v in QWEN3_4B.items() if k not in ("architectures", "model_type", "tie_word_embeddings")},
     },
     "vision_config": {"model_type": "qwen3_vl", "depth": 24, "hidden_size": 1024},
 }

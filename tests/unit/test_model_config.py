@@ -33,7 +33,7 @@ def test_qwen3_vl_keeps_its_top_level_tie_and_its_q_k_norms_and_names_the_vision
 def test_qwen2_5_vl_biases_q_k_v_as_its_model_type_does() -> None:
     config = {
         "model_type": "qwen2_5_vl",
-        "text_config": {k: v for k, v in QWEN3_4B.items() if k != "architectures"},
+        "text_config": {k: v for k, v in QWEN3_4B.items() if k not in ("architectures", "model_type")},
     }
     arch = read_config(config, source="qwen2.5-vl")
     assert arch.text_model_type == "qwen2_5_vl_text"  # from the wrapper's type
@@ -43,7 +43,7 @@ def test_qwen2_5_vl_biases_q_k_v_as_its_model_type_does() -> None:
 
 
 def test_a_missing_tie_key_takes_the_model_types_default() -> None:
-    gemma = {"model_type": "gemma3_text", **{k: v for k, v in QWEN3_4B.items() if k not in ("tie_word_embeddings",)}}
+    gemma = {**{k: v for k, v in QWEN3_4B.items() if k not in ("tie_word_embeddings",)}, "model_type": "gemma3_text"}
     assert read_config(gemma, source="gemma").tie_embeddings  # Gemma3TextConfig ties by default
     assert read_config({**gemma, "tie_word_embeddings": False}, source="gemma").tie_embeddings is False
     llama = {**gemma, "model_type": "llama"}

@@ -59,7 +59,8 @@ def test_mla_moe_mtp_by_hand(tmp_path: Path) -> None:
 def test_tp_shards_linears_and_replicates_norms_routers_and_mla_down_projections(tmp_path: Path) -> None:
     m = from_hf_config(write(tmp_path, SMALL_MLA))
     whole = plan(m, Parallelism()).ranks[0]
-    split = plan(m, Parallelism(tp=2, dp=2, ep=2)).ranks[0]
+    split = plan(m, Parallelism(tp=2, dp=2, ep=2, etp=1)).ranks[0]
+    etp_is_tp = plan(m, Parallelism(tp=2, dp=2, ep=2)).ranks[0]  # Megatron's default ETP: TP
     h = 64
     replicated_per_attention = h + 16 * h + 16 + 12 * h + 8  # input norm, q down + norm, kv down + norm
     experts = 3 * 4 * 3 * h * 16  # 3 MoE layers (MTP's too) x 4 experts
@@ -67,13 +68,14 @@ def test_tp_shards_linears_and_replicates_norms_routers_and_mla_down_projections
     replicated = 4 * replicated_per_attention + norms_routers
     sharded = whole.params - replicated - experts
     assert split.params == replicated + sharded // 2 + experts // 2
+    assert etp_is_tp.params == replicated + sharded // 2 + experts // 4
 
 
 def test_glm5_is_744_b_without_its_mtp_layer_and_lands_the_backup_per_stage() -> None:
     m = load_model("glm-5")
     without_mtp = replace(m, mtp_num_layers=0)
     assert 742e9 < total_params(without_mtp) < 746e9
-    p = plan(m, Parallelism(tp=8, pp=4, ep=16, dp=2, pp_layers=(19, 20, 20, 19)), gpus_per_node=4)
+    p = plan(m, Parallelism(tp=8, pp=4, ep=16, etp=1, dp=2, pp_layers=(19, 20, 20, 19)), gpus_per_node=4)
     assert [r.layers for r in p.ranks] == [19, 20, 20, 19]
     # bf16 backup is 2 bytes a param held (padding aside); extras are expert_bias only
     for r in p.ranks:
@@ -174,5 +176,7 @@ def test_cli_prints_json_and_refuses_bad_input_with_exit_2(tmp_path: Path) -> No
     assert bad.returncode == 2 and "attention heads (32) do not divide by TP (3)" in bad.stderr
     missing = run("plan", str(tmp_path / "nope.json"))
     assert missing.returncode == 2 and "no such file" in missing.stderr
-    table = run("plan", "glm-5", "--tp", "8", "--pp", "4", "--ep", "16", "--dp", "2", "--pp-layers", "19,20,20,19")
+    table = run(
+        "plan", "glm-5", "--tp", "8", "--pp", "4", "--ep", "16", "--etp", "1", "--dp", "2", "--pp-layers", "19,20,20,19"
+    )
     assert table.returncode == 0 and "pinned backup" in table.stdout

@@ -13,7 +13,7 @@ from typer.testing import CliRunner, Result
 
 from orchestrator.cli.app import app
 from orchestrator.models import SUPPORT, ModelShape
-from orchestrator.plan.model import padded_vocab
+from orchestrator.plan.model import from_config, padded_vocab
 from orchestrator.plan.presets import GLM5, QWEN3_4B
 from tests.support.hf_configs import LLAMA4_TEXT, MIXTRAL, QWEN3_VL, SMALL_MLA
 
@@ -42,6 +42,22 @@ def test_mixtral_and_llama4_configs_are_planned(tmp_path: Path) -> None:
     assert llama4["model"]["total_params"] == llama4["model"]["hf_params"]  # vocab 256: no padding
 
 
+def test_expert_tp_defaults_to_tp_as_megatron_does_and_the_plan_says_so(tmp_path: Path) -> None:
+    """megatron-core's initialize_model_parallel: expert_tensor_parallel_size = TP when not given."""
+    config = write(tmp_path, MIXTRAL, "mixtral.json")
+    default = planned(config, "--tp", "2")
+    etp1 = planned(config, "--tp", "2", "--etp", "1")
+    assert default["parallelism"]["etp"] == 2 and default["parallelism"]["etp_is_tp"]
+    assert etp1["parallelism"]["etp"] == 1 and not etp1["parallelism"]["etp_is_tp"]
+    m = from_config(MIXTRAL, source="mixtral")
+    experts = len(m.moe_layers) * m.num_experts * 3 * m.hidden_size * m.moe_ffn_hidden_size
+    # ETP 2 holds half of every expert where ETP 1 holds them whole: the rank's params differ by half of them
+    assert etp1["stages"][0]["params"] - default["stages"][0]["params"] == experts // 2
+    table = colocate("plan", config, "--tp", "2")
+    assert "EP1 x ETP2 (= TP: Megatron's default)" in table.stdout.splitlines()[0]
+    assert "EP1 x ETP1 (expert DP" in colocate("plan", config, "--tp", "2", "--etp", "1").stdout
+
+
 def test_a_multimodal_config_keeps_its_top_level_keys_and_names_what_is_not_counted(tmp_path: Path) -> None:
     done = colocate("plan", write(tmp_path / "..", QWEN3_VL, "qwen3-vl.json"))
     assert done.exit_code == 0, done.output
@@ -54,10 +70,12 @@ def test_a_multimodal_config_keeps_its_top_level_keys_and_names_what_is_not_coun
 
 
 def test_the_headline_says_what_the_total_includes(tmp_path: Path) -> None:
-    glm = colocate("plan", "glm-5", "--tp", "8", "--pp", "4", "--ep", "16", "--dp", "2", "--pp-layers", "19,20,20,19")
+    glm = colocate(
+        "plan", "glm-5", "--tp", "8", "--pp", "4", "--ep", "16", "--etp", "1", "--dp", "2", "--pp-layers", "19,20,20,19"
+    )
     assert glm.exit_code == 0, glm.output
     assert glm.stdout.startswith(
-        "glm-5: 753.05 B params (incl. 1 MTP layer: 9.9 B; vocab padded 154,880 -> 155,648), 41.56 B active; "
+        "glm-5: 753.87 B params (incl. 1 MTP layer: 10.0 B; vocab padded 154,880 -> 155,648), 42.39 B active; "
         "TP8 x PP4 x DP2, EP16 x ETP1 (expert DP 1); 64 GPUs; mode rematerialize; layer spec te\n"
     )
     dense = colocate("plan", write(tmp_path, QWEN3_4B), "--tp", "2")
@@ -65,15 +83,16 @@ def test_the_headline_says_what_the_total_includes(tmp_path: Path) -> None:
         "Qwen3ForCausalLM: 4.02 B params (vocab padded 151,936 -> 152,064); TP2 x PP1 x DP1; 2 GPUs;"
     )
     assert "expert DP" not in dense.stdout and "active" not in dense.stdout
-    got = planned("glm-5", "--tp", "8", "--ep", "8")
+    got = planned("glm-5", "--tp", "8", "--ep", "8", "--etp", "1")
     m = got["model"]
     assert (m["vocab_size"], m["padded_vocab_size"]) == (154880, padded_vocab(154880, 8)) == (154880, 155648)
     assert m["total_params"] - m["mtp_params"] - (155648 - 154880) * 2 * 6144 == m["hf_params"]
-    assert round(m["hf_params"] / 1e9, 1) == 743.1 and round(m["total_params"] / 1e9, 1) == 753.0
+    # GLM-5's technical report: 744 B parameters (its checkpoint's, no MTP)
+    assert round(m["hf_params"] / 1e9, 1) == 743.9 and round(m["total_params"] / 1e9, 1) == 753.9
 
 
 def test_a_missing_tie_key_is_the_model_types_default(tmp_path: Path) -> None:
-    gemma = {"model_type": "gemma3_text", **{k: v for k, v in QWEN3_4B.items() if k != "tie_word_embeddings"}}
+    gemma = {**{k: v for k, v in QWEN3_4B.items() if k != "tie_word_embeddings"}, "model_type": "gemma3_text"}
     tied = planned(write(tmp_path, gemma))["model"]["hf_params"]
     untied = planned(write(tmp_path, {**gemma, "tie_word_embeddings": False}))["model"]["hf_params"]
     assert untied - tied == 151936 * 2560

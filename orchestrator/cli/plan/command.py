@@ -76,7 +76,10 @@ def plan_command(
     pp: Annotated[int, typer.Option(help="Pipeline parallel size.")] = 1,
     dp: Annotated[int, typer.Option(help="Data parallel size.")] = 1,
     ep: Annotated[int, typer.Option(help="Expert parallel size.")] = 1,
-    etp: Annotated[int, typer.Option(help="Expert tensor parallel size.")] = 1,
+    etp: Annotated[
+        int | None,
+        typer.Option(help="Expert tensor parallel size (default: --tp, as Megatron's initialize_model_parallel)."),
+    ] = None,
     pp_layers: Annotated[str | None, typer.Option(help="Decoder layers per stage, e.g. 19,20,20,19.")] = None,
     spec: Annotated[
         LayerSpec,
@@ -120,7 +123,8 @@ def plan_command(
             cuda_graph_gb=cuda_graph_gb,
             gpus_per_node=gpus_per_node,
         )
-        layout = Parallelism(tp=tp, pp=pp, dp=dp, ep=ep, etp=etp, pp_layers=_split(pp_layers, problems), spec=spec)
+        etp_given = {} if etp is None else {"etp": etp}  # not given: TP, as Megatron's
+        layout = Parallelism(tp=tp, pp=pp, dp=dp, ep=ep, **etp_given, pp_layers=_split(pp_layers, problems), spec=spec)
         the_plan = plan(
             _model(model, layout, problems),
             layout,

@@ -38,7 +38,8 @@ def headline(p: Plan) -> str:
     params = f"{total_params(m, par.tp) / 1e9:,.2f} B params" + (f" ({'; '.join(included)})" if included else "")
     if m.moe_layers:
         params += f", {active_params(m, par.tp) / 1e9:,.2f} B active"
-        layout = f"TP{par.tp} x PP{par.pp} x DP{par.dp}, EP{par.ep} x ETP{par.etp} (expert DP {par.expert_dp})"
+        etp = f"ETP{par.etp}" + (" (= TP: Megatron's default)" if par.etp_is_tp else "")
+        layout = f"TP{par.tp} x PP{par.pp} x DP{par.dp}, EP{par.ep} x {etp} (expert DP {par.expert_dp})"
     else:
         layout = f"TP{par.tp} x PP{par.pp} x DP{par.dp}"
     line = f"{m.name}: {params}; {layout}; {par.world} GPUs; mode {p.mode.value}; layer spec {par.spec.value}"
@@ -67,6 +68,7 @@ def to_json(p: Plan, *, gbps: float = PINNED_COPY_GBPS) -> dict[str, Any]:
             "dp": par.dp,
             "ep": par.ep,
             "etp": par.etp,
+            "etp_is_tp": par.etp_is_tp,  # not given: TP, Megatron's default
             "expert_dp": par.expert_dp if moe else None,
             "world": par.world,
             "pp_layers": [len(s) for s in par.stages(m)],

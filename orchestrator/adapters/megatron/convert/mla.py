@@ -91,6 +91,7 @@ def megatron_fields(config: Any) -> dict[str, Any]:
         v_head_dim=config.v_head_dim,
         rotary_base=float(config.rotary_base),
         rotary_percent=1.0 if yarn else float(config.rotary_percent),  # YaRN rotates every rope dim
+        rotary_interleaved=True,  # MLA rotates interleaved pairs (see RoPE above)
         rope_scaling="yarn" if yarn else "",
         rope_factor=float(config.rotary_scaling_factor) if yarn else 1.0,
         yarn_original_max_position_embeddings=config.original_max_position_embeddings if yarn else 0,

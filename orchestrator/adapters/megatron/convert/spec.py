@@ -18,7 +18,16 @@ from typing import Any
 from orchestrator.adapters.megatron.convert import dsa, glm, mla, mtp, routed
 from orchestrator.models import MEGATRON_LAYERNORM_EPS, Family, ModelShape, support_table
 
-__all__ = ["MEGATRON_LAYERNORM_EPS", "Family", "ModelSpec", "checked", "family_of", "refusals", "shape_from_megatron"]
+__all__ = [
+    "MEGATRON_LAYERNORM_EPS",
+    "Family",
+    "ModelSpec",
+    "checked",
+    "family_of",
+    "megatron_shape",
+    "refusals",
+    "shape_from_megatron",
+]
 
 
 def family_of(config: Any) -> Family:
@@ -117,6 +126,12 @@ def shape_from_megatron(config: Any, gpt: Any, family: Family | str | None = Non
     problems = _megatron_problems(config, gpt)
     if problems:
         raise ValueError(f"no HF {family.value} equivalent: " + "; ".join(problems))
+    return checked(megatron_shape(config, gpt, family))
+
+
+def megatron_shape(config: Any, gpt: Any, family: Family) -> ModelShape:
+    """What `config` and `gpt` read as, before the converter's refusals (`shape_from_megatron`
+    applies them): the shape a served config is compared with (served.py)."""
     experts = config.num_moe_experts or 0
     fields: dict[str, Any] = dict(
         family=family,
@@ -143,7 +158,7 @@ def shape_from_megatron(config: Any, gpt: Any, family: Family | str | None = Non
         qkv_bias=bool(getattr(config, "add_qkv_bias", False)),
     )
     extra = routed.megatron_fields(config) | dsa.megatron_fields(config) | mtp.megatron_fields(config)
-    return checked(ModelShape(**fields | attention | extra))
+    return ModelShape(**fields | attention | extra)
 
 
 class ModelSpec:
