@@ -51,6 +51,7 @@ from orchestrator.adapters.engines.decode import decode
 from orchestrator.adapters.engines.transformers import TransformersEngine
 from orchestrator.adapters.megatron.convert import hf_config
 from orchestrator.models import Family
+from orchestrator.plan.model import kv_bytes_per_token
 from states import EngineMemory
 from tests.support.family_shapes import SHAPES, shapes_cover_support
 
@@ -210,6 +211,8 @@ def test_the_slab_holds_what_the_family_caches_and_every_cached_tensor_is_a_view
     engine = _synced(_config(family, shared_indexer=shared))
     slab = engine._slab
     assert engine.footprint()[EngineMemory.KV_CACHE] == slab.storage.nbytes == _expected_slab_bytes(engine.config)
+    if not shared:  # and what the planner counts a token takes (in bf16; the slab here is fp32)
+        assert slab.storage.nbytes == 2 * kv_bytes_per_token(SHAPES[family]) * MAX_BATCH * MAX_LEN
     start, end = slab.storage.data_ptr(), slab.storage.data_ptr() + slab.storage.nbytes
     cache = slab.cache(2)
     with torch.no_grad():

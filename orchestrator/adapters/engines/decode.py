@@ -70,13 +70,18 @@ def cached_shapes(model: PreTrainedModel) -> tuple[dict[str, Cached], ...]:
     config = model.config.get_text_config(decoder=True)
     probes = [_Probe() for _ in range(config.num_hidden_layers)]
     device = model.lm_head.weight.device
-    with torch.no_grad():
-        model(
-            input_ids=torch.zeros(1, 1, dtype=torch.int64, device=device),
-            cache=Cache(layers=[*probes]),
-            use_cache=True,
-            logits_to_keep=1,
-        )
+    try:
+        with torch.no_grad():
+            model(
+                input_ids=torch.zeros(1, 1, dtype=torch.int64, device=device),
+                cache=Cache(layers=[*probes]),
+                use_cache=True,
+                logits_to_keep=1,
+            )
+    except RuntimeError as error:  # a config transformers' own forward cannot run
+        raise ValueError(
+            f"{type(model).__name__} cannot run one token (the KV slab's shapes are read from it): {error}"
+        ) from error
     silent = [i for i, probe in enumerate(probes) if "keys" not in probe.seen]
     if silent:
         raise ValueError(f"{type(model).__name__}: layer(s) {silent} cached nothing; the KV slab needs every layer's")
