@@ -67,9 +67,11 @@ class Tensor:
 def kv_bytes_per_token(m: ModelShape, gpus: int = 1) -> int:
     """bf16 KV cache bytes one token takes on one of `gpus` engine GPUs (tensor parallel), over
     every decoder layer: K and V of the KV heads that GPU holds (heads fewer than the GPUs are
-    replicated), or MLA's latent and rope key, which every GPU holds whole."""
+    replicated), or MLA's latent and rope key, which every GPU holds whole, with a DSA indexer's
+    keys where the model has one (transformers' `StaticIndexedLayer` and the transformers engine's
+    slab keep them beside the latent, one vector a token and layer)."""
     if m.mla:
-        return 2 * m.num_layers * (m.kv_lora_rank + m.qk_rope_head_dim)
+        return 2 * m.num_layers * (m.kv_lora_rank + m.qk_rope_head_dim + m.dsa_index_head_dim)
     heads = math.ceil(m.num_query_groups / max(gpus, 1))
     return 2 * 2 * m.num_layers * heads * m.kv_channels
 

@@ -39,7 +39,8 @@ def _configs() -> dict[str, object]:
         "qwen3_moe": transformers.Qwen3MoeConfig(**SMALL, **moe, num_experts=4, mlp_only_layers=[0]),
         "mixtral": transformers.MixtralConfig(**SMALL, num_local_experts=4, num_experts_per_tok=2),
         "deepseek_v3": transformers.DeepseekV3Config(
-            **{k: v for k, v in SMALL.items() if k != "head_dim"},
+            # MLA expands its latent to every head: KV heads fewer than the heads would not run a token
+            **{k: v for k, v in SMALL.items() if k not in ("head_dim", "num_key_value_heads")},
             **moe,
             n_routed_experts=4,
             n_shared_experts=1,

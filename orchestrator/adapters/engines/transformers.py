@@ -9,9 +9,12 @@ Implements `orchestrator.protocols.RolloutEngine` the way SGLang behaves, on CPU
   one allocation each way, not one a param. Weights arrive under their checkpoint names, each
   written where `from_pretrained` would put it (`checkpoint.checkpoint_views`: an MoE's experts
   into rows of its fused expert params).
-- `kv_cache`: one preallocated tensor for every layer's keys and values, sized
-  (max_batch, max_len). Each `generate` runs on the first rows of it, through a transformers
-  `Cache` whose layers are views of it (decode.py). Released and resumed like the weights.
+- `kv_cache`: one preallocated storage for every layer's cache, sized (max_batch, max_len), of
+  the shapes the family's own attention caches (decode.py reads them from one probe token: keys
+  and values per KV head; MLA's compressed latent and rotated key; a DSA indexer's keys). Each
+  `generate` runs on the first rows of it, through a transformers `Cache` whose layers are views
+  of it. Released and resumed like the weights. Rollouts decode one token a step through the
+  main model: MTP (NextN) layers, which transformers' classes do not load, are not used.
 - `cuda_graph`: accepted and recorded; this engine captures no graphs, so nothing is freed.
 
 `released()` reports the tags whose storage is freed now. Releasing a released tag or resuming a
@@ -145,7 +148,8 @@ class TransformersEngine(EngineDefaults):
         self._slots = CheckpointSlots(self.model, live)
         self._params = self._slots.views  # checkpoint name → where it loads
         self._weights_bytes = nbytes(self._weights)
-        self._kv = kv_slab(self.config, self.model, max_batch, self.max_len)
+        self._slab = kv_slab(self.model, max_batch, self.max_len)
+        self._kv = self._slab.storage  # every layer's cache is a view of it
         self._kv_bytes = nbytes(self._kv)
         self._released: set[EngineMemory] = set()
         self._storage = {EngineMemory.WEIGHTS: self._weights, EngineMemory.KV_CACHE: self._kv}  # cuda_graph: none
@@ -276,7 +280,7 @@ class TransformersEngine(EngineDefaults):
         try:
             return decode(
                 self.model,
-                self._kv,
+                self._slab,
                 prompts,
                 max_new_tokens=max_new_tokens,
                 temperature=temperature,
@@ -287,12 +291,13 @@ class TransformersEngine(EngineDefaults):
             self._in_flight -= 1
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Teacher-forced logits [B, S, vocab] float32 of `tokens` [B, S], without the KV slab."""
+        """Teacher-forced logits [B, S, vocab] float32 of `tokens` [B, S], without the KV slab
+        (and without a cache of the call's own: nothing is decoded after it)."""
         self._require_servable("logits", needs_kv=False)
         self._in_flight += 1
         try:
             with torch.no_grad():
-                return self.model(input_ids=tokens.to(self.device)).logits.float()
+                return self.model(input_ids=tokens.to(self.device), use_cache=False).logits.float()
         finally:
             self._in_flight -= 1
 
