@@ -175,9 +175,9 @@ class Lifecycle(CycleEvents):
             self.state.begin()  # what the adapters report is asked afresh for every event
             return self._fire(event, work)
         finally:
-            late = self._latch.end()
-            if late is not None:  # arrived once the action was done: it lands after the transition
-                self._land(late, refuse=False)
+            # A fault that arrived once the action was done lands after the transition, before
+            # the event stops being in flight: no other thread acts between the two.
+            self._latch.end(self._land)
 
     def _fire(self, event: Event, work: Work | None) -> Any:
         src = self.phase
@@ -237,7 +237,7 @@ class Lifecycle(CycleEvents):
         if not cause:
             raise FaultWithoutCause()
         error = cause if isinstance(cause, BaseException) else RuntimeError(cause)
-        self._latch.offer(error, lambda: self._land(error))
+        self._latch.offer(error, self._land)
 
     def _land(self, error: BaseException, *, refuse: bool = True) -> None:
         """Write FAULTED with `error` as its cause: the phase's one writer calls this. Already

@@ -51,6 +51,9 @@ class RunReport:
     resume_seconds: float | None = None  # the last resume's: verify the checkpoint and load every rank
     # Runs that save or resume: of the engine-side (HF) weights, once every step is done
     weights_sha256: str | None = None
+    # Spans the driver's OTLP exporter could not deliver (docs/tracing.md); the rank and engine
+    # processes export on their own and are not counted here
+    spans_dropped: int = 0
 
     @classmethod
     def from_dict(cls, saved: dict[str, Any]) -> RunReport:

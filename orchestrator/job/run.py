@@ -10,6 +10,7 @@ from pathlib import Path
 
 from opentelemetry import trace
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -19,6 +20,7 @@ from orchestrator.job.config import RunConfig
 from orchestrator.job.interrupt import CTRL_C
 from orchestrator.job.job import ColocatedJob
 from orchestrator.job.report import RunReport
+from orchestrator.telemetry.delivery import Delivery
 from orchestrator.telemetry.listeners import Listener
 from orchestrator.telemetry.logs import LoggingListener, configure_logging
 from orchestrator.telemetry.sparkline import sparkline
@@ -169,14 +171,15 @@ class Traces:
 
 
 @contextlib.contextmanager
-def _telemetry(traces: Traces, log_path: Path | None) -> Iterator[list[Listener]]:
+def _telemetry(traces: Traces, log_path: Path | None, delivery: Delivery) -> Iterator[list[Listener]]:
     """The run's listeners: spans (to `traces.parts`, one file per process, and any OTEL_*
-    exporter) and the JSON log. On the way out, however the run ends, every span is flushed, the
-    per-process files are merged into `traces.file` and the log is closed."""
+    exporter, counted in `delivery`) and the JSON log. On the way out, however the run ends, every
+    span is flushed, the per-process files are merged into `traces.file` and the log is closed."""
     with contextlib.ExitStack() as stack:
         listeners: list[Listener] = []
         parts = traces.parts
-        provider = configure_tracing(rank=0, trace_file=parts / "driver.otlp.jsonl" if parts else None)
+        trace_file = parts / "driver.otlp.jsonl" if parts else None
+        provider = configure_tracing(rank=0, trace_file=trace_file, delivery=delivery)
         if provider is not None:
             if traces.file is not None and parts is not None:
                 stack.callback(merge_traces, parts, traces.file)  # after the flush: callbacks run last first
@@ -207,11 +210,16 @@ def run(
     raised on."""
     traces = Traces.under(trace_dir, config)
     start = time.perf_counter()
+    delivery = Delivery(warn=lambda line: err.print(f"[bold yellow]warning:[/] {escape(line)}"))
     with contextlib.ExitStack() as stack:  # the telemetry, the progress bar, the job: ended last first
-        report, ending = _start_and_drive(stack, config, resumed, traces, log_path, console, err)
+        report, ending = _start_and_drive(stack, config, resumed, traces, log_path, console, err, delivery)
         # The report before the clean-up, whose Ray processes are the slow part to end.
+        report.spans_dropped += delivery.take()
         lost = _settle(report, ending, traces, report_path, config.steps, err)
         unwound = _unwind(stack)
+    if (late := delivery.take()) and report_path is not None and lost is None:  # dropped in the last flush
+        report.spans_dropped += late
+        lost = _write_report(report, report_path)
     if report.steps:
         console.print(summary(report, time.perf_counter() - start))
     if lost is not None:  # after the summary, so it is the last thing said
@@ -230,12 +238,13 @@ def _start_and_drive(
     log_path: Path | None,
     console: Console,
     err: Console,
+    delivery: Delivery,
 ) -> tuple[RunReport, Ending]:
     """Open the telemetry, the progress bar and the job on `stack` (which ends them), and drive
     the job: its report, and how the run ended. A failure before the job exists (telemetry that
     cannot start, say) ends the run with an empty report, raised on once the run is wrapped up."""
     try:
-        listeners = stack.enter_context(_telemetry(traces, log_path))
+        listeners = stack.enter_context(_telemetry(traces, log_path, delivery))
         progress = stack.enter_context(_progress(console))
         job = ColocatedJob(config, listeners, trace_dir=traces.parts, stop=CTRL_C.requested, resumed=resumed)
     except BaseException as exc:

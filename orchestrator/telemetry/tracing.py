@@ -2,6 +2,8 @@
 
 `configure_tracing` builds an SDK tracer provider from the standard `OTEL_*` variables and
 returns None when nothing asks for export, so an unconfigured run pays for no-op spans only.
+
+An OTLP exporter counts what it could not deliver, and says so once (`telemetry.delivery`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote
+from urllib.parse import unquote, urlsplit
 
 from opentelemetry import context, propagate, trace
 from opentelemetry.sdk.resources import Resource
@@ -23,10 +25,12 @@ from opentelemetry.trace import Span, Status, StatusCode
 
 from orchestrator.errors import GuardRejected, IllegalTransition, LifecycleError
 from orchestrator.telemetry import semconv
+from orchestrator.telemetry.delivery import Counted, Delivery, quiet_sdk_export_logs
 from orchestrator.telemetry.listeners import AttributeValue, Listener, TransitionRecord
 
 EXPORTERS = ("otlp", "console", "none")
 OTLP_PROTOCOLS = ("http/protobuf", "grpc")
+ENDPOINTS = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
 
 
 def _otlp_protocol(env: Mapping[str, str]) -> str:
@@ -46,7 +50,24 @@ def exporter_problems(env: Mapping[str, str] | None = None) -> list[str]:
     if "otlp" in requested and (protocol := _otlp_protocol(env)) not in OTLP_PROTOCOLS:
         key = next(k for k in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL") if env.get(k))
         problems.append(f"{key}={protocol!r}: colocate speaks OTLP over {' and '.join(OTLP_PROTOCOLS)}")
+    if "otlp" in requested:
+        problems += [f"{key}={env[key]!r}: {bad}" for key in ENDPOINTS if (bad := _endpoint_problem(env.get(key)))]
     return problems
+
+
+def _endpoint_problem(endpoint: str | None) -> str | None:
+    """Why an OTLP endpoint is not one (None: it is, or none is given). OpenTelemetry's spec asks
+    for a URL with a scheme; without one the HTTP exporter finds no way to send (`localhost:4318`)."""
+    if endpoint is None:
+        return None
+    parts = urlsplit(endpoint.strip())
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        return f"not a URL with http:// or https:// and a host (say http://{endpoint.split('://')[-1] or 'localhost:4318'})"
+    try:
+        parts.port  # noqa: B018 (raises on a port that is not a number)
+    except ValueError as exc:
+        return f"{exc}"
+    return None
 
 
 def _otlp_exporter(env: Mapping[str, str]) -> SpanExporter:
@@ -185,6 +206,7 @@ def configure_tracing(
     env: Mapping[str, str] | None = None,
     trace_file: Path | None = None,
     role: str = semconv.ROLE_DRIVER,
+    delivery: Delivery | None = None,
 ) -> TracerProvider | None:
     """A tracer provider exporting where `OTEL_*` says, or None if tracing is not asked for.
 
@@ -193,14 +215,19 @@ def configure_tracing(
     name is OpenTelemetry's order: OTEL_SERVICE_NAME, then `service.name` in
     OTEL_RESOURCE_ATTRIBUTES, then `service_name`; `colocate.role` and `colocate.rank` are
     colocate's to set. `trace_file` adds an OTLP-JSON file exporter. What `exporter_problems`
-    names raises ValueError.
+    names raises ValueError. The OTLP exporter counts into `delivery` (a new one, warning through
+    this module's logger, if None): see the module's docstring.
     """
     env = os.environ if env is None else env
     if problems := exporter_problems(env):
         raise ValueError("; ".join(problems))
-    exporters: list[SpanExporter] = [
-        _otlp_exporter(env) if name == "otlp" else ConsoleSpanExporter() for name in exporters_requested(env)
-    ]
+    exporters: list[SpanExporter] = []
+    for name in exporters_requested(env):
+        if name == "otlp":
+            quiet_sdk_export_logs()
+            exporters.append(Counted(_otlp_exporter(env), delivery or Delivery()))
+        else:
+            exporters.append(ConsoleSpanExporter())
     if trace_file is not None:
         exporters.append(OtlpJsonFileExporter(trace_file))
     if not exporters:

@@ -73,6 +73,11 @@ EXPORTER_CASES = {
         {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:4318", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"},
         "OTEL_EXPORTER_OTLP_PROTOCOL='http/json': colocate speaks OTLP over http/protobuf and grpc",
     ),
+    "endpoint without a scheme": (
+        {"OTEL_EXPORTER_OTLP_ENDPOINT": "localhost:4318"},
+        "OTEL_EXPORTER_OTLP_ENDPOINT='localhost:4318': not a URL with http:// or https:// and a host "
+        "(say http://localhost:4318)",
+    ),
 }
 
 

@@ -12,6 +12,11 @@ At any one call a fault can be injected (`Calls.how`):
   half the weights pushed, an optimizer step that moved the mains and wrote no params, a rebuild
   that wrote one param;
 - `fault`: another party calls `Lifecycle.fault` at that moment, and the call goes on.
+
+Two more come through a listener rather than a call (`Calls.late`, `Calls.landing`): `late`, a
+fault just after an event's transition (it lands before `fire` returns), and `landing`, a fault
+during the landing of another (in that landing's `on_begin`). Both are same-thread re-entries of
+`Lifecycle.fault`; tests/unit/test_late_fault_race.py races them from other threads.
 """
 
 from __future__ import annotations
@@ -22,10 +27,10 @@ from typing import Any
 
 import torch
 
-from orchestrator import Lifecycle, LifecycleConfig
+from orchestrator import Lifecycle, LifecycleConfig, LifecycleError, Listener, TransitionRecord
 from orchestrator.protocols import TransferReport
 from orchestrator.testing import InMemoryEngine, InMemoryRegions, InMemoryTrainer, InMemoryTransport
-from states import EngineMemory, Mode, Region
+from states import EngineMemory, Event, Mode, Region
 
 
 class Injected(RuntimeError):
@@ -56,6 +61,20 @@ class Calls:
     fault: Callable[[BaseException], None] | None = None  # the lifecycle's, for `fault` injections
     hazards: list[str] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
+    late: bool = False  # fault once, just after the next transition
+    landing: bool = False  # fault once, during the next landing of a fault
+    landed: bool = False  # a `landing` fault was raised
+
+    def elsewhere(self, cause: BaseException) -> None:
+        """`Lifecycle.fault` from a listener: a refusal is its answer, anything else a hazard (the
+        listeners' fan-out would otherwise swallow it)."""
+        assert self.fault is not None
+        try:
+            self.fault(cause)
+        except LifecycleError:
+            pass
+        except Exception as exc:
+            self.hazards.append(f"fault({cause}) raised {type(exc).__name__}: {exc}")
 
     def enter(self, name: str) -> str | None:
         """Count a call. Raises for `before`; calls `fault` for `fault`; returns `after` or
@@ -75,6 +94,23 @@ class Calls:
     def leave(self, late: str | None, name: str) -> None:
         if late is not None:
             raise Injected(f"injected {late} call {self.count - 1}: {name}")
+
+
+class FaultsMeanwhile(Listener):
+    """The `late` and `landing` injections (`Calls`)."""
+
+    def __init__(self, calls: Calls) -> None:
+        self.calls = calls
+
+    def on_transition(self, record: TransitionRecord) -> None:
+        if self.calls.late and record.event is not Event.FAULT:
+            self.calls.late = False
+            self.calls.elsewhere(Injected(f"a fault from elsewhere just after {record.event.value}"))
+
+    def on_begin(self, record: TransitionRecord) -> None:
+        if self.calls.landing and record.event is Event.FAULT:
+            self.calls.landing, self.calls.landed = False, True
+            self.calls.elsewhere(Injected(f"a fault from elsewhere while {record.cause} landed"))
 
 
 def expected_params(trainer: InMemoryTrainer) -> dict[str, torch.Tensor]:
@@ -296,6 +332,13 @@ def build(mode: Mode, verify_cycles: int) -> World:
     engine = WatchedEngine(calls, regions)
     transport = WatchedTransport(trainer, engine, calls)
     config = LifecycleConfig(mode=mode, verify_cycles=verify_cycles, recover_idle_timeout_s=0.0)
-    lifecycle = Lifecycle(config=config, trainer=trainer, regions=regions, engine=engine, transport=transport)
+    lifecycle = Lifecycle(
+        config=config,
+        trainer=trainer,
+        regions=regions,
+        engine=engine,
+        transport=transport,
+        listeners=[FaultsMeanwhile(calls)],
+    )
     calls.fault = lifecycle.fault
     return World(lifecycle, trainer, engine, regions, calls)

@@ -4,7 +4,9 @@ Moves: every event (train and rollout with their work, fault with a cause), the 
 busy or idle, the next rebuild flipping a bit (where a verified cycle's digests wait to check it:
 the fault verification exists to catch), and every event again with a fault injected at each
 adapter call it makes, in turn, each way `tests/support/world.py` injects one: before the call
-takes effect, after it, partway through it, and a `fault()` from elsewhere while it runs. Roots:
+takes effect, after it, partway through it, and a `fault()` from elsewhere while it runs; every
+event again with a fault just after its transition, and another during that fault's landing; and
+a fault from elsewhere with another during its landing (the `late` and `landing` of world.py). Roots:
 both modes; the first cycle verified. Every move's outcome is checked against the invariants of
 tests/support/invariants.py; a state already seen (by what the controller knows and what the
 fakes hold) is not expanded again. From every FAULTED state, once the world behaves (engine idle,
@@ -32,7 +34,7 @@ EVENTS = [e.value for e in Event if e is not Event.FAULT]
 WORLD = ["fault", "busy", "idle", "corrupt"]
 
 Move = tuple[str, int | None, str]  # (event or world move, the call to inject at, how)
-PLAIN: list[Move] = [(name, None, "") for name in EVENTS + WORLD]
+PLAIN: list[Move] = [(name, None, "") for name in EVENTS + WORLD] + [("fault", None, "landing")]
 
 
 def apply(world: World, move: Move) -> str:
@@ -40,6 +42,7 @@ def apply(world: World, move: Move) -> str:
     name, fail_at, how = move
     lc, calls = world.lifecycle, world.calls
     calls.count, calls.fail_at, calls.how, calls.names = 0, fail_at, how, []
+    calls.late, calls.landing, calls.landed = how == "late", how in ("late", "landing"), False
     try:
         if name == "busy":
             world.engine.busy = True
@@ -58,7 +61,7 @@ def apply(world: World, move: Move) -> str:
     except ActionFailed:
         return "faulted"
     finally:
-        calls.fail_at = None
+        calls.fail_at, calls.late, calls.landing = None, False, False
 
 
 def key(world: World) -> tuple[Any, ...]:
@@ -110,12 +113,16 @@ def variants(world: World, state: Saved, plain: Move) -> Iterator[tuple[Move, st
     world holds the move's outcome while the caller looks at it."""
     world.load(state)
     yield plain, apply(world, plain)
-    calls = list(world.calls.names) if plain[0] in EVENTS else []
-    for index, name in enumerate(calls):
+    if plain[0] not in EVENTS:
+        return
+    for index, name in enumerate(list(world.calls.names)):
         for how in injections(name):
             world.load(state)
             move = (plain[0], index, how)
             yield move, apply(world, move)
+    world.load(state)
+    late: Move = (plain[0], None, "late")
+    yield late, apply(world, late)
 
 
 def explore(mode: Mode) -> dict[str, Any]:
@@ -143,6 +150,12 @@ def explore(mode: Mode) -> dict[str, Any]:
                             broken.append(f"a fault during a refused {move[0]} did not land")
                     elif outcome == "refused" and key(after) != here:
                         broken.append(f"a refused {move[0]} changed the state")
+                    if after.calls.landed:  # a fault during a landing: the cause kept notes it
+                        cause = after.lifecycle.fault_cause
+                        if after.lifecycle.phase is not Phase.FAULTED or cause is None:
+                            broken.append("a landing with a fault during it did not end FAULTED")
+                        elif not any("landed" in note for note in getattr(cause, "__notes__", [])):
+                            broken.append(f"the fault during a landing was lost: {cause!r}")
                     assert not broken, f"after {trail} ({outcome}): {broken}"
                     child = key(after)
                     children.append(child)
@@ -183,4 +196,4 @@ def test_every_sequence_to_depth_10_keeps_the_invariants(mode: Mode, capsys: pyt
             f"{counts['recovered']:,} FAULTED states recovered, {seconds:.1f} s ({cpu:.1f} s CPU)"
         )
     assert counts["states"] > 50, "the check explored the space, not one corner of it"
-    assert all(moves[how] for how in ("before", "after", "partial", "fault")), moves
+    assert all(moves[how] for how in ("before", "after", "partial", "fault", "late", "landing")), moves

@@ -6,10 +6,22 @@ from orchestrator.adapters.checkpoints.store import (
     TRAINER,
     CheckpointRefused,
     begin,
+    check_manifest,
     complete,
     latest,
     seal,
     verify,
 )
 
-__all__ = ["MANIFEST", "RUN_FILE", "TRAINER", "CheckpointRefused", "begin", "complete", "latest", "seal", "verify"]
+__all__ = [
+    "MANIFEST",
+    "RUN_FILE",
+    "TRAINER",
+    "CheckpointRefused",
+    "begin",
+    "check_manifest",
+    "complete",
+    "latest",
+    "seal",
+    "verify",
+]
