@@ -9,7 +9,7 @@ converted weights choose the same keys but for near-ties by the arithmetic, and 
 would not.
 
 Neither Transformer Engine nor `fast_hadamard_transform` is installed there either: the indexer's
-replicated linears and its Hadamard rotation are the seams of `tests/support/megatron_dsa.py`.
+replicated linears and its Hadamard rotation are the seams of `orchestrator/adapters/megatron/specs.py`.
 Where `fast_hadamard_transform` is installed, the last test checks that seam against it, to the
 rounding two fp32 butterfly orders and one bf16 rounding each allow (`hadamard_bound`; run once on
 an H200, the kernel compiled from its source for sm_90: bit-identical in bf16, and the indexer

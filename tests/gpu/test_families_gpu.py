@@ -11,7 +11,7 @@ lifecycle verifies bit-identical; the engine's logits are judged with the CPU te
 
 Stand-ins only where the GPU machine lacks the package too: `grouped_gemm` is not installed there
 (GroupedMLP's `gmm` op: tests/support/grouped_gemm.py), nor `fast_hadamard_transform` or
-Transformer Engine (GLM-5's DSA: tests/support/megatron_dsa.py's seams).
+Transformer Engine (GLM-5's DSA: the seams of orchestrator/adapters/megatron/specs.py).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
     out = tmp_path_factory.mktemp("families-gpu")
     start = time.perf_counter()
-    cases = [case for case in CASES if case not in NOT_ON_0_19]
+    cases = list(CASES)
     reports = spawn_ranks(rank_main, 1, out, args=("one", cases, "cuda"), timeout=600)
     print(f"\none GPU, {len(cases)} cases: {time.perf_counter() - start:.1f} s")
     return {"name": "one", "reports": reports, "ranks": [torch.load(Path(out) / "rank0.pt", weights_only=False)]}
@@ -50,21 +50,15 @@ def _cases() -> list[str]:
     return list(CASES)
 
 
-# megatron-core 0.19's `get_gpt_decoder_block_spec` refuses an experimental attention variant (its
-# DSA layers are built by another spec function, with `AbsorbedMLASelfAttention`), so the tiny
-# GLM-5 of the CPU test (0.16.1) is not built here; tests/gpu/test_dsa_indexer_gpu.py checks
-# 0.19's own indexer against transformers' instead.
+# GLM-5's DSA layers are built as the installed megatron-core builds them
+# (`orchestrator.adapters.megatron.specs`): on 0.19 through its experimental-attention-variant spec
+# (`AbsorbedMLASelfAttention` around `DSAttention`), on 0.16 inside the MLA spec.
 # On the GPU both sides run other kernels than on the CPU (cuBLAS's bf16 GEMMs, the engine's fused
 # sdpa against Megatron's unfused attention), but the same bf16: the tolerance is the CPU test's,
 # derived from its rounding (tests/support/rounding.py), not from what one device printed. The
 # mistakes are the CPU test's to inject.
-NOT_ON_0_19 = {"glm_moe_dsa": "megatron-core 0.19's GPT block spec builds no DSA layer (see above)"}
-
-
 @pytest.mark.parametrize("case", _cases())
 def test_each_case_on_cuda(run: dict[str, Any], case: str) -> None:
-    if case in NOT_ON_0_19:
-        pytest.skip(NOT_ON_0_19[case])
     from tests.support.family_checks import check_restores, check_sync_memory, engine_against_megatron, mistaken
     from tests.support.mapping_mistakes import as_is
 
