@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from orchestrator.adapters.megatron.convert.mtp import inner_layer
 from orchestrator.adapters.megatron.specs import (
     dsa_attention_spec,
     dsa_block_spec,
@@ -97,7 +98,7 @@ def recorded_selections(gpt: Any) -> Iterator[dict[int, dict[str, torch.Tensor]]
     (`scored`), by global layer (the decoder's, then each MTP layer as `N + j`)."""
     layers = list(gpt.decoder.layers)
     if getattr(gpt, "mtp_process", False):
-        layers += [mtp.transformer_layer for mtp in gpt.mtp.layers]
+        layers += [inner_layer(mtp) for mtp in gpt.mtp.layers]
     with contextlib.ExitStack() as stack:
         records = {
             layer.layer_number - 1: stack.enter_context(scored(layer.self_attention.core_attention.indexer))

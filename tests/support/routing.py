@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from orchestrator.adapters.megatron.convert.mtp import inner_layer
+
 __all__ = ["hf_routing", "hf_selections", "megatron_routing"]
 
 Routing = dict[int, dict[str, torch.Tensor]]
@@ -61,7 +63,7 @@ def megatron_routing(model_chunks: list[Any]) -> Iterator[Routing]:
         gpt = unwrap_gpt(chunk)
         layers += list(gpt.decoder.layers)
         if getattr(gpt, "mtp_process", False):
-            layers += [mtp.transformer_layer for mtp in gpt.mtp.layers]
+            layers += [inner_layer(mtp) for mtp in gpt.mtp.layers]
     handles = [
         layer.mlp.router.register_forward_hook(keep(layer.layer_number - 1))
         for layer in layers

@@ -120,11 +120,9 @@ def _one_storage(params: Iterable[torch.Tensor], device: torch.device) -> torch.
 class TransformersEngine(EngineDefaults):
     """Implements `orchestrator.protocols.RolloutEngine` on an HF causal LM, with no hub download.
 
-    `model` is the trainer's GPT shape (a `ModelShape`, as `gpt_shape(model)` reads it from a Megatron model,
-    or a `TinyGPTConfig`: converted by `hf_config`, whose family picks the transformers class) or a ready
-    transformers config. A plain constructor, so that a Ray actor can be made of it. The weights it starts
-    with are throwaway: it serves nothing until the first complete `update_weights`. `max_len` bounds
-    prompt + completion (default: the config's `max_position_embeddings`)."""
+    `model` is the trainer's GPT shape (a `ModelShape` or `TinyGPTConfig`, converted by `hf_config`) or a
+    transformers config. A plain constructor, for Ray. Its first weights are throwaway: it serves nothing
+    until a complete `update_weights`. `max_len` bounds prompt + completion (default: the config's)."""
 
     features = EngineFeatures(footprint=True, reports_weights=True)
 

@@ -9,7 +9,7 @@ MTP layer `j` of a model of `N` decoder layers becomes HF layer `N + j`:
 | `enorm` (RMSNorm of the next token's embedding) | `enorm` |
 | `hnorm` (RMSNorm of the previous depth's hidden state) | `hnorm` |
 | `eh_proj` (columns `[embedding; hidden]`, as SGLang concatenates them) | `eh_proj` |
-| `transformer_layer.<rest>` | `<rest>`, as a decoder layer of the family |
+| `transformer_layer.<rest>` (0.19: `mtp_model_layer.<rest>`) | `<rest>`, as a decoder layer of the family |
 | `final_layernorm` | `shared_head.norm` |
 
 The checkpoint's `embed_tokens` and `shared_head.head` of that layer are the main model's
@@ -35,6 +35,7 @@ __all__ = [
     "RULES",
     "global_name",
     "hf_config_keys",
+    "inner_layer",
     "is_mtp",
     "left_out",
     "megatron_fields",
@@ -60,16 +61,31 @@ def is_mtp(name: str) -> bool:
     return name.startswith("mtp.")
 
 
+# The MTP layer's decoder layer: `transformer_layer` in megatron-core 0.16, `mtp_model_layer` in 0.19.
+_INNER = ("transformer_layer", "mtp_model_layer")
+
+
+def inner_layer(mtp_layer: Any) -> Any:
+    """The decoder layer inside a `MultiTokenPredictionLayer`, under either version's name."""
+    for name in _INNER:
+        inner = getattr(mtp_layer, name, None)
+        if inner is not None:
+            return inner
+    raise AttributeError(f"{type(mtp_layer).__name__} has none of {', '.join(_INNER)}")
+
+
 def global_name(name: str, gpt: Any) -> str:
-    """`mtp.layers.<j>.<rest>` as the decoder layer it is in the checkpoint: `transformer_layer.`
-    dropped, its own modules kept, under `decoder.layers.<N + j>.` (`j` from the layer's own
+    """`mtp.layers.<j>.<rest>` as the decoder layer it is in the checkpoint: its decoder layer's
+    prefix (`_INNER`) dropped, its own modules kept, under `decoder.layers.<N + j>.` (`j` from the layer's own
     `layer_number`, which counts the MTP layers of earlier stages)."""
     match = _MTP_LAYER.match(name)
     if match is None:
         return name
     layer = gpt.mtp.layers[int(match[1])]
     index = gpt.config.num_layers + layer.layer_number - 1
-    rest = name[match.end() :].removeprefix("transformer_layer.")
+    rest = name[match.end() :]
+    for inner in _INNER:
+        rest = rest.removeprefix(f"{inner}.")
     return f"decoder.layers.{index}.{rest}"
 
 
