@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from orchestrator.adapters.megatron.convert.mtp import inner_layer
+from orchestrator.adapters.megatron.convert.mtp import numbered_layers
 from orchestrator.adapters.megatron.specs import (
     dsa_attention_spec,
     dsa_block_spec,
@@ -96,13 +96,10 @@ def scored(indexer: Any) -> Iterator[dict[str, torch.Tensor]]:
 def recorded_selections(gpt: Any) -> Iterator[dict[int, dict[str, torch.Tensor]]]:
     """While on, what each DSA layer of `gpt` (a `GPTModel`, this stage's) computed in a forward
     (`scored`), by global layer (the decoder's, then each MTP layer as `N + j`)."""
-    layers = list(gpt.decoder.layers)
-    if getattr(gpt, "mtp_process", False):
-        layers += [inner_layer(mtp) for mtp in gpt.mtp.layers]
     with contextlib.ExitStack() as stack:
         records = {
-            layer.layer_number - 1: stack.enter_context(scored(layer.self_attention.core_attention.indexer))
-            for layer in layers
+            index: stack.enter_context(scored(layer.self_attention.core_attention.indexer))
+            for index, layer in numbered_layers(gpt)
             if getattr(layer.self_attention.core_attention, "indexer", None) is not None
         }
         yield records

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from orchestrator.adapters.megatron.convert.mtp import inner_layer
+from orchestrator.adapters.megatron.convert.mtp import numbered_layers
 
 __all__ = ["hf_routing", "hf_selections", "megatron_routing"]
 
@@ -58,16 +58,10 @@ def megatron_routing(model_chunks: list[Any]) -> Iterator[Routing]:
 
         return hook
 
-    layers = []  # by global layer: the decoder's, then each MTP layer's as `N + j`
-    for chunk in model_chunks:
-        gpt = unwrap_gpt(chunk)
-        layers += list(gpt.decoder.layers)
-        if getattr(gpt, "mtp_process", False):
-            layers += [inner_layer(mtp) for mtp in gpt.mtp.layers]
+    # by global layer: the decoder's, then each MTP layer's as `N + j`
+    layers = [pair for chunk in model_chunks for pair in numbered_layers(unwrap_gpt(chunk))]
     handles = [
-        layer.mlp.router.register_forward_hook(keep(layer.layer_number - 1))
-        for layer in layers
-        if hasattr(layer.mlp, "router")
+        layer.mlp.router.register_forward_hook(keep(index)) for index, layer in layers if hasattr(layer.mlp, "router")
     ]
     try:
         yield chosen

@@ -40,6 +40,7 @@ __all__ = [
     "left_out",
     "megatron_fields",
     "mtp_names",
+    "numbered_layers",
     "shapes",
     "spec_problems",
 ]
@@ -72,6 +73,16 @@ def inner_layer(mtp_layer: Any) -> Any:
         if inner is not None:
             return inner
     raise AttributeError(f"{type(mtp_layer).__name__} has none of {', '.join(_INNER)}")
+
+
+def numbered_layers(gpt: Any) -> list[tuple[int, Any]]:
+    """This stage's decoder layers by global index, then its MTP layers' decoder layers as
+    `N + j` (an MTP layer's own `layer_number` counts the MTP layers; the decoder layer inside it
+    is numbered 1 in 0.19, as the last decoder layer in 0.16)."""
+    out = [(layer.layer_number - 1, layer) for layer in gpt.decoder.layers]
+    if getattr(gpt, "mtp_process", False):
+        out += [(gpt.config.num_layers + mtp.layer_number - 1, inner_layer(mtp)) for mtp in gpt.mtp.layers]
+    return out
 
 
 def global_name(name: str, gpt: Any) -> str:
