@@ -26,7 +26,6 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 # megatron.core before anything that imports torch_memory_saver (orchestrator/adapters/regions/tms.py says why).
 from megatron.core import parallel_state, tensor_parallel
@@ -44,7 +43,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 
 from orchestrator.adapters.megatron.cpu import enable_cpu_path
 from orchestrator.adapters.megatron.gpt import GPTConfig, TinyGPTConfig
-from orchestrator.adapters.megatron.megatron_config import UNFUSED, megatron_config
+from orchestrator.adapters.megatron.megatron_config import UNFUSED, block_keys, megatron_config
 from orchestrator.adapters.megatron.specs import decoder_block_spec, mtp_block_spec
 from orchestrator.models import ModelShape
 
@@ -142,17 +141,7 @@ def _transformer_config(shape: ModelShape) -> TransformerConfig:
         num_attention_heads=shape.num_attention_heads,
         num_query_groups=shape.num_query_groups,
         ffn_hidden_size=shape.ffn_hidden_size,
-        normalization="RMSNorm",
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        bf16=True,
-        params_dtype=torch.bfloat16,
-        pipeline_dtype=torch.bfloat16,
-        use_cpu_initialization=not torch.cuda.is_available(),
-        **UNFUSED,
+        **block_keys(),
         **moe,
     )
 

@@ -15,7 +15,7 @@ from megatron.core.transformer import TransformerConfig
 
 from orchestrator.models import ModelShape
 
-__all__ = ["DSA_INDEXER_LOSS_COEFF", "UNFUSED", "megatron_config"]
+__all__ = ["DSA_INDEXER_LOSS_COEFF", "UNFUSED", "block_keys", "megatron_config"]
 
 # TransformerConfig flags off: fusions need apex/TE or CUDA kernels; unfused is also what HF computes.
 UNFUSED: dict[str, bool] = dict(
@@ -26,6 +26,25 @@ UNFUSED: dict[str, bool] = dict(
     gradient_accumulation_fusion=False,
     persist_layer_norm=False,
 )
+
+
+def block_keys() -> dict[str, Any]:
+    """What every GPT colocate builds shares: RMSNorm, SwiGLU, no linear bias or dropout, bf16
+    params, unfused, initialised on the CPU where this process has no GPU."""
+    return dict(
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        pipeline_dtype=torch.bfloat16,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        **UNFUSED,
+    )
+
 
 # GLM-5's indexer learns from its KL loss against the attention it selects for; Megatron's default
 # (None) trains no indexer at all, and a random one would pick the keys for good.
@@ -48,19 +67,9 @@ def megatron_config(shape: ModelShape, *, init_method_std: float = 0.02) -> Tran
         layernorm_epsilon=shape.layernorm_epsilon,
         qk_layernorm=shape.qk_layernorm,
         add_qkv_bias=shape.qkv_bias,
-        normalization="RMSNorm",
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
         init_method_std=init_method_std,
-        bf16=True,
-        params_dtype=torch.bfloat16,
-        pipeline_dtype=torch.bfloat16,
-        use_cpu_initialization=not torch.cuda.is_available(),
         mtp_num_layers=shape.mtp_num_layers or None,
-        **UNFUSED,
+        **block_keys(),
     )
     if shape.num_experts:
         keys |= _routing(shape)
