@@ -25,6 +25,7 @@ class TrainerLayout:
     sync_sources: Mapping[str, Source] = field(default_factory=dict)
     uncovered: tuple[str, ...] = ()
     param_bytes: int = 0  # bf16 bytes of this rank's params: what backup mode pins
+    params: int = 0  # elements of every param of this rank
     extras_bytes: int = 0  # what rematerialize mode pins
 
     def __post_init__(self) -> None:

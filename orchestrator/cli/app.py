@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import sys
 from enum import StrEnum
 from pathlib import Path
@@ -131,8 +133,26 @@ def run_command(
         float, typer.Option(help="Seconds any rank or the engine may take to answer a call (start-up: 300 at least).")
     ] = 120.0,
     model: Annotated[
-        str, typer.Option(help="Model preset: tiny (CPU-size), qwen-0.5b or llama-1b (GPU-size, random init).")
+        str,
+        typer.Option(
+            metavar="NAME|PATH",
+            help="A preset (tiny: CPU-size; qwen-0.5b, llama-1b: GPU-size), a seed workload (qwen3-4b, "
+            "deepseek-v3, glm-5: published configs) or an HF config.json; random init, nothing downloaded.",
+        ),
     ] = "tiny",
+    layers: Annotated[
+        int | None, typer.Option(help="Shrink a family model to N layers (published widths and features kept).")
+    ] = None,
+    experts: Annotated[
+        int | None, typer.Option(help="Shrink a family MoE model to E routed experts (its routing groups kept).")
+    ] = None,
+    prompts: Annotated[
+        int | None, typer.Option(help="Prompts per step, each sampled --group-size times.", show_default="128")
+    ] = None,
+    group_size: Annotated[
+        int | None,
+        typer.Option(help="Samples per prompt: GRPO's advantages are relative within a group.", show_default="16"),
+    ] = None,
     save_every: Annotated[int, typer.Option(help="Save a checkpoint every N steps (0: never); needs --save-dir.")] = 0,
     save_dir: Annotated[Path | None, typer.Option(help="Where checkpoints go: DIR/step-NNNNNN, each complete.")] = None,
     resume: Annotated[
@@ -154,10 +174,20 @@ def run_command(
         output_problems(report=report, log=log, trace_dir=trace_dir, save_dir=save_dir) + exporter_problems()
     )
     try:
-        grpo = grpo_config(model)
+        grpo = grpo_config(model, layers=layers, experts=experts)
+    except ConfigError as exc:
+        problems += [str(v) if str(v).startswith("--") else f"--model: {v}" for v in exc.violations]
+        grpo = GRPOConfig()
     except ValueError as exc:
         problems.append(f"--model: {exc}")
         grpo = GRPOConfig()
+    if prompts is not None and prompts < 1:
+        problems.append(f"--prompts must be at least 1, got {prompts}")
+    if group_size is not None and group_size < 2:
+        problems.append(f"--group-size must be at least 2 (advantages are relative within a group), got {group_size}")
+    sizes = {"prompts_per_step": prompts, "group_size": group_size}
+    with contextlib.suppress(ConfigError):  # a size refused is named above
+        grpo = dataclasses.replace(grpo, **{k: v for k, v in sizes.items() if v is not None})
     try:
         config = RunConfig(
             grpo=grpo,
@@ -194,7 +224,7 @@ def engine_config_command(
     Start the server with `--load-format dummy`: colocate sends every weight before the first rollout.
     """
     from orchestrator.adapters.megatron.convert import hf_llama_config
-    from orchestrator.job.grpo import GRPOConfig
+    from orchestrator.job.presets import preset
 
     target = folder / "config.json"
     if target.exists() and not force:
@@ -202,7 +232,7 @@ def engine_config_command(
     if folder.exists() and not folder.is_dir():
         _fail(f"{folder}: exists and is not a folder")
     try:
-        write_model_config(hf_llama_config(GRPOConfig().model), folder)
+        write_model_config(hf_llama_config(preset("tiny")), folder)
     except OSError as exc:
         _fail(f"cannot write {target}: {exc.strerror or exc}")
     err.print(f"{target}: written. Serve it with")

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from orchestrator.adapters.megatron.gpt import TinyGPTConfig
+from orchestrator.adapters.megatron.gpt import GPTConfig, TinyGPTConfig
 from orchestrator.errors import ConfigError
 from orchestrator.plan.presets import GPTS
 
@@ -288,7 +288,7 @@ class GRPOConfig:
     # a different policy, and the ratio no longer starts at 1.
     temperature: float = 1.0
     task: TaskConfig = field(default_factory=TaskConfig)
-    model: TinyGPTConfig = field(default_factory=_default_model)
+    model: TinyGPTConfig | GPTConfig = field(default_factory=_default_model)
 
     @property
     def lr(self) -> float:

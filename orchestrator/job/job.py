@@ -41,6 +41,7 @@ from orchestrator.job.checkpoint import JobCheckpointer, ResumePoint, resume_poi
 from orchestrator.job.config import RunConfig
 from orchestrator.job.grpo import SyntheticTask, group_advantages
 from orchestrator.job.memory import MeasuredMemory
+from orchestrator.job.models import describe
 from orchestrator.job.ray_cluster import driver_ip
 from orchestrator.job.report import DeviceMemoryListener, ReportListener, RunReport
 from orchestrator.job.workers.facades import DistributedTrainer, ReplicaSet
@@ -108,7 +109,7 @@ class ColocatedJob:
         self.config, self.listeners, self.trace_dir, self.stop = config, tuple(listeners), trace_dir, stop
         self.resumed = resumed  # verified up front (the CLI); else `start` reads config.checkpoint.resume
         self.task = SyntheticTask(config.grpo.task)
-        self.report = RunReport(mode=config.mode.value, ranks=config.ranks)
+        self.report = RunReport(mode=config.mode.value, ranks=config.ranks, model=describe(config.grpo.model))
         self._generator = torch.Generator().manual_seed(config.seed)
         self._step = 0
         self._started = contextlib.ExitStack()  # what `start` acquired, released in reverse order
@@ -179,7 +180,8 @@ class ColocatedJob:
         # The config guards judge the Megatron flags the ranks really built with.
         with _part(semconv.START_LIFECYCLE_SPAN):
             self._lifecycle = self._build_lifecycle(ranks, listeners)
-        self.report.param_bytes_bf16_per_rank = self._lifecycle.snapshot().layout.param_bytes
+        layout = self._lifecycle.snapshot().layout
+        self.report.param_bytes_bf16_per_rank, self.report.params_per_rank = layout.param_bytes, layout.params
 
     def _build_lifecycle(self, ranks: WorkerPool[TrainerRank], listeners: list[Listener]) -> Lifecycle:
         cfg = self.config

@@ -20,10 +20,12 @@ the 8 symbols as 8 ids only, a random policy's completion token was a symbol onc
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from orchestrator.adapters.megatron.gpt import TinyGPTConfig
-from orchestrator.plan.presets import GPTS, with_extras
+from orchestrator.adapters.megatron.gpt import GPTConfig, TinyGPTConfig
+from orchestrator.errors import ConfigError
+from orchestrator.plan.presets import GPTS, PUBLISHED_MODELS, with_extras
 
 if TYPE_CHECKING:
     from orchestrator.job.grpo import GRPOConfig
@@ -34,7 +36,9 @@ __all__ = ["BENCHMARK_MODELS", "PRESETS", "benchmark_model", "grpo_config", "par
 def _tiny() -> TinyGPTConfig:
     from orchestrator.job.grpo import GRPOConfig
 
-    return GRPOConfig().model
+    model = GRPOConfig().model
+    assert isinstance(model, TinyGPTConfig)  # the job's default
+    return model
 
 
 _GPU: dict[str, TinyGPTConfig] = {
@@ -54,12 +58,28 @@ def preset(name: str) -> TinyGPTConfig:
     return _GPU[name]
 
 
-def grpo_config(name: str) -> GRPOConfig:
-    """What `colocate run --model NAME` trains: the preset's model, and the copy task written in
-    its whole vocabulary (`grpo.TaskConfig`), since the policy samples from all of it."""
+def grpo_config(name: str, *, layers: int | None = None, experts: int | None = None) -> GRPOConfig:
+    """What `colocate run --model NAME` trains: a preset's model, or a family model (a built-in
+    name or a config.json, `models.family_model`, shrunk to `layers` and `experts`); and the copy
+    task written in its whole vocabulary (`grpo.TaskConfig`), since the policy samples from all of it.
+    ConfigError naming the problem otherwise."""
     from orchestrator.job.grpo import GRPOConfig, TaskConfig
+    from orchestrator.job.models import FAMILY_MODELS, family_model
 
-    model = preset(name)
+    model: TinyGPTConfig | GPTConfig
+    if name in PRESETS:
+        if layers is not None or experts is not None:
+            raise ConfigError([f"--layers and --experts shrink a family model; preset {name} is fixed"])
+        model = preset(name)
+    elif name in PUBLISHED_MODELS or Path(name).exists():
+        model = family_model(name, layers=layers, experts=experts)
+    else:
+        raise ConfigError(
+            [
+                f"{name}: no such config.json, and not a preset ({', '.join(PRESETS)}) or a seed workload "
+                f"({', '.join(FAMILY_MODELS)})"
+            ]
+        )
     return GRPOConfig(model=model, task=TaskConfig(vocab_size=model.vocab_size))
 
 

@@ -41,6 +41,8 @@ class RunReport:
     steps: list[StepReport] = field(default_factory=list)
     host_pinned_bytes_per_rank: int = 0  # the most any step held
     param_bytes_bf16_per_rank: int = 0
+    params_per_rank: int = 0  # as the ranks built them (each rank holds every param: DP)
+    model: str = ""  # what was trained, and what was made smaller than its source (`job.models`)
     engine_matches_trainer: bool | None = None  # None: never compared (the engine cannot report its weights)
     trace_file: str | None = None
     error: str | None = None

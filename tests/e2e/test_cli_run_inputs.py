@@ -42,7 +42,7 @@ CASES = {
     "rank timeout negative": (lambda d: ["--rank-timeout", "-1"], "--rank-timeout must be a positive number"),
     "unknown model": (
         lambda d: ["--model", "gpt-5"],
-        "--model: unknown model preset 'gpt-5'; known: tiny, qwen-0.5b, llama-1b",
+        "--model: gpt-5: no such config.json, and not a preset (tiny, qwen-0.5b, llama-1b) or a seed workload (qwen3-4b, deepseek-v3, glm-5)",
     ),
     "seed negative": (lambda d: ["--seed", "-3"], "--seed must be >= 0"),
     "more ranks than any machine holds": (lambda d: ["--ranks", "2048"], "--ranks 2048: a rank needs a CPU core"),

@@ -308,3 +308,24 @@ def test_busy_while_generating_and_release_is_refused_then(synced: TransformersE
     assert seen == [False, False]
     assert len(refusals) == 2 and "in flight" in refusals[0]
     assert synced.is_idle() and synced.resident_bytes()[KV] > 0
+
+
+def test_a_weight_sent_in_bf16_into_an_fp32_param_is_digested_as_sent_and_a_changed_value_is_seen() -> None:
+    """HF keeps DeepSeek-V3's router weight in fp32 (`_keep_in_fp32_modules_strict`); Megatron's is
+    bf16. The engine's digest of it is the bf16 one the trainer computed, as long as the param holds
+    exactly the sent values; one value that no bf16 holds makes it differ."""
+    from tests.support.family_shapes import SHAPES
+
+    engine = TransformersEngine(SHAPES["deepseek_v3"], max_batch=2)
+    router = next(n for n in engine.weights() if n.endswith("mlp.gate.weight"))
+    assert engine.weights()[router].dtype == torch.float32
+    generator = torch.Generator().manual_seed(0)
+    sent = [(n, torch.randn(t.shape, generator=generator).to(torch.bfloat16)) for n, t in engine.weights().items()]
+    engine.update_weights(sent, version=1)
+    assert engine.digests() == sha256_digests(dict(sent))
+
+    with torch.no_grad():  # 1 + 2**-10 is fp32, and between two bf16 values (their spacing at 1 is 2**-7)
+        engine.model.get_parameter(router).view(-1)[0] = 1 + 2**-10
+    digests = engine.digests()
+    assert digests[router] != sha256_digests(dict(sent))[router]
+    assert {n for n in digests if digests[n] != sha256_digests(dict(sent))[n]} == {router}

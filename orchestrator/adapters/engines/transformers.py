@@ -41,7 +41,7 @@ from orchestrator.adapters.digest import sha256_digests
 from orchestrator.adapters.engines.checkpoint import CheckpointSlots, live_tensors
 from orchestrator.adapters.engines.decode import decode, kv_slab, prompt_problems
 from orchestrator.adapters.megatron.convert import hf_config
-from orchestrator.adapters.megatron.gpt import TinyGPTConfig
+from orchestrator.adapters.megatron.gpt import GPTConfig, TinyGPTConfig
 from orchestrator.adapters.regions.storage import return_large_frees_to_the_os
 from orchestrator.adapters.transport.bucketed import nbytes
 from orchestrator.errors import EngineError
@@ -85,6 +85,31 @@ def _check_bucket(engine: str, named: Sequence[tuple[str, torch.Tensor]], params
         raise ValueError(f"engine {engine}: wrong shape(s): {', '.join(wrong)}")
 
 
+def _note_dtypes(
+    sent: dict[str, torch.dtype], named: Sequence[tuple[str, torch.Tensor]], params: dict[str, torch.Tensor]
+) -> None:
+    """Keep in `sent` the dtype of each weight of a bucket sent in another dtype than its param's
+    (HF keeps DeepSeek-V3's and GLM's router weights in fp32; Megatron's are bf16)."""
+    for name, tensor in named:
+        if tensor.dtype != params[name].dtype:
+            sent[name] = tensor.dtype
+        else:
+            sent.pop(name, None)
+
+
+def _digests_as_sent(held: dict[str, torch.Tensor], sent: dict[str, torch.dtype]) -> dict[str, str]:
+    """SHA256 of each tensor, in the dtype it was sent in (`sent`) where the cast back is exact;
+    where it is not, the param holds values no tensor of that dtype has, and the digest says so."""
+    inexact = {}
+    for name, dtype in sent.items():
+        cast = held[name].to(dtype)
+        if torch.equal(cast.to(held[name].dtype), held[name]):
+            held[name] = cast
+        else:
+            inexact[name] = f"holds values no {dtype} tensor has"  # never a SHA256
+    return sha256_digests(held) | inexact
+
+
 def _return_freed_pages(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -120,15 +145,15 @@ def _one_storage(params: Iterable[torch.Tensor], device: torch.device) -> torch.
 class TransformersEngine(EngineDefaults):
     """Implements `orchestrator.protocols.RolloutEngine` on an HF causal LM, with no hub download.
 
-    `model` is the trainer's GPT shape (a `ModelShape` or `TinyGPTConfig`, converted by `hf_config`) or a
-    transformers config. A plain constructor, for Ray. Its first weights are throwaway: it serves nothing
-    until a complete `update_weights`. `max_len` bounds prompt + completion (default: the config's)."""
+    `model` is the trainer's GPT (a `ModelShape`, `TinyGPTConfig` or `GPTConfig`, by `hf_config`) or a
+    transformers config. A plain constructor, for Ray. Its first weights are throwaway: it serves
+    nothing until a complete `update_weights`. `max_len` bounds prompt + completion (default: the config's)."""
 
     features = EngineFeatures(footprint=True, reports_weights=True)
 
     def __init__(
         self,
-        model: ModelShape | TinyGPTConfig | PretrainedConfig,
+        model: ModelShape | TinyGPTConfig | GPTConfig | PretrainedConfig,
         *,
         max_batch: int = 64,
         max_len: int | None = None,
@@ -154,6 +179,7 @@ class TransformersEngine(EngineDefaults):
         self._version: int | None = None
         self._loading: int | None = None  # the version a sync in progress is loading
         self._missing = set(self._slots.names)  # not loaded since the weights were (re)allocated
+        self._sent_dtype: dict[str, torch.dtype] = {}  # `_note_dtypes`
         self._in_flight = 0
         self.cache_stale = False  # weights changed since the last flush_cache
         if self.device.type == "cpu":
@@ -218,6 +244,7 @@ class TransformersEngine(EngineDefaults):
         if self._loading != version:
             self._loading, self._missing = version, set(self._slots.names)
         _copy([views[name] for name, _ in named], [tensor for _, tensor in named])
+        _note_dtypes(self._sent_dtype, named, views)
         written = sum(nbytes(views[name]) for name, _ in named)
         self._missing.difference_update(self._slots.slot[name] for name, _ in named)
         self.cache_stale = True
@@ -237,18 +264,16 @@ class TransformersEngine(EngineDefaults):
         return {name: self._params[name].clone() for name in self._slots.names}
 
     def digests(self) -> dict[str, str]:
-        """SHA256 per checkpoint tensor (as `weights`), to compare with the trainer's converted ones."""
+        """SHA256 per checkpoint tensor (as `weights`) as it was sent (`_digests_as_sent`), to
+        compare with the trainer's converted ones."""
         if EngineMemory.WEIGHTS in self._released:
             raise EngineError(self.name, "digests of released weights would prove nothing")
-        return sha256_digests({name: self._params[name] for name in self._slots.names})
+        return _digests_as_sent({name: self._params[name] for name in self._slots.names}, self._sent_dtype)
 
     def footprint(self) -> dict[EngineMemory, int]:
         """Bytes each tag takes while resident, from the engine's settings (released or not)."""
-        return {
-            EngineMemory.WEIGHTS: self._weights_bytes,
-            EngineMemory.KV_CACHE: self._kv_bytes,
-            EngineMemory.CUDA_GRAPH: 0,
-        }
+        weights, kv = self._weights_bytes, self._kv_bytes
+        return {EngineMemory.WEIGHTS: weights, EngineMemory.KV_CACHE: kv, EngineMemory.CUDA_GRAPH: 0}
 
     def resident_bytes(self) -> dict[EngineMemory, int]:
         """Bytes each tag holds now: its footprint, 0 while released."""

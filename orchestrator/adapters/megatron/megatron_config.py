@@ -65,7 +65,8 @@ def megatron_config(shape: ModelShape, *, init_method_std: float = 0.02) -> Tran
         # every layer MoE: Megatron still sizes a dense MLP it never builds
         ffn_hidden_size=shape.ffn_hidden_size or shape.moe_ffn_hidden_size,
         layernorm_epsilon=shape.layernorm_epsilon,
-        qk_layernorm=shape.qk_layernorm,
+        # MLA's q and kv latent norms, which HF always builds: Megatron's local MLA only with this
+        qk_layernorm=shape.qk_layernorm or shape.mla,
         add_qkv_bias=shape.qkv_bias,
         init_method_std=init_method_std,
         mtp_num_layers=shape.mtp_num_layers or None,

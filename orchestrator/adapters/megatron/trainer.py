@@ -235,6 +235,7 @@ class MegatronTrainer(TrainerStateFromReads):
             sync_sources=self._sources,
             uncovered=tuple(n for n, s in self._sources.items() if s is Source.ELSEWHERE),
             param_bytes=sum(nbytes(self._params[n]) for n in rebuilt),
+            params=sum(p.numel() for p in self._params.values()),
             extras_bytes=sum(nbytes(t) for t in self._extras.values()),
         )
 

@@ -51,6 +51,27 @@ def _sharded() -> Any:
     return sharded
 
 
+def _conversion_shape(chunks: list[Any], model: Any) -> Any:
+    """What the conversion reads: the tiny GPT's config, or a family model's shape as this
+    megatron-core built it (`model_spec`), once every tensor converts and the config the engine
+    serves computes what it does (`served_problems`); ConfigError naming each problem otherwise."""
+    from orchestrator.adapters.megatron.convert import conversion_problems, model_spec
+    from orchestrator.adapters.megatron.convert.served import served_problems
+    from orchestrator.adapters.megatron.gpt import GPTConfig
+    from orchestrator.errors import ConfigError
+
+    if not isinstance(model, GPTConfig):
+        return model
+    problems = conversion_problems(chunks)
+    if problems:
+        raise ConfigError(problems)
+    shape = model_spec(chunks)
+    problems = served_problems(shape, model.model)
+    if problems:
+        raise ConfigError(problems)
+    return shape
+
+
 def _backend(device: str) -> str:
     """torch.distributed's own choice of collective backend for `device`: gloo, nccl."""
     return str(torch.distributed.Backend.default_device_backend_map[device])
@@ -106,6 +127,7 @@ class TrainerRank(Traced, PayloadSource):
         store = torch.distributed.TCPStore(store_host, port, is_master=False, timeout=timedelta(minutes=5))
         init_process_group(rank, world_size, port, _backend(device), seed=model.seed, store=store)
         self.chunks, self.optimizer = build_gpt(model)
+        self.shape = _conversion_shape(self.chunks, model)
         self.trainer = MegatronTrainer(self.chunks, self.optimizer, digest=digest)
         self.regions: OwnedRegions = REGIONS[device](self.trainer.region_tensors)
 
@@ -197,10 +219,13 @@ class TrainerRank(Traced, PayloadSource):
         return float(stats.loss)
 
     def converted(self) -> Iterator[Named]:
+        """Every weight the engine loads, as HF names it; not the MTP layers (no engine here serves them)."""
         from orchestrator.adapters.megatron.convert import to_hf
+        from orchestrator.adapters.megatron.convert.mtp import is_mtp
 
         for name, tensor in self.trainer.sync_tensors():
-            yield from to_hf(name, tensor, self.model)
+            if not is_mtp(name):
+                yield from to_hf(name, tensor, self.shape)
 
     def converted_digests(self) -> dict[str, str]:
         from orchestrator.adapters.digest import sha256_digests

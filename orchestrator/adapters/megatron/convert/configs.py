@@ -6,6 +6,7 @@ model = AutoModelForCausalLM.from_config(config)           # transformers' own c
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -13,13 +14,13 @@ import torch
 from orchestrator.adapters.megatron.convert import dsa, glm, mixtral, mla, routed
 from orchestrator.adapters.megatron.convert import mtp as mtp_layers
 from orchestrator.adapters.megatron.convert.spec import Family, checked
-from orchestrator.adapters.megatron.gpt import TinyGPTConfig
+from orchestrator.adapters.megatron.gpt import GPTConfig, TinyGPTConfig
 from orchestrator.models import ModelShape
 
 if TYPE_CHECKING:
     from transformers import LlamaConfig, PretrainedConfig
 
-__all__ = ["ATTN_IMPLEMENTATION", "Shape", "as_spec", "hf_config", "hf_llama_config"]
+__all__ = ["ATTN_IMPLEMENTATION", "Shape", "as_spec", "hf_config", "hf_llama_config", "served_hf_config"]
 
 # Neither attention is bit-exact against Megatron's bf16 forward: their logits differ by rounding
 # (docs/conversion.md, "Checked against transformers, through the lifecycle"). On CPU, sdpa came
@@ -36,10 +37,22 @@ def as_spec(cfg: Shape) -> ModelShape:
     return checked(cfg if isinstance(cfg, ModelShape) else cfg.shape())
 
 
-def hf_config(cfg: Shape) -> PretrainedConfig:
-    """The transformers config whose model computes what the Megatron GPT computes, in bf16."""
+def served_hf_config(served: Mapping[str, Any]) -> PretrainedConfig:
+    """The transformers config of an HF `config.json`'s mapping, as `AutoConfig` reads the file: its
+    `model_type`'s config class, in bf16, with the engine's attention."""
     import transformers
 
+    config_class = type(transformers.AutoConfig.for_model(str(served["model_type"])))
+    return config_class.from_dict(dict(served), dtype=torch.bfloat16, attn_implementation=ATTN_IMPLEMENTATION)
+
+
+def hf_config(cfg: Shape | GPTConfig) -> PretrainedConfig:
+    """The transformers config whose model computes what the Megatron GPT computes, in bf16: a
+    family model's is the config it serves (`GPTConfig.served`), which the trainer checks."""
+    import transformers
+
+    if isinstance(cfg, GPTConfig):
+        return served_hf_config(cfg.served)
     spec = as_spec(cfg)
     common: dict[str, Any] = dict(
         vocab_size=spec.vocab_size,
