@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from opentelemetry import trace
+from opentelemetry.context import Context
 
 from orchestrator.adapters.registry import ENGINES, EngineSpec
 from orchestrator.core.config import Device, EnginePause, LifecycleConfig
@@ -112,6 +113,7 @@ class ColocatedJob:
         self._generator = torch.Generator().manual_seed(config.seed)
         self._step = 0
         self._started = contextlib.ExitStack()  # what `start` acquired, released in reverse order
+        self._closable = False  # from `start` until the first `close`
         self._lifecycle: Lifecycle | None = None
         self._store: torch.distributed.TCPStore | None = None  # the ranks' rendezvous, held while they run
 
@@ -135,6 +137,7 @@ class ColocatedJob:
 
     def start(self) -> None:
         """Connect to a served engine, start the ranks (and the engine the job runs), build the lifecycle."""
+        self._closable = True
         try:
             # One trace for the start-up, so the engine's first release has a parent.
             with trace.get_tracer(semconv.TRACER).start_as_current_span(semconv.START_SPAN):
@@ -280,5 +283,11 @@ class ColocatedJob:
     def close(self) -> None:
         """End the actors (their spans flushed first), Ray, the in-process ranks, the engine's
         connections and the rendezvous store, whatever state they are in; the first failure is
-        raised once every one has been tried."""
-        self._started.close()
+        raised once every one has been tried. One trace, `colocate.close`, holds what the close asks
+        of them; a job closed already, or never started, has none."""
+        if not self._closable:
+            return
+        self._closable = False
+        # A root, whatever is current: a step's span left open by a failure is not its parent.
+        with trace.get_tracer(semconv.TRACER).start_as_current_span(semconv.CLOSE_SPAN, context=Context()):
+            self._started.close()
