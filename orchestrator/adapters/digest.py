@@ -47,6 +47,7 @@ import torch
 
 from orchestrator.adapters import digest_kernel
 from orchestrator.core.config import DigestMethod
+from orchestrator.telemetry.tracing import carried
 
 CHUNK_BYTES = 64 << 20
 ROW_WORDS = 1024  # K: 4 KiB rows; each tensor's column sums take K words, its row sums 1/K of it
@@ -74,7 +75,7 @@ def _sha256(tensor: torch.Tensor) -> str:
 
 def sha256_digests(tensors: Mapping[str, torch.Tensor], threads: int = 8) -> dict[str, str]:
     with ThreadPoolExecutor(max_workers=threads) as pool:
-        return dict(zip(tensors, pool.map(_sha256, tensors.values()), strict=True))
+        return dict(zip(tensors, pool.map(carried(_sha256), tensors.values()), strict=True))
 
 
 def device_digests(tensors: Mapping[str, torch.Tensor], threads: int = 1) -> dict[str, str]:

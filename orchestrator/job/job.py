@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from opentelemetry import trace
+from opentelemetry.context import Context
 
 from orchestrator.adapters.registry import ENGINES, EngineSpec
 from orchestrator.core.config import Device, EnginePause, LifecycleConfig
@@ -112,7 +113,7 @@ class ColocatedJob:
         self.report = RunReport(mode=config.mode.value, ranks=config.ranks, model=describe(config.grpo.model))
         self._generator = torch.Generator().manual_seed(config.seed)
         self._step = 0
-        self._started = contextlib.ExitStack()  # what `start` acquired, released in reverse order
+        self._started, self._closable = contextlib.ExitStack(), False  # what `start` acquired; until `close`
         self._lifecycle: Lifecycle | None = None
         self._store: torch.distributed.TCPStore | None = None  # the ranks' rendezvous, held while they run
 
@@ -136,6 +137,7 @@ class ColocatedJob:
 
     def start(self) -> None:
         """Connect to a served engine, start the ranks (and the engine the job runs), build the lifecycle."""
+        self._closable = True
         try:
             # One trace for the start-up, so the engine's first release has a parent.
             with trace.get_tracer(semconv.TRACER).start_as_current_span(semconv.START_SPAN):
@@ -280,7 +282,16 @@ class ColocatedJob:
         return Batch(prompts, completions, logprobs, advantages), float(rewards.mean())
 
     def close(self) -> None:
-        """End the actors (their spans flushed first), Ray, the in-process ranks, the engine's
-        connections and the rendezvous store, whatever state they are in; the first failure is
-        raised once every one has been tried."""
-        self._started.close()
+        """End what `start` started, whatever state it is in, once, in a trace of its own (`_release`);
+        the first failure is raised once every one has been tried."""
+        if self._closable:
+            self._closable = False
+            _release(self._started)
+
+
+def _release(started: contextlib.ExitStack) -> None:
+    """What `start` acquired (the actors, their spans flushed first, Ray, the in-process ranks, the
+    engine's connections, the rendezvous store), released in reverse order in one trace,
+    `colocate.close`: a root, whatever is current (a step's span a failure left open is not its parent)."""
+    with trace.get_tracer(semconv.TRACER).start_as_current_span(semconv.CLOSE_SPAN, context=Context()):
+        started.close()

@@ -9,12 +9,13 @@ An OTLP exporter counts what it could not deliver, and says so once (`telemetry.
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 from urllib.parse import unquote, urlsplit
 
 from opentelemetry import context, propagate, trace
@@ -131,6 +132,28 @@ def carrier() -> dict[str, str]:
     headers: dict[str, str] = {}
     propagate.inject(headers)
     return headers
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def carried(call: Callable[P, R]) -> Callable[P, R]:
+    """`call`, to run in another thread (a pool's, a `threading.Thread`'s) under the context current
+    here, where it is handed over: a thread starts with an empty context, so the spans it opens
+    would be roots of traces of their own. The context is attached in that thread for the call
+    and detached after it; nothing global changes."""
+    captured = context.get_current()
+
+    @functools.wraps(call)
+    def in_context(*args: P.args, **kwargs: P.kwargs) -> R:
+        token = context.attach(captured)
+        try:
+            return call(*args, **kwargs)
+        finally:
+            context.detach(token)
+
+    return in_context
 
 
 _RANK = context.create_key(semconv.RANK)  # the trainer rank a process-side call works for

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -37,3 +38,45 @@ def test_every_span_name_event_and_role_is_documented() -> None:
 
 def test_the_tracing_page_points_at_the_constants() -> None:
     assert "orchestrator/telemetry/semconv.py" in TRACING
+
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKERS = ("TrainerRank", "EngineReplica")
+
+
+def _worker_spans() -> set[str]:
+    """`<role>.<method>`: every span a worker opens for a call the driver makes on it (`Traced.invoke`),
+    read off the code's calls that name a worker's method (`ranks.all(TrainerRank.stash)`)."""
+    from orchestrator.job.workers.engine_replica import EngineReplica
+    from orchestrator.job.workers.trainer_rank import TrainerRank
+
+    roles = {"TrainerRank": TrainerRank.role, "EngineReplica": EngineReplica.role}
+    called = set()
+    for path in (ROOT / "orchestrator").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                for arg in node.args:
+                    if isinstance(arg, ast.Attribute) and isinstance(arg.value, ast.Name) and arg.value.id in WORKERS:
+                        called.add((arg.value.id, arg.attr))
+    assert len(called) > 20  # the reader still finds the calls
+    return {f"{roles[cls]}.{method}" for cls, method in called if method not in TrainerRank.untraced}
+
+
+def _sglang_posts() -> set[str]:
+    """`POST <route>`: the client span of every action the SGLang adapter posts (a GET has none)."""
+    routes, gets = set(), set()
+    for path in (ROOT / "orchestrator" / "adapters" / "engines" / "sglang").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and re.fullmatch(r"/[a-z_]+", node.value):
+                routes.add(node.value)
+            if isinstance(node, ast.Call) and [getattr(a, "value", None) for a in node.args[:1]] == ["GET"]:
+                gets.add(getattr(node.args[1], "value", None))
+    assert "/update_weights_from_tensor" in routes and "/model_info" in gets  # the reader still finds them
+    return {f"POST {route}" for route in routes - gets}
+
+
+def test_every_span_the_workers_and_the_sglang_client_open_is_documented() -> None:
+    """The spans named at run time, not by a constant: a worker's `<role>.<method>`, SGLang's `POST <route>`."""
+    shown = quoted(TRACING)
+    missing = sorted(name for name in _worker_spans() | _sglang_posts() if name not in shown)
+    assert missing == [], f"docs/tracing.md does not name {missing}"

@@ -110,6 +110,44 @@ def test_a_rank_killed_during_a_rollout_is_named_at_once_and_the_report_written_
     assert "colocate.destination" not in failed.attributes and fault.attributes["colocate.destination"] == "FAULTED"
 
 
+def _await_training(run: Run, rank: int) -> None:
+    """Until `rank` trains: once a rollout ended (the engine busy, then idle), the rank busy, and a
+    moment more, past the restore (under 0.1 s here; the train takes 0.5 s or more). The log cannot
+    tell: it is written in blocks."""
+    _await_rollout(run)
+    engine, busy = (
+        psutil.Process(run.pid_of("EngineReplica(index=0)")),
+        psutil.Process(run.pid_of(f"TrainerRank(rank={rank})")),
+    )
+    while engine.cpu_percent(interval=0.02) > 30:
+        assert run.proc.poll() is None, run.finish()[1]
+    busy.cpu_percent()
+    while busy.cpu_percent(interval=0.02) < 60:
+        assert run.proc.poll() is None, run.finish()[1]
+    time.sleep(0.1)
+
+
+def test_a_rank_killed_while_training_leaves_no_span_outliving_its_parent(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Rank 0, in a collective with the rank killed, fails a moment after the driver learns of the
+    death: the driver waits for its answer (`WorkerPool._settle`) before the failed train's span
+    ends, so rank 0's `rank.train` ends inside it. Before, it ended after it (39.5 ms, once), or
+    not before the close killed its process: no span at all."""
+    run = start("--trace-dir", str(tmp_path / "traces"))
+    run.wait_for_step(3)  # past the verified cycles
+    victim = run.pid_of("TrainerRank(rank=1)")
+    _await_training(run, 1)
+    os.kill(victim, signal.SIGKILL)
+    _, stderr = run.finish()
+    assert run.proc.returncode == 1, stderr
+    assert re.search(r"train failed in \w+: RankFailed: rank 1 \(died\)", stderr), stderr
+    (trace_file,) = (tmp_path / "traces").glob("*.otlp.jsonl")
+    assert trace_check.problems(trace_file, run.log) == []
+    spans = trace_check.read(trace_file)
+    (failed,) = [s for s in spans if s.name == "lifecycle.train" and s.error]
+    trains = [s for s in spans if s.name == "rank.train" and s.parent == failed.id]
+    assert [s.attributes["colocate.rank"] for s in trains] == [0], trains  # rank 0's ended, and was kept
+
+
 def test_a_stopped_rank_is_named_within_the_timeout(start) -> None:  # type: ignore[no-untyped-def]
     run = start()
     run.wait_for_step(3)  # past the verified cycles

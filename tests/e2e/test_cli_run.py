@@ -31,7 +31,7 @@ import pytest
 
 from tests.support.cli import CYCLE, run
 from tests.support.faults import launcher
-from tests.support.trace_check import edges, processes_per_trace
+from tests.support.trace_check import edges, processes_per_trace, whole
 
 pytest.importorskip("megatron.core")
 pytest.importorskip("ray")
@@ -183,6 +183,10 @@ def test_attributes_are_set(spans: list[dict[str, Any]]) -> None:
 def test_every_step_is_one_trace_across_ranks_and_engine_in_the_trace_file(runs: Runs) -> None:
     full = {("driver", 0), ("rank", 0), ("rank", 1), ("engine", None)}
     assert list(processes_per_trace(runs.trace_file).values()) == [full] * STEPS
+
+
+def test_every_span_is_in_a_step_the_start_up_or_the_close_and_ends_within_its_parent(runs: Runs) -> None:
+    assert whole(runs.trace_file) == []
 
 
 def test_summarize_and_timeline_read_the_trace_file(runs: Runs, tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ import requests
 
 from tests.support.cli import CYCLE, moved_once_at_the_end, run, served_versions, sglang_stand_ins
 from tests.support.rewards import reward_rise, rise_needed
+from tests.support.trace_check import whole
 
 pytest.importorskip("megatron.core")
 pytest.importorskip("transformers")
@@ -77,11 +78,14 @@ def test_engine_config_writes_the_trained_models_llama_config_and_never_overwrit
 def test_a_run_against_two_servers_learns_through_sglangs_wire_format(servers: list[str], tmp_path: Path) -> None:
     from orchestrator.job.presets import grpo_config  # what `colocate run` trains: --model tiny
 
-    report_path = tmp_path / "report.json"
+    report_path, traces = tmp_path / "report.json", tmp_path / "traces"
     urls = [arg for url in servers for arg in ("--engine-url", url)]
-    # Two ranks: the buckets go out from Ray actors, through copies of the driver's engine.
-    done = run("run", "--engine", "sglang", *urls, "--steps", "6", "--ranks", "2", "--report", str(report_path))
+    # Two ranks: each server's TP rank fed by the rank on its GPU (`PerTpRankPush`), from Ray actors.
+    args = ["--steps", "6", "--ranks", "2", "--report", str(report_path), "--trace-dir", str(traces)]
+    done = run("run", "--engine", "sglang", *urls, *args)
     assert done.returncode == 0, done.stdout + done.stderr
+    (trace_file,) = traces.glob("*.otlp.jsonl")
+    assert whole(trace_file) == []  # the POSTs made in the push's threads and at the close included
     report = json.loads(report_path.read_text())
     steps = report["steps"]
     assert all(s["phases"] == CYCLE for s in steps)
@@ -117,8 +121,10 @@ def test_a_broadcast_run_that_fails_hands_its_servers_back_and_a_second_run_goes
         assert requests.post(f"{urls[0]}/_stand_in/inject", json=inject, timeout=5).status_code == 200
         servers = [arg for url in urls for arg in ("--engine-url", url)]
         args = ["run", "--engine", "sglang", *servers, "--weight-sync", "broadcast", "--ranks", "1"]
-        failed = run(*args, "--steps", "6")
+        failed = run(*args, "--steps", "6", "--trace-dir", str(tmp_path / "failed"))
         assert failed.returncode == 1 and "Failed to load bucket 1" in failed.stderr, failed.stdout + failed.stderr
+        (trace_file,) = (tmp_path / "failed").glob("*.otlp.jsonl")
+        assert whole(trace_file) == []  # the announcements' threads, the failed one's and the close's included
         for url in urls:
             state = requests.get(f"{url}/_stand_in/state", timeout=5).json()
             assert state["groups"] == [] and state["destroyed"] == ["colocate_weights"]
@@ -128,8 +134,10 @@ def test_a_broadcast_run_that_fails_hands_its_servers_back_and_a_second_run_goes
             assert {v for _, v in updates[2]} == {"2"}, updates[2]  # the failed update: never served
 
         report_path = tmp_path / "report.json"
-        again = run(*args, "--steps", "2", "--report", str(report_path))
+        again = run(*args, "--steps", "2", "--report", str(report_path), "--trace-dir", str(tmp_path / "again"))
         assert again.returncode == 0, again.stdout + again.stderr
+        (trace_file,) = (tmp_path / "again").glob("*.otlp.jsonl")
+        assert whole(trace_file) == []
         for url in urls:
             state = requests.get(f"{url}/_stand_in/state", timeout=5).json()
             assert state["destroyed"] == ["colocate_weights"] * 2 and state["groups"] == []

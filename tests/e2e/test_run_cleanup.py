@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from tests.support import trace_check
 from tests.support.spawn import context
 
 psutil = pytest.importorskip("psutil")
@@ -116,6 +117,7 @@ def _assert_cleaned_up(tmp_path: Path, seen: dict[str, Any], error: str) -> None
         for span in scope["spans"]
     }
     assert {"colocate.start", "lifecycle.train", "rank.train", "engine.generate"} <= spans, spans
+    assert trace_check.whole(merged) == []
     lines = [json.loads(line) for line in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert [line["event"] for line in lines if line.get("step") == 1][-1] == "train", "the log has step 1 whole"
     report = json.loads((tmp_path / "report.json").read_text())

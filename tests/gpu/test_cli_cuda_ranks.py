@@ -27,6 +27,7 @@ from orchestrator.telemetry.tracing import parse_otlp_json
 from tests.support.cli import CYCLE, ROOT, colocate
 from tests.support.faults import CLEANUP_S
 from tests.support.rewards import reward_rise, rise_needed
+from tests.support.trace_check import whole
 
 pytestmark = [
     pytest.mark.gpu,
@@ -95,6 +96,13 @@ def test_every_step_is_one_trace_across_both_ranks_and_both_replicas(finished: t
     _, trace = finished
     full = {("driver", 0), ("rank", 0), ("rank", 1), ("engine", 0), ("engine", 1)}
     assert sum(1 for processes in processes_per_trace(trace).values() if processes == full) == STEPS
+
+
+def test_every_span_is_in_a_step_the_start_up_or_the_close_and_ends_within_its_parent(
+    finished: tuple[dict, Path],
+) -> None:
+    _, trace = finished
+    assert whole(trace) == []
 
 
 def _rank_process(temp: str, within: float = 300) -> int:

@@ -3,7 +3,8 @@ mapping, not through `colocate trace`'s own reader), with the run's JSON log bes
 
 `problems(trace_file, log_file)` lists every breach, so a test shows them all at once:
 
-- each trace has one root (`colocate.start` or `colocate.step`), and every parent resolves in it;
+- each trace has one root (`colocate.start`, `colocate.step` or `colocate.close`), every parent
+  resolves in it, and no span ends after its parent (`whole`: a run's every trace file passes it);
 - every span carries the attributes docs/tracing.md promises for its kind;
 - a lifecycle span names a destination only if its event entered it: never a refused or failed
   one, and each step's destinations chain (an event leaves the phase the one before entered);
@@ -36,6 +37,7 @@ class Raw:
     attributes: dict[str, Any]
     events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     start: int = 0
+    end: int = 0
 
 
 def _value(v: Any) -> Any:
@@ -63,6 +65,7 @@ def read(trace_file: Path) -> list[Raw]:
                             attributes={a.key: _value(a.value) for a in s.attributes},
                             events=[(e.name, {a.key: _value(a.value) for a in e.attributes}) for e in s.events],
                             start=s.start_time_unix_nano,
+                            end=s.end_time_unix_nano,
                         )
                     )
     return spans
@@ -92,20 +95,43 @@ def processes_per_trace(trace_file: Path) -> dict[str, set[tuple[str, int | None
     return {trace: processes for trace, processes in seen.items() if trace in steps}
 
 
-def problems(trace_file: Path, log_file: Path | None = None) -> list[str]:
-    spans = read(trace_file)
+ROOTS = ("colocate.start", "colocate.step", "colocate.close")  # docs/tracing.md: the traces of a run
+
+
+def whole(trace_file: Path) -> list[str]:
+    """Every breach, in a run's trace file, of what docs/tracing.md promises of every span: it is
+    in the trace of a step, of the start-up or of the close (one root, one of `ROOTS`, every parent
+    in it), and it ends no later than its parent."""
+    return _whole(read(trace_file))
+
+
+def _whole(spans: list[Raw]) -> list[str]:
     found: list[str] = []
     by_trace: dict[str, list[Raw]] = defaultdict(list)
     for span in spans:
         by_trace[span.trace].append(span)
     for trace, members in by_trace.items():
-        ids = {s.id for s in members}
+        by_id = {s.id: s for s in members}
         roots = [s.name for s in members if not s.parent]
-        if len(roots) != 1 or roots[0] not in ("colocate.start", "colocate.step"):
-            found.append(f"trace {trace}: roots {roots}, expected one colocate.start or colocate.step")
-        found += [
-            f"{s.name} {s.id}: parent {s.parent} is not in its trace" for s in members if s.parent not in ids | {""}
-        ]
+        if len(roots) != 1 or roots[0] not in ROOTS:
+            found.append(f"trace {trace}: roots {roots}, expected one of {', '.join(ROOTS)}")
+        for s in members:
+            parent = by_id.get(s.parent)
+            if s.parent and parent is None:
+                found.append(f"{s.name} {s.id}: parent {s.parent} is not in its trace")
+            elif parent is not None and s.end > parent.end:
+                late = (s.end - parent.end) / 1e6
+                found.append(f"{s.name} {s.id} ends {late:.3f} ms after its parent {parent.name} {parent.id}")
+    return found
+
+
+def problems(trace_file: Path, log_file: Path | None = None) -> list[str]:
+    spans = read(trace_file)
+    found = _whole(spans)
+    by_trace: dict[str, list[Raw]] = defaultdict(list)
+    for span in spans:
+        by_trace[span.trace].append(span)
+    for members in by_trace.values():
         found += _chain(sorted((s for s in members if s.name.startswith("lifecycle.")), key=lambda s: s.start))
     for span in spans:
         found += [f"{span.name} {span.id}: {p}" for p in _promised(span)]

@@ -160,3 +160,39 @@ def test_tracing_configured_from_otel_variables() -> None:
         configure_tracing(env={"OTEL_TRACES_EXPORTER": "zipkin"})
     with pytest.raises(ValueError, match="http/json"):
         configure_tracing(env={"OTEL_TRACES_EXPORTER": "otlp", "OTEL_EXPORTER_OTLP_PROTOCOL": "http/json"})
+
+
+def test_a_call_handed_to_another_thread_carries_the_span_it_was_handed_in(exporter: InMemorySpanExporter) -> None:
+    """A pool's thread or a `threading.Thread` starts with an empty context: without `carried`, its
+    spans would be roots of traces of their own. The context is the thread's for the call only."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from opentelemetry import trace
+
+    from orchestrator.telemetry.tracing import carried
+
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer = provider.get_tracer("test")
+
+    def work(name: str) -> bool:
+        with tracer.start_as_current_span(name):
+            return True
+
+    def current_is_valid() -> bool:
+        return trace.get_current_span().get_span_context().is_valid
+
+    with ThreadPoolExecutor(1) as pool, tracer.start_as_current_span("parent") as parent:
+        assert pool.submit(carried(work), "pooled").result()
+        assert list(pool.map(carried(work), ["mapped"])) == [True]
+        assert not pool.submit(current_is_valid).result()  # detached after each call: its thread is clean
+        assert pool.submit(work, "uncarried").result()
+        thread = threading.Thread(target=carried(work), args=("threaded",))
+        thread.start()
+        thread.join()
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    for name in ("pooled", "mapped", "threaded"):
+        assert spans[name].parent is not None and spans[name].parent.span_id == parent.get_span_context().span_id
+        assert spans[name].context.trace_id == parent.get_span_context().trace_id
+    assert spans["uncarried"].parent is None  # what every POST of the per-TP-rank push was

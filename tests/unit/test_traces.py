@@ -54,7 +54,8 @@ class Process:
 
 
 def write_run(folder: Path) -> Path:
-    """Two steps from four processes, four files: the driver (batched), two trainer ranks, the engine."""
+    """Two steps from four processes, four files: the driver (batched), two trainer ranks, the engine;
+    and the start-up's and the close's traces, the driver's."""
     folder.mkdir(exist_ok=True)
     driver = Process(folder, "driver", "driver", batch=True)
     ranks = [Process(folder, f"trainer-{r}", "trainer", rank=r) for r in (0, 1)]
@@ -78,6 +79,14 @@ def write_run(folder: Path) -> Path:
             process.span("rank.train", phase, base + 10 + update + 1, base + 390 - 10 * rank)
         phase.end(end_time=T0 + (base + 400) * MS)
         root.end(end_time=T0 + (base + 400) * MS)
+    # The start-up's and the close's traces, which are no step's: not "rootless".
+    for name, child, at in (
+        ("colocate.start", "start.ranks", -100),
+        ("colocate.close", "POST /resume_memory_occupation", 2000),
+    ):
+        root = driver.start(name, None, at)
+        driver.span(child, root, at + 1, at + 9)
+        root.end(end_time=T0 + (at + 10) * MS)
     for process in (driver, *ranks, engine):
         process.provider.shutdown()
     return folder

@@ -19,7 +19,7 @@ from typing import Any, TypeAlias
 
 from orchestrator.errors import TraceError, TraceFileError
 from orchestrator.telemetry import semconv
-from orchestrator.telemetry.semconv import LIFECYCLE_PREFIX, START_SPAN, STEP_SPAN
+from orchestrator.telemetry.semconv import CLOSE_SPAN, LIFECYCLE_PREFIX, START_SPAN, STEP_SPAN
 from orchestrator.telemetry.tracing import parse_otlp_json
 from states import Event
 
@@ -175,7 +175,7 @@ def load(paths: Sequence[Path]) -> Traces:
         spans.sort(key=lambda s: (s.start_ns, -s.end_ns))
         root = next((s for s in spans if s.name == STEP_SPAN and s.parent_id is None), None)
         if root is None:
-            rootless += not any(s.name == START_SPAN and s.parent_id is None for s in spans)
+            rootless += not any(s.name in (START_SPAN, CLOSE_SPAN) and s.parent_id is None for s in spans)
             continue
         number = root.attributes.get(semconv.STEP)
         others = tuple(s for s in spans if s is not root)

@@ -18,6 +18,7 @@ from orchestrator.job.workers.payloads import SerializedBucket
 from orchestrator.job.workers.pool import WorkerPool
 from orchestrator.job.workers.trainer_rank import WEIGHT_GROUP, TrainerRank
 from orchestrator.protocols import BucketSink, RolloutEngine, TransferReport, WeightTransport
+from orchestrator.telemetry.tracing import carried
 
 if TYPE_CHECKING:
     from orchestrator.adapters.engines.sglang import SGLangGroup
@@ -114,7 +115,7 @@ class PerTpRankPush:
         """Each server its ranks' payloads, at once; the first failure is raised, once every
         server has answered: the ranks must hold the bucket until then."""
         posts = [
-            pool.submit(server.update_weights_from_payloads, payloads[share])
+            pool.submit(carried(server.update_weights_from_payloads), payloads[share])
             for server, share in zip(self.servers, self.shares, strict=True)
         ]
         wait(posts)

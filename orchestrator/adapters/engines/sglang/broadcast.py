@@ -17,6 +17,7 @@ from orchestrator.adapters.engines.sglang.wire import flattened_bucket
 from orchestrator.errors import EngineError
 from orchestrator.protocols import Named
 from orchestrator.telemetry.logs import note_leftover
+from orchestrator.telemetry.tracing import carried
 
 T = TypeVar("T")
 
@@ -134,11 +135,10 @@ class WeightBroadcaster:
         bucket = flattened_bucket(named)
         meta = bucket["metadata"]
         names, dtypes, shapes = [m.name for m in meta], [m.dtype for m in meta], [list(m.shape) for m in meta]
+        announcement = (names, dtypes, shapes, self.group_name, version)
         with ThreadPoolExecutor(len(self.engines), thread_name_prefix="sglang-announce") as pool:
             announced = {
-                e.name: pool.submit(
-                    e.update_weights_from_distributed, names, dtypes, shapes, self.group_name, version, flattened=True
-                )
+                e.name: pool.submit(carried(e.update_weights_from_distributed), *announcement, flattened=True)
                 for e in self.engines
             }
             work = torch.distributed.broadcast(bucket["flattened_tensor"], src=0, group=self._group, async_op=True)
@@ -161,8 +161,10 @@ class WeightBroadcaster:
 
 
 def _in_thread(call: Callable[..., T], *args: Any, **kwargs: Any) -> Future[T]:
-    """`call(*args, **kwargs)` in a daemon thread of its own; its outcome, as a future."""
+    """`call(*args, **kwargs)` in a daemon thread of its own, in the caller's trace context; its
+    outcome, as a future."""
     future: Future[T] = Future()
+    call = carried(call)
 
     def run() -> None:
         try:

@@ -21,6 +21,7 @@ from orchestrator.core.config import EnginePause
 from orchestrator.errors import ConfigError, EngineError
 from orchestrator.protocols import EngineDefaults, EngineFeatures, Named
 from orchestrator.telemetry.logs import note_leftover
+from orchestrator.telemetry.tracing import carried
 from states import EngineMemory
 
 
@@ -75,7 +76,7 @@ class SGLangGroup(EngineDefaults):
         if len(self.engines) == 1:
             return [call(self.engines[0])]
         with ThreadPoolExecutor(len(self.engines), thread_name_prefix="sglang") as pool:
-            return list(pool.map(call, self.engines))
+            return list(pool.map(carried(call), self.engines))
 
     def connect(self, timeout_s: float = 0.0) -> None:
         """Check every server answers and can serve colocated; take each one's TP size.
