@@ -128,7 +128,7 @@ def run_command(
     ] = None,
     report: Annotated[Path | None, typer.Option(help="Write the run report here, as JSON.")] = None,
     trace_dir: Annotated[Path | None, typer.Option(help="Write OTLP-JSON traces under this folder.")] = None,
-    log: Annotated[Path | None, typer.Option(help="Write one JSON log line per transition here.")] = None,
+    log: Annotated[Path | None, typer.Option(help="Write one JSON log line per transition here, and every process's notes.")] = None,
     rank_timeout: Annotated[
         float, typer.Option(help="Seconds any rank or the engine may take to answer a call (start-up: 300 at least).")
     ] = 120.0,

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import structlog
 from opentelemetry import trace
 from rich.console import Console
 from rich.markup import escape
@@ -135,6 +136,11 @@ def _progress(console: Console) -> Progress:
     )
 
 
+def _note(err: Console, line: str) -> None:
+    """A process's note at warning or above (its JSON log line), on stderr."""
+    err.print(f"[bold yellow]note:[/] {escape(line)}", soft_wrap=True)
+
+
 def _close_job(job: ColocatedJob, err: Console) -> None:
     try:
         job.close()
@@ -174,10 +180,13 @@ class Traces:
 
 
 @contextlib.contextmanager
-def _telemetry(traces: Traces, log_path: Path | None, delivery: Delivery) -> Iterator[list[Listener]]:
+def _telemetry(
+    traces: Traces, log_path: Path | None, delivery: Delivery, warn: Callable[[str], None]
+) -> Iterator[list[Listener]]:
     """The run's listeners: spans (to `traces.parts`, one file per process, and any OTEL_*
-    exporter, counted in `delivery`) and the JSON log. On the way out, however the run ends, every
-    span is flushed, the per-process files are merged into `traces.file` and the log is closed."""
+    exporter, counted in `delivery`) and the JSON log, which every process's notes join; those at
+    warning and above go to `warn` too. On the way out, however the run ends, every span is
+    flushed, the per-process files are merged into `traces.file` and the log is closed."""
     with contextlib.ExitStack() as stack:
         listeners: list[Listener] = []
         parts = traces.parts
@@ -189,9 +198,11 @@ def _telemetry(traces: Traces, log_path: Path | None, delivery: Delivery) -> Ite
             stack.callback(provider.shutdown)  # flushes every span, the fault's too
             trace.set_tracer_provider(provider)  # adapters in this process trace through it
             listeners.append(TracingListener(provider))
-        if log_path is not None:
-            log_file = stack.enter_context(log_path.open("a"))
-            listeners.append(LoggingListener(sink=configure_logging(log_file)))
+        log_file = stack.enter_context(log_path.open("a")) if log_path is not None else None
+        stack.callback(structlog.reset_defaults)  # before the log closes: no line goes to a closed file
+        sink = configure_logging(log_file, warn=warn)
+        if sink is not None:
+            listeners.append(LoggingListener(sink=sink))
         yield listeners
 
 
@@ -247,7 +258,7 @@ def _start_and_drive(
     the job: its report, and how the run ended. A failure before the job exists (telemetry that
     cannot start, say) ends the run with an empty report, raised on once the run is wrapped up."""
     try:
-        listeners = stack.enter_context(_telemetry(traces, log_path, delivery))
+        listeners = stack.enter_context(_telemetry(traces, log_path, delivery, warn=lambda line: _note(err, line)))
         progress = stack.enter_context(_progress(console))
         job = ColocatedJob(config, listeners, trace_dir=traces.parts, stop=CTRL_C.requested, resumed=resumed)
     except BaseException as exc:

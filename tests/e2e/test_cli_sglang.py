@@ -12,6 +12,9 @@ What this cannot show is SGLang's own behaviour beyond what the stand-in reprodu
 from __future__ import annotations
 
 import json
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,9 +22,9 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.support.cli import CYCLE, moved_once_at_the_end, run, served_versions, sglang_stand_ins
+from tests.support.cli import CYCLE, ROOT, moved_once_at_the_end, run, served_versions, sglang_stand_ins
 from tests.support.rewards import reward_rise, rise_needed
-from tests.support.trace_check import whole
+from tests.support.trace_check import read, whole
 
 pytest.importorskip("megatron.core")
 pytest.importorskip("transformers")
@@ -147,6 +150,64 @@ def test_a_broadcast_run_that_fails_hands_its_servers_back_and_a_second_run_goes
             assert requests.get(f"{url}/model_info", timeout=5).json()["weight_version"] == "4"
     steps = json.loads(report_path.read_text())["steps"]
     assert all(s["phases"] == CYCLE for s in steps)
+
+
+def leave_a_group(url: str) -> None:
+    """A trainer killed after joining the server's weight-update group: the group stays there."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    command = [sys.executable, "-m", "tests.support.broadcast_sender", url, "--port", port, "--versions", "0"]
+    killed = subprocess.Popen([*command, "--hold"], cwd=ROOT)
+    try:
+        deadline = time.monotonic() + 60
+        while requests.get(f"{url}/_stand_in/state", timeout=5).json()["groups"] != ["colocate_weights"]:
+            assert killed.poll() is None and time.monotonic() < deadline, "the sender left no group"
+            time.sleep(0.2)
+    finally:
+        killed.kill()  # between updates: nothing closes the group
+        killed.wait()
+
+
+def leftover_lines(log: Path) -> list[dict[str, object]]:
+    return [line for line in map(json.loads, log.read_text().splitlines()) if line["event"] == "leftover"]
+
+
+@pytest.mark.slow
+def test_a_leftover_group_found_in_rank_0s_process_reaches_the_log_and_stderr(tmp_path: Path) -> None:
+    """--ranks 2: rank 0's Ray actor hosts the group and finds the one a killed run left. Its
+    `leftover` warning is written to the driver's --log, with the process it came from and the
+    ids of the rank's span it was written in, and to stderr."""
+    log, traces = tmp_path / "log.jsonl", tmp_path / "traces"
+    with sglang_stand_ins(tmp_path / "model", join_groups=True) as (url,):
+        leave_a_group(url)
+        args = ["--engine", "sglang", "--engine-url", url, "--weight-sync", "broadcast", "--ranks", "2"]
+        done = run("run", *args, "--steps", "1", "--log", str(log), "--trace-dir", str(traces))
+        assert done.returncode == 0, done.stdout + done.stderr
+    (line,) = leftover_lines(log)
+    assert line["process"] == "rank 0" and line["level"] == "warning" and line["component"] == url
+    assert line["found"] == "a weight-update group named 'colocate_weights'" and line["done"] == "destroyed it"
+    (trace_file,) = traces.glob("*.otlp.jsonl")
+    (join,) = [s for s in read(trace_file) if s.name == "rank.join_weight_group"]
+    assert (line["trace_id"], line["span_id"]) == (join.trace, join.id)
+    assert "leftover" in done.stderr and "colocate_weights" in done.stderr
+
+
+@pytest.mark.slow
+def test_the_warning_of_a_call_that_fails_in_a_ranks_process_still_reaches_the_log(tmp_path: Path) -> None:
+    """Rank 0 destroys the leftover group (a warning line), then the server refuses to join: the
+    call fails, and its line still reaches the log and stderr."""
+    log = tmp_path / "log.jsonl"
+    with sglang_stand_ins(tmp_path / "model", join_groups=True) as (url,):
+        leave_a_group(url)
+        inject = {"fail_next_join": "the port is taken"}
+        assert requests.post(f"{url}/_stand_in/inject", json=inject, timeout=5).status_code == 200
+        args = ["--engine", "sglang", "--engine-url", url, "--weight-sync", "broadcast", "--ranks", "2"]
+        done = run("run", *args, "--steps", "1", "--log", str(log))
+    assert done.returncode == 1 and "the port is taken" in done.stderr, done.stdout + done.stderr
+    (line,) = leftover_lines(log)
+    assert line["process"] == "rank 0" and line["level"] == "warning" and line["done"] == "destroyed it"
+    assert "leftover" in done.stderr
 
 
 def test_broadcast_is_for_sglang() -> None:

@@ -65,9 +65,9 @@ def _run_failing_at_step_2(folder: str, ranks: int, raise_: str) -> None:
 
     logs: list[Any] = []
 
-    def configure_logging(file: Any) -> Any:
+    def configure_logging(file: Any, **kwargs: Any) -> Any:
         logs.append(file)
-        return real_logging(file)
+        return real_logging(file, **kwargs)
 
     def run_step(job: ColocatedJob) -> Any:
         if job.report.steps and job.report.steps[-1].loss is not None:

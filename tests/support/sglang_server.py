@@ -260,6 +260,7 @@ class StandInState:
     requests: list[tuple[str, Any]] = field(default_factory=list)
     traceparents: list[str | None] = field(default_factory=list)  # one per request
     fail_next_update: str | None = None
+    fail_next_join: str | None = None  # the next /init_weights_update_group is refused with these words
     paused: str | None = None
     model: Any = None  # a TransformersEngine that serves, or None (made-up tokens)
     join_groups: bool = False
@@ -490,6 +491,9 @@ def _init_group(server: SGLangStandIn, state: StandInState, body: dict[str, Any]
     answered 400 with its words. Without `join_groups`, the name is only registered, and a name
     the server has is refused with torch's words, at once."""
     name = body["group_name"]
+    if state.fail_next_join is not None:
+        words, state.fail_next_join = state.fail_next_join, None
+        return 400, {"success": False, "message": f"Failed to initialize custom process group: {words}."}
     try:
         if state.join_groups:
             from orchestrator.adapters.engines.sglang import weight_update_group
@@ -718,7 +722,7 @@ def _observed(state: StandInState) -> dict[str, Any]:
     }
 
 
-_INJECTABLE = ("fail_at_bucket", "fail_in_session", "fail_next_update")
+_INJECTABLE = ("fail_at_bucket", "fail_in_session", "fail_next_join", "fail_next_update")
 
 
 def _inject(server: SGLangStandIn, state: StandInState, body: dict[str, Any]) -> tuple[int, Any]:

@@ -39,6 +39,7 @@ class EngineReplica(Traced):
         self.rank = index if replicas > 1 else None
         if own_process:
             self.start_tracing(trace_file, rank=self.rank)
+            self.start_logging("engine" if replicas == 1 else f"engine {index}")
         self.index, self.replicas = index, replicas
         name = kind if replicas == 1 else f"{kind}[{index}]"
         self._closing = contextlib.ExitStack()

@@ -27,6 +27,7 @@ from orchestrator.job.workers.facades import ReplicaSet
 from orchestrator.job.workers.pool import Sentinels, WorkerPool, control, remote_class
 from orchestrator.job.workers.traced import Traced
 from orchestrator.job.workers.trainer_rank import TrainerRank
+from orchestrator.telemetry.logs import forward
 
 FLUSH_S = 2.0  # how long the processes together may take to flush their spans when the job ends
 
@@ -201,14 +202,22 @@ class RayPlacement:
         return ReplicaSet(replicas)
 
     def close(self, *, flush: bool) -> None:
-        """Flush the spans of every process that has some to give (if `flush`), within `FLUSH_S`
-        in all (a dead or stopped one has none), then end the actors and Ray."""
+        """Take the log lines every process kept since its last answer, and flush the spans of
+        every one that has some to give (if `flush`), within `FLUSH_S` in all (a dead or stopped
+        one has none), then end the actors and Ray."""
         import ray
 
         try:
-            if flush and self.actors:
-                refs = [control(actor, Traced.flush_traces) for actor in self.actors]
-                ray.wait(refs, num_returns=len(refs), timeout=FLUSH_S)
+            if self.actors:
+                lines = [control(actor, Traced.take_lines) for actor in self.actors]
+                flushed = [control(actor, Traced.flush_traces) for actor in self.actors] if flush else []
+                ray.wait([*lines, *flushed], num_returns=len(lines) + len(flushed), timeout=FLUSH_S)
+                for ref in lines:
+                    try:
+                        kept = ray.get(ref, timeout=0)
+                    except Exception:  # dead, stopped or slow: what it kept is lost with it
+                        continue
+                    forward(kept)
             for actor in self.actors:  # SIGKILL: a stopped process obeys it too
                 with contextlib.suppress(Exception):
                     ray.kill(actor, no_restart=True)

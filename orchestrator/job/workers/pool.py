@@ -6,7 +6,9 @@
     ranks.some([0, 1], TrainerRank.end_payloads)             # ranks 0 and 1 only
 
 The method is a reference to the worker class's own function, so mypy checks its arguments and
-result; the wire carries its name to `Traced.invoke` in the worker's process.
+result; the wire carries its name to `Traced.call` in the worker's process. Each answer brings
+the log lines the worker's process wrote, written here into the run's log (`telemetry.logs`); after
+a call that failed, they are asked for on each worker's control thread.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
 from orchestrator.errors import LifecycleError, RankFailed
 from orchestrator.job import interrupt
-from orchestrator.job.workers.traced import Traced
+from orchestrator.job.workers.traced import Answer, Traced
+from orchestrator.telemetry.logs import forward
 
 RANK_TIMEOUT_S = 120.0
 # Building a worker (imports, the model, the process group) on a loaded host takes far longer than
@@ -146,7 +149,7 @@ class WorkerPool(Generic[W]):
             self.pids = dict(enumerate(self.all(Traced.ready)))
             return
         ready = Traced.ready.__name__
-        refs = {i: worker.invoke.remote({}, ready) for i, worker in enumerate(self.workers)}
+        refs = {i: worker.call.remote({}, ready) for i, worker in enumerate(self.workers)}
         self.pids = dict(enumerate(self._gather(ready, refs, max(self.timeout, START_TIMEOUT_S), stop)))
         if self.sentinels is not None:
             for i, worker in enumerate(self.workers):
@@ -172,7 +175,7 @@ class WorkerPool(Generic[W]):
         headers = carrier()
         if not self.remote:
             return [self._local(index, headers, method, args, kwargs) for index in targets]
-        refs = {i: self.workers[i].invoke.remote(headers, method, *args, **kwargs) for i in targets}
+        refs = {i: self.workers[i].call.remote(headers, method, *args, **kwargs) for i in targets}
         return self._gather(method, refs, self.timeout)
 
     def _local(
@@ -188,6 +191,25 @@ class WorkerPool(Generic[W]):
     def _gather(
         self, method: str, refs: dict[int, Any], timeout: float, stop: threading.Event | None = None
     ) -> list[Any]:
+        """The results of `refs`, in worker order; their lines written here as each answers. A
+        failure is raised once the lines its workers kept (the failed call's among them) are."""
+        try:
+            return self._wait(method, refs, timeout, stop)
+        except Exception:
+            self._take_lines(list(refs))
+            raise
+
+    def _take_lines(self, indices: list[int]) -> None:
+        """The lines kept by the workers `indices` that are alive and not stopped, within `PROBE_S`."""
+        import ray
+
+        refs = [control(self.workers[i], Traced.take_lines) for i in indices if not self._stopped(i)]
+        answered, _ = ray.wait(refs, num_returns=len(refs), timeout=PROBE_S)
+        for ref in answered:
+            if _outcome(ref)[0] == "ok":  # a dead process has none to give
+                forward(ray.get(ref))
+
+    def _wait(self, method: str, refs: dict[int, Any], timeout: float, stop: threading.Event | None) -> list[Any]:
         import ray
 
         pending = {ref: index for index, ref in refs.items()}
@@ -209,10 +231,12 @@ class WorkerPool(Generic[W]):
                 raise self._death(method, refs, ready[0])
             index = pending.pop(ready[0])
             try:
-                results[index] = ray.get(ready[0])
+                answer: Answer = ray.get(ready[0])
             except Exception as exc:  # RayActorError, or the worker's own exception
                 self._settle(pending)
                 raise self._blame(method, refs, (index, exc)) from exc
+            forward(answer.lines)
+            results[index] = answer.result
         return [results[index] for index in refs]
 
     @staticmethod

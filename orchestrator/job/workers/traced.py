@@ -4,8 +4,20 @@ from __future__ import annotations
 
 import os
 import threading
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from orchestrator.telemetry.logs import Line, LineBuffer
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """A remote call's result, and the log lines its process wrote since its last answer."""
+
+    result: Any
+    lines: list[Line]
 
 
 class Traced:
@@ -18,12 +30,13 @@ class Traced:
     role = "worker"
     rank: int | None = None
     _provider: Any = None
+    _lines: LineBuffer | None = None  # in a process of its own: its log lines, until the driver takes them
     # Queries the lifecycle makes around every transition, and the driver's housekeeping: spans
     # for them would bury the work (or, for flush_traces, be roots of traces of their own).
     untraced = frozenset(
         {
             "ready", "tags", "layout", "state", "probe", "flush_traces", "device_memory", "footprint",
-            "region_bytes", "unallocated_bytes", "until_exit",
+            "region_bytes", "unallocated_bytes", "until_exit", "take_lines",
         }
     )  # fmt: skip
 
@@ -38,6 +51,24 @@ class Traced:
         self._provider = configure_tracing(rank=rank, trace_file=path, role=self.role)
         if self._provider is not None:
             trace.set_tracer_provider(self._provider)
+
+    def start_logging(self, process: str) -> None:
+        """In a process of its own: keep its log lines, named `process`, for the driver, which
+        writes them into the run's log (`telemetry.logs.forward`)."""
+        from orchestrator.telemetry.logs import keep_lines
+
+        self._lines = keep_lines(process)
+
+    def call(self, headers: dict[str, str], method: str, *args: Any, **kwargs: Any) -> Answer:
+        """`invoke` from the driver (`WorkerPool`), answered with the lines written since the
+        last answer. A call that raises leaves its lines for `take_lines`."""
+        result = self.invoke(headers, method, *args, **kwargs)
+        return Answer(result, self.take_lines())
+
+    def take_lines(self) -> list[Line]:
+        """The log lines written since they were last taken (on the control thread, after a call
+        that failed or before the process ends)."""
+        return self._lines.take() if self._lines is not None else []
 
     def invoke(self, headers: dict[str, str], method: str, *args: Any, **kwargs: Any) -> Any:
         """Run `method` under the caller's trace context. `WorkerPool` is the one caller: it

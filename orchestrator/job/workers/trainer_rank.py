@@ -108,6 +108,7 @@ class TrainerRank(Traced, PayloadSource):
         self.rank = rank
         if own_process:
             self.start_tracing(trace_file, rank)
+            self.start_logging(f"rank {rank}")
         # megatron.core before anything that may import torch_memory_saver (orchestrator/adapters/regions/tms.py says why)
         from orchestrator.adapters.megatron.build import build_gpt, init_process_group
         from orchestrator.adapters.megatron.trainer import MegatronTrainer
