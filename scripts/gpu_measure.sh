@@ -12,6 +12,8 @@
 #        -> step_<model>.json
 # ckpt:  colocate run --device cuda --ranks 1, 4 steps saving every 2, then resumed from step 2, per model
 #        (CKPT_MODELS=..., default tiny qwen-0.5b) -> checkpoint.json: SHA256s, rewards, save and load seconds, bytes
+# families: colocate run --device cuda --model qwen3-4b (whole), glm-5 and deepseek-v3 (3 layers, 16 experts)
+#        (FAMILIES="name:layers:experts ...", FAMILY_STEPS) -> family_<model>.json
 # Everything's output also goes to $OUT/<part>.log.
 set -uo pipefail
 OUT=${OUT:?set OUT to the folder for the results}
@@ -112,12 +114,24 @@ PYEOF
   rm -rf "$dir"
 }
 
+families() {
+  # NAME:LAYERS:EXPERTS, empty for the published count; one GPU, the default offload (auto)
+  for entry in ${FAMILIES:-qwen3-4b:: glm-5:3:16 deepseek-v3:3:16}; do
+    IFS=: read -r model layers experts <<< "$entry"
+    timeout "${RUN_TIMEOUT:-240}" $PY -m orchestrator.cli run --device cuda --ranks 1 --model "$model" \
+      ${layers:+--layers "$layers"} ${experts:+--experts "$experts"} --steps "${FAMILY_STEPS:-8}" \
+      --report "$OUT/family_$model.json" 2>&1 | tee -a "$OUT/families.log" | tail -32
+    nvidia-smi --query-gpu=memory.used,memory.total --format=csv >> "$OUT/families.log" 2>&1
+  done
+}
+
 case "$PART" in
   all) tests; runs; bench ;;
+  families) families ;;
   step) step ;;
   ckpt) ckpt ;;
   tests) tests ;;
   runs) runs ;;
   bench) bench ;;
-  *) echo "unknown part $PART: all, tests, runs, bench, step or ckpt" >&2; exit 2 ;;
+  *) echo "unknown part $PART: all, tests, runs, bench, step, ckpt or families" >&2; exit 2 ;;
 esac
