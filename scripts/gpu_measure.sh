@@ -13,7 +13,7 @@
 # ckpt:  colocate run --device cuda --ranks 1, 4 steps saving every 2, then resumed from step 2, per model
 #        (CKPT_MODELS=..., default tiny qwen-0.5b) -> checkpoint.json: SHA256s, rewards, save and load seconds, bytes
 # families: colocate run --device cuda --model qwen3-4b (whole), glm-5 and deepseek-v3 (3 layers, 16 experts)
-#        (FAMILIES="name:layers:experts ...", FAMILY_STEPS) -> family_<model>.json
+#        (FAMILIES="name:layers:experts ...", FAMILY_STEPS, FAMILY_OPTIONS: other run options) -> family_<model>.json
 # Everything's output also goes to $OUT/<part>.log.
 set -uo pipefail
 OUT=${OUT:?set OUT to the folder for the results}
@@ -119,7 +119,7 @@ families() {
   for entry in ${FAMILIES:-qwen3-4b:: glm-5:3:16 deepseek-v3:3:16}; do
     IFS=: read -r model layers experts <<< "$entry"
     timeout "${RUN_TIMEOUT:-240}" $PY -m orchestrator.cli run --device cuda --ranks 1 --model "$model" \
-      ${layers:+--layers "$layers"} ${experts:+--experts "$experts"} --steps "${FAMILY_STEPS:-8}" \
+      ${layers:+--layers "$layers"} ${experts:+--experts "$experts"} --steps "${FAMILY_STEPS:-8}" ${FAMILY_OPTIONS:-} \
       --report "$OUT/family_$model.json" 2>&1 | tee -a "$OUT/families.log" | tail -32
     nvidia-smi --query-gpu=memory.used,memory.total --format=csv >> "$OUT/families.log" 2>&1
   done
