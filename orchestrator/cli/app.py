@@ -128,7 +128,9 @@ def run_command(
     ] = None,
     report: Annotated[Path | None, typer.Option(help="Write the run report here, as JSON.")] = None,
     trace_dir: Annotated[Path | None, typer.Option(help="Write OTLP-JSON traces under this folder.")] = None,
-    log: Annotated[Path | None, typer.Option(help="Write one JSON log line per transition here, and every process's notes.")] = None,
+    log: Annotated[
+        Path | None, typer.Option(help="Write one JSON log line per transition here, and every process's notes.")
+    ] = None,
     rank_timeout: Annotated[
         float, typer.Option(help="Seconds any rank or the engine may take to answer a call (start-up: 300 at least).")
     ] = 120.0,
@@ -185,9 +187,12 @@ def run_command(
         problems.append(f"--prompts must be at least 1, got {prompts}")
     if group_size is not None and group_size < 2:
         problems.append(f"--group-size must be at least 2 (advantages are relative within a group), got {group_size}")
-    sizes = {"prompts_per_step": prompts, "group_size": group_size}
     with contextlib.suppress(ConfigError):  # a size refused is named above
-        grpo = dataclasses.replace(grpo, **{k: v for k, v in sizes.items() if v is not None})
+        grpo = dataclasses.replace(
+            grpo,
+            prompts_per_step=grpo.prompts_per_step if prompts is None else prompts,
+            group_size=grpo.group_size if group_size is None else group_size,
+        )
     try:
         config = RunConfig(
             grpo=grpo,

@@ -182,8 +182,7 @@ class ColocatedJob:
         # The config guards judge the Megatron flags the ranks really built with.
         with _part(semconv.START_LIFECYCLE_SPAN):
             self._lifecycle = self._build_lifecycle(ranks, listeners)
-        layout = self._lifecycle.snapshot().layout
-        self.report.param_bytes_bf16_per_rank, self.report.params_per_rank = layout.param_bytes, layout.params
+        self.report.built(self._lifecycle.snapshot().layout)
 
     def _build_lifecycle(self, ranks: WorkerPool[TrainerRank], listeners: list[Listener]) -> Lifecycle:
         cfg = self.config

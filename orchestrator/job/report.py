@@ -9,7 +9,7 @@ from typing import Any, Protocol
 
 from orchestrator.telemetry import semconv
 from orchestrator.telemetry.listeners import Listener, TransitionRecord
-from states import Event, Phase
+from states import Event, Phase, TrainerLayout
 
 
 @dataclass
@@ -56,6 +56,10 @@ class RunReport:
     # Spans the driver's OTLP exporter could not deliver (docs/tracing.md); the rank and engine
     # processes export on their own and are not counted here
     spans_dropped: int = 0
+
+    def built(self, layout: TrainerLayout) -> None:
+        """What each rank built: its params, and their bf16 bytes."""
+        self.param_bytes_bf16_per_rank, self.params_per_rank = layout.param_bytes, layout.params
 
     @classmethod
     def from_dict(cls, saved: dict[str, Any]) -> RunReport:
