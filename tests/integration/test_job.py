@@ -143,7 +143,7 @@ def test_every_process_side_span_has_its_rank_memory_and_a_parent(spans: InMemor
             assert isinstance(span.attributes.get("colocate.memory_after"), int), span.name
             expected_rank = 0 if span.name.startswith("rank.") else None
             assert span.attributes.get("colocate.rank") == expected_rank, span.name
-    assert {s.name for s in found if s.parent is None} == {"colocate.start", "colocate.step"}
+    assert {s.name for s in found if s.parent is None} == {"colocate.start", "colocate.step", "colocate.close"}
     regions = {s.name: set() for s in found if s.name in ("rank.pause", "rank.resume")}
     for span in found:
         if span.name in regions:
