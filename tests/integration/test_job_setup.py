@@ -48,3 +48,40 @@ def test_overlap_param_gather_in_the_real_ddp_config_is_refused(tmp_path: Path) 
         pytest.fail("the job did not start or refuse within 240 s")
     text = out.read_text()
     assert "no_overlap_param_gather" in text, text
+
+
+def _job_serving_another_config(out: str) -> None:
+    """In a fresh process: a family model whose served config (what the engine builds) has another
+    norm eps than the model the ranks build."""
+    import transformers
+
+    from orchestrator.adapters.megatron.gpt import GPTConfig
+    from orchestrator.errors import ConfigError
+    from orchestrator.job.grpo import GRPOConfig, TaskConfig
+    from orchestrator.job.job import ColocatedJob, RunConfig
+    from orchestrator.models import read_config
+
+    sizes = dict(vocab_size=32, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16)
+    built = transformers.Qwen3Config(**sizes, intermediate_size=64, num_hidden_layers=1, rms_norm_eps=1e-6)
+    served = {**built.to_dict(), "rms_norm_eps": 1e-5}
+    model = GPTConfig(model=read_config(built.to_dict(), source="built"), served=served)
+    grpo = GRPOConfig(model=model, task=TaskConfig(vocab_size=32), prompts_per_step=2, group_size=2)
+    try:
+        with ColocatedJob(RunConfig(steps=1, ranks=1, grpo=grpo)):
+            pass
+        Path(out).write_text("accepted")
+    except ConfigError as error:
+        Path(out).write_text(str(error))
+
+
+def test_a_rank_refuses_a_family_model_whose_served_config_computes_otherwise(tmp_path: Path) -> None:
+    """Before any weight is sent: the rank's Megatron model against the config the engine builds."""
+    out = tmp_path / "result.txt"
+    process = context().Process(target=_job_serving_another_config, args=(str(out),))
+    process.start()
+    process.join(240)
+    if process.is_alive():
+        process.kill()
+        pytest.fail("the job did not start or refuse within 240 s")
+    text = out.read_text()
+    assert "rms_norm_eps" in text, text

@@ -59,6 +59,7 @@ def _conversion_shape(chunks: list[Any], model: Any) -> Any:
     from orchestrator.adapters.megatron.convert.served import served_problems
     from orchestrator.adapters.megatron.gpt import GPTConfig
     from orchestrator.errors import ConfigError
+    from orchestrator.models import read_config
 
     if not isinstance(model, GPTConfig):
         return model
@@ -66,7 +67,7 @@ def _conversion_shape(chunks: list[Any], model: Any) -> Any:
     if problems:
         raise ConfigError(problems)
     shape = model_spec(chunks)
-    problems = served_problems(shape, model.model)
+    problems = served_problems(shape, read_config(model.served, source="the served config"))
     if problems:
         raise ConfigError(problems)
     return shape
