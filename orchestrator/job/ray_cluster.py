@@ -41,6 +41,10 @@ LOOPBACK = "127.0.0.1"
 LOOPBACK_FOR_RAY = "[::ffff:127.0.0.1]"
 REACH_S = 5.0  # how long the address of a cluster may take to accept a connection
 HEAD_START_S = 120.0  # `ray start --head` on a loaded machine
+# How many tasks' events the private cluster's GCS keeps for Ray's state API (`ray list tasks`),
+# the oldest dropped first: Ray's default, 100,000, let the GCS grow with every step of a long run
+# (each step is many actor calls; benchmarks/soak.py). A user's RAY_task_events_max_num_task_in_gcs wins.
+TASK_EVENTS_KEPT = 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -249,6 +253,7 @@ def _start_head(cpus: int, gpus: int | None, temp_dir: Path, stop: threading.Eve
     # MARK names the cluster in the environment of each of its processes (`head_processes`).
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", MARK: str(temp_dir)}
     env.pop("RAY_ADDRESS", None)
+    env.setdefault("RAY_task_events_max_num_task_in_gcs", str(TASK_EVENTS_KEPT))
     if gpus == 0:  # the cluster's every process, its workers too, sees no GPU
         env["CUDA_VISIBLE_DEVICES"] = ""
     gpu_count = [] if gpus is None else [f"--num-gpus={gpus}"]

@@ -1,5 +1,6 @@
 """Where `colocate run`'s Ray comes from, run as a user runs it: the private cluster listens on
-loopback only, a user's cluster is attached to and left running, a bad address is named."""
+loopback only and its GCS keeps the events of a bounded number of tasks, a user's cluster is
+attached to and left running, a bad address is named."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from orchestrator.job.ray_cluster import TASK_EVENTS_KEPT
 from orchestrator.job.ray_reaper import head_processes
 from tests.support.cli import ROOT, colocate, run
 
@@ -29,6 +31,7 @@ pytest.importorskip("transformers")
 psutil = pytest.importorskip("psutil")
 
 pytestmark = pytest.mark.slow
+TASK_EVENTS = "RAY_task_events_max_num_task_in_gcs"
 
 
 def is_loopback(ip: str) -> bool:
@@ -86,7 +89,8 @@ def temp() -> Iterator[Path]:
 
 def test_a_private_run_listens_on_loopback_only(temp: Path, tmp_path: Path) -> None:
     log = tmp_path / "log.jsonl"
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")} | {"TMPDIR": str(temp)}
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE", TASK_EVENTS)}
+    env["TMPDIR"] = str(temp)
     proc = subprocess.Popen(
         colocate("run", "--steps", "3", "--ranks", "2", "--log", str(log)),  # still going while step 2 is looked at
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -97,7 +101,11 @@ def test_a_private_run_listens_on_loopback_only(temp: Path, tmp_path: Path) -> N
         # takes seconds, and the run's last step could end it, and its cluster, first.
         os.kill(proc.pid, signal.SIGSTOP)
         try:
-            seen = listeners(processes(proc.pid, temp))
+            found = processes(proc.pid, temp)
+            seen = listeners(found)
+            kept = {
+                psutil.Process(pid).environ().get(TASK_EVENTS) for pid, name in found.items() if name == "gcs_server"
+            }
         finally:
             os.kill(proc.pid, signal.SIGCONT)
     finally:
@@ -106,6 +114,7 @@ def test_a_private_run_listens_on_loopback_only(temp: Path, tmp_path: Path) -> N
     print(f"{len(seen)} listening sockets:", sorted(seen))
     assert {"gcs_server", "raylet"} <= names, f"the run's Ray processes were not found: {names}"
     assert [s for s in seen if not is_loopback(s[0])] == []
+    assert kept == {str(TASK_EVENTS_KEPT)}  # its GCS keeps the last 1,000 tasks' events, not Ray's 100,000
     assert proc.returncode == 0, stdout + stderr
     assert "Token authentication is enabled" not in stderr  # Ray's advice to turn it off is not shown
     # The private cluster went with the run: no process of it, no folder.
