@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -38,15 +39,19 @@ def _job_with_overlapping_param_gather(out: str) -> None:
         Path(out).write_text(str(error))
 
 
-def test_overlap_param_gather_in_the_real_ddp_config_is_refused(tmp_path: Path) -> None:
-    out = tmp_path / "result.txt"
-    process = context().Process(target=_job_with_overlapping_param_gather, args=(str(out),))
+def _in_a_fresh_process(job: Callable[[str], None], out: Path) -> str:
+    """What `job` wrote to `out`, run in a process of its own within 240 s."""
+    process = context().Process(target=job, args=(str(out),))
     process.start()
     process.join(240)
     if process.is_alive():
         process.kill()
         pytest.fail("the job did not start or refuse within 240 s")
-    text = out.read_text()
+    return out.read_text()
+
+
+def test_overlap_param_gather_in_the_real_ddp_config_is_refused(tmp_path: Path) -> None:
+    text = _in_a_fresh_process(_job_with_overlapping_param_gather, tmp_path / "result.txt")
     assert "no_overlap_param_gather" in text, text
 
 
@@ -76,12 +81,5 @@ def _job_serving_another_config(out: str) -> None:
 
 def test_a_rank_refuses_a_family_model_whose_served_config_computes_otherwise(tmp_path: Path) -> None:
     """Before any weight is sent: the rank's Megatron model against the config the engine builds."""
-    out = tmp_path / "result.txt"
-    process = context().Process(target=_job_serving_another_config, args=(str(out),))
-    process.start()
-    process.join(240)
-    if process.is_alive():
-        process.kill()
-        pytest.fail("the job did not start or refuse within 240 s")
-    text = out.read_text()
+    text = _in_a_fresh_process(_job_serving_another_config, tmp_path / "result.txt")
     assert "rms_norm_eps" in text, text
