@@ -12,6 +12,7 @@ from typing import Annotated, Any
 import typer
 from rich.console import Console
 
+from orchestrator.cli.check import CHECK_HELP, check_command
 from orchestrator.cli.plan.command import PLAN_HELP, plan_command
 from orchestrator.core import diagram
 from orchestrator.core.config import Device, DigestMethod, EngineKind, EnginePause, WeightSync
@@ -319,6 +320,7 @@ def trace_timeline_command(
 
 
 app.command("plan", help=PLAN_HELP)(plan_command)
+app.command("check", help=CHECK_HELP)(check_command)
 
 
 def main() -> None:

@@ -1,0 +1,20 @@
+"""`colocate check`: a preflight of the user's real set-up, before a run starts.
+
+Each group of checks reads one part of the set-up (this machine's memory, the engine servers,
+the conversion, the mode's refusals, the runtime) and returns rows: a verdict, what it read,
+and for a failure the fix in one line. Nothing is changed on any server or on the machine."""
+
+from __future__ import annotations
+
+from orchestrator.job.check.rows import Check, Outcome, Row, SetUp, run_checks
+
+# The groups, in the order the table shows them.
+GROUPS: tuple[Check, ...] = ()
+
+
+def check(setup: SetUp) -> list[Row]:
+    """Every row of every group."""
+    return run_checks(setup, GROUPS)
+
+
+__all__ = ["GROUPS", "Check", "Outcome", "Row", "SetUp", "check", "run_checks"]
