@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from pathlib import Path
 
@@ -55,9 +56,9 @@ def test_overlap_param_gather_in_the_real_ddp_config_is_refused(tmp_path: Path) 
     assert "no_overlap_param_gather" in text, text
 
 
-def _job_serving_another_config(out: str) -> None:
+def _job_serving_another_config(ranks: int, out: str) -> None:
     """In a fresh process: a family model whose served config (what the engine builds) has another
-    norm eps than the model the ranks build."""
+    norm eps than the model the ranks build, in this process (1 rank) or in Ray actors (2)."""
     import transformers
 
     from orchestrator.adapters.megatron.gpt import GPTConfig
@@ -72,14 +73,19 @@ def _job_serving_another_config(out: str) -> None:
     model = GPTConfig(model=read_config(built.to_dict(), source="built"), served=served)
     grpo = GRPOConfig(model=model, task=TaskConfig(vocab_size=32), prompts_per_step=2, group_size=2)
     try:
-        with ColocatedJob(RunConfig(steps=1, ranks=1, grpo=grpo)):
+        with ColocatedJob(RunConfig(steps=1, ranks=ranks, grpo=grpo)):
             pass
         Path(out).write_text("accepted")
     except ConfigError as error:
         Path(out).write_text(str(error))
+    except Exception as error:  # a refusal that is not a ConfigError would exit 1, not 2
+        Path(out).write_text(f"not a ConfigError: {type(error).__name__}: {error}")
 
 
-def test_a_rank_refuses_a_family_model_whose_served_config_computes_otherwise(tmp_path: Path) -> None:
-    """Before any weight is sent: the rank's Megatron model against the config the engine builds."""
-    text = _in_a_fresh_process(_job_serving_another_config, tmp_path / "result.txt")
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_rank_refuses_a_family_model_whose_served_config_computes_otherwise(ranks: int, tmp_path: Path) -> None:
+    """Before any weight is sent: the rank's Megatron model against the config the engine builds.
+    At 2 ranks the refusal is raised in a Ray actor's construction, and reaches the driver as the
+    ConfigError it is (bad input, exit 2), not as a rank that died."""
+    text = _in_a_fresh_process(functools.partial(_job_serving_another_config, ranks), tmp_path / "result.txt")
     assert "rms_norm_eps" in text, text

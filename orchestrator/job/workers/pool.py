@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar
 
-from orchestrator.errors import LifecycleError, RankFailed
+from orchestrator.errors import ConfigError, LifecycleError, RankFailed
 from orchestrator.job import interrupt
 from orchestrator.job.workers.traced import Answer, Traced
 from orchestrator.telemetry.logs import forward
@@ -37,12 +37,32 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-def remote_class(cls: type) -> Any:
+def remote_class(cls: type[Traced]) -> Any:
     """`cls` as a Ray actor class whose `probe` and `flush_traces` run on a thread of their own,
-    and `until_exit` on another."""
+    and `until_exit` on another; a ConfigError its construction raises is kept for `ready`."""
     import ray
 
-    return ray.remote(concurrency_groups={CONTROL: 1, WATCH: 1})(cls)  # type: ignore[call-overload]
+    return ray.remote(concurrency_groups={CONTROL: 1, WATCH: 1})(_keeping_refusals(cls))  # type: ignore[call-overload]
+
+
+def _keeping_refusals(cls: type[Traced]) -> type[Traced]:
+    """`cls`, but a ConfigError raised while it is built (a set-up the worker refuses) is raised
+    again by `ready`, the driver's first call. Ray keeps only the text of an error raised in an
+    actor's construction, so the driver could not tell a refusal (exit 2) from a crash; an error
+    raised in a call arrives whole (`RayTaskError.cause`), and `WorkerPool.start` raises it."""
+
+    def __init__(self: Traced, *args: Any, **kwargs: Any) -> None:
+        try:
+            cls.__init__(self, *args, **kwargs)
+        except ConfigError as exc:
+            self.refusal = exc
+
+    def ready(self: Traced) -> int:
+        if self.refusal is not None:
+            raise self.refusal
+        return cls.ready(self)
+
+    return type(cls.__name__, (cls,), {"__init__": __init__, "ready": ready, "refusal": None})
 
 
 def control(actor: Any, method: Callable[[Any], Any]) -> Any:
@@ -148,9 +168,16 @@ class WorkerPool(Generic[W]):
         if not self.remote:
             self.pids = dict(enumerate(self.all(Traced.ready)))
             return
+        from ray.exceptions import RayTaskError
+
         ready = Traced.ready.__name__
         refs = {i: worker.call.remote({}, ready) for i, worker in enumerate(self.workers)}
-        self.pids = dict(enumerate(self._gather(ready, refs, max(self.timeout, START_TIMEOUT_S), stop)))
+        try:
+            self.pids = dict(enumerate(self._gather(ready, refs, max(self.timeout, START_TIMEOUT_S), stop)))
+        except RankFailed as failed:  # a set-up the worker refused is bad input, as in this process
+            if isinstance(failed.cause, RayTaskError) and isinstance(failed.cause.cause, ConfigError):
+                raise failed.cause.cause from None
+            raise
         if self.sentinels is not None:
             for i, worker in enumerate(self.workers):
                 self.sentinels.watch(worker, self._name(i), self.pids[i])
