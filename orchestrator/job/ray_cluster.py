@@ -249,7 +249,8 @@ def _start_head(cpus: int, gpus: int | None, temp_dir: Path, stop: threading.Eve
     # process's: RAY_AUTH_MODE=token turns the token check on in every one of them, and
     # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 keeps Ray from replacing --node-ip-address 127.0.0.1
     # with the host's outward IP. With a loopback node IP, Ray binds its GCS, raylet, workers and
-    # agents to loopback. The dashboard, which would listen on a port of its own, is not started.
+    # agents to loopback. The dashboard's UI, which would listen on a port of its own, is not
+    # started; Ray's minimal dashboard head (usage stats only, which are off) listens on none.
     # MARK names the cluster in the environment of each of its processes (`head_processes`).
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", MARK: str(temp_dir)}
     env.pop("RAY_ADDRESS", None)
