@@ -8,6 +8,10 @@ GPU, what the driver says each pause frees and what each phase holds above the b
 
     python benchmarks/plan_vs_measured.py --measure --dp 1 2 --out measured.json   # build, measure
     python benchmarks/plan_vs_measured.py --measured measured.json                 # print side by side
+    python benchmarks/plan_vs_measured.py --timing benchmarks/step_llama-1b.always.h200.json  # seconds
+
+`--timing` compares the time model's seconds per phase with what `step_overhead.py` recorded
+(`benchmarks/timing_vs_measured.py`), without building anything.
 """
 
 from __future__ import annotations
@@ -327,7 +331,18 @@ def main() -> None:
     parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (divides every DP size)")
     parser.add_argument("--out", type=Path, help="write the measurements here as JSON")
     parser.add_argument("--measured", type=Path, help="show these measurements instead of measuring")
+    parser.add_argument(
+        "--timing",
+        type=Path,
+        nargs="+",
+        help="step_overhead.py (or families) JSON: the time model's seconds against them",
+    )
     args = parser.parse_args()
+    if args.timing:
+        from benchmarks import timing_vs_measured
+
+        timing_vs_measured.main([str(p) for p in args.timing] + (["--out", str(args.out)] if args.out else []))
+        return
     if args.measured is not None:
         measured = json.loads(args.measured.read_text())
     elif args.measure:

@@ -10,6 +10,7 @@ import typer
 
 from orchestrator.errors import ConfigError
 from orchestrator.models import ModelShape
+from orchestrator.plan.figures import DEVICE_COPY_GBPS, IB_GBPS, NVLINK_GBPS, PUBLISHED_RATES, LinkRates
 from orchestrator.plan.memory import EngineSpec, GradDtype, OptimizerSpec, Parallelism, Plan, plan
 from orchestrator.plan.model import LayerSpec
 from orchestrator.plan.offload import PINNED_COPY_GBPS
@@ -82,6 +83,24 @@ class PlanOptions:
     offload: Offload = Offload.AUTO
     pcie_gbps: float = PINNED_COPY_GBPS
     gpus_per_node: int = 8
+    # The time model's other links (the pinned one is `pcie_gbps`) and the train's seconds.
+    device_copy_gbps: float = DEVICE_COPY_GBPS
+    nvlink_gbps: float = NVLINK_GBPS
+    ib_gbps: float = IB_GBPS
+    train_seconds: float | None = None
+
+    def rates(self) -> LinkRates:
+        """The links' rates these options give: the published figures where none is given."""
+        published = (PINNED_COPY_GBPS, DEVICE_COPY_GBPS, NVLINK_GBPS, IB_GBPS)
+        given = (self.pcie_gbps, self.device_copy_gbps, self.nvlink_gbps, self.ib_gbps)
+        return LinkRates(
+            to_host_gbps=self.pcie_gbps,
+            from_host_gbps=self.pcie_gbps,
+            device_copy_gbps=self.device_copy_gbps,
+            nvlink_gbps=self.nvlink_gbps,
+            ib_gbps=self.ib_gbps,
+            source=PUBLISHED_RATES if given == published else "published H200 figures, with the rates given",
+        )
 
     def plan(self) -> Plan:
         """The plan these options describe, or one ConfigError naming every problem with them."""
@@ -100,6 +119,17 @@ class PlanOptions:
             cuda_graph_gb=self.cuda_graph_gb,
             gpus_per_node=self.gpus_per_node,
         )
+        problems += [
+            f"{flag} must be a positive rate, got {rate}"
+            for flag, rate in (
+                ("--device-copy-gbps", self.device_copy_gbps),
+                ("--nvlink-gbps", self.nvlink_gbps),
+                ("--ib-gbps", self.ib_gbps),
+            )
+            if not rate > 0
+        ]
+        if self.train_seconds is not None and not self.train_seconds >= 0:
+            problems.append(f"--train-seconds must be >= 0, got {self.train_seconds}")
         etp_given = {} if self.etp is None else {"etp": self.etp}  # not given: TP, as Megatron's
         layout = Parallelism(
             tp=self.tp, pp=self.pp, dp=self.dp, ep=self.ep, **etp_given,
@@ -149,6 +179,17 @@ OffloadOption = Annotated[
     typer.Option("--offload", help="Which of grad_buffer, default leave the GPU for the rollout: auto decides."),
 ]
 PcieGbps = Annotated[float, typer.Option(help="Pinned host<->device copy rate each way, GB/s, to price a move.")]
-GpusPerNode = Annotated[int, typer.Option(help="GPUs per node, for the node totals.")]
+GpusPerNode = Annotated[int, typer.Option(help="GPUs per node, for the node totals and which links a group crosses.")]
+DeviceCopyGbps = Annotated[
+    float, typer.Option(help="Device-to-device copy rate, GB/s of bytes copied (an H200: 2,100 measured).")
+]
+NvlinkGbps = Annotated[float, typer.Option(help="NVLink rate per GPU, one direction, GB/s (NVLink 4: 450).")]
+IbGbps = Annotated[float, typer.Option(help="InfiniBand rate per GPU's NIC, one direction, GB/s (NDR: 50).")]
+TrainSeconds = Annotated[
+    float | None,
+    typer.Option(
+        help="One step's forward + backward, s: how much of the moments' stream it hides (unknown if not given)."
+    ),
+]
 
 DEFAULTS = PlanOptions(model="")  # the defaults, once
