@@ -70,6 +70,15 @@ def control(actor: Any, method: Callable[[Any], Any]) -> Any:
     return actor.invoke.options(concurrency_group=CONTROL).remote({}, method.__name__)
 
 
+def _raise_refusal(failed: RankFailed) -> None:
+    """Raise the ConfigError a worker raised, if that is why it failed (`_keeping_refusals`)."""
+    from ray.exceptions import RayTaskError
+
+    cause = failed.cause.cause if isinstance(failed.cause, RayTaskError) else None
+    if isinstance(cause, ConfigError):
+        raise cause from None
+
+
 def _outcome(ref: Any) -> tuple[str, BaseException | None]:
     """Where a remote call stands now: ok, pending, died (its process) or raised."""
     import ray
@@ -168,15 +177,12 @@ class WorkerPool(Generic[W]):
         if not self.remote:
             self.pids = dict(enumerate(self.all(Traced.ready)))
             return
-        from ray.exceptions import RayTaskError
-
         ready = Traced.ready.__name__
         refs = {i: worker.call.remote({}, ready) for i, worker in enumerate(self.workers)}
         try:
             self.pids = dict(enumerate(self._gather(ready, refs, max(self.timeout, START_TIMEOUT_S), stop)))
         except RankFailed as failed:  # a set-up the worker refused is bad input, as in this process
-            if isinstance(failed.cause, RayTaskError) and isinstance(failed.cause.cause, ConfigError):
-                raise failed.cause.cause from None
+            _raise_refusal(failed)
             raise
         if self.sentinels is not None:
             for i, worker in enumerate(self.workers):
