@@ -36,7 +36,8 @@ OverlapParamGather = Annotated[
 PrecisionAware = Annotated[
     bool,
     typer.Option(
-        "--use-precision-aware-optimizer", "--precision-aware-optimizer", help="The optimizer casts in its own step."
+        "--precision-aware-optimizer",
+        help="The optimizer casts in its own step (Megatron-LM's use_precision_aware_optimizer).",
     ),
 ]
 OptimizerCpuOffload = Annotated[

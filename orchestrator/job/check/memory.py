@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from orchestrator.job.capacity import PROCESS_BYTES
 from orchestrator.job.check.host import HostMemory
 from orchestrator.job.check.rows import Outcome, Row, SetUp
-from orchestrator.job.preflight import Machine
 from orchestrator.plan.memory import Plan
 from orchestrator.plan.writers import node_written
 
@@ -200,5 +199,7 @@ def judge(p: Plan, *, gpus: Sequence[Gpu], host: HostMemory, available: int) -> 
 
 def rows(setup: SetUp) -> list[Row]:
     """Read this machine, then judge the plan against it."""
+    from orchestrator.job.preflight import Machine  # torch, and the job's config: not on import
+
     machine = Machine.probe()
     return judge(setup.plan, gpus=gpus_now(machine.gpus), host=HostMemory.read(), available=machine.available_bytes)

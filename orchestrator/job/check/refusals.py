@@ -29,7 +29,7 @@ FIXES: dict[str, str] = {
     "optimizer_enabled": "give the run an optimizer (drop --no-optimizer), or --mode backup",
     "no_old_actor_copy": "drop --keep-old-actor, or --mode backup",
     "no_overlap_param_gather": "drop --overlap-param-gather (Megatron's DDP config), or --mode backup",
-    "optimizer_casts_mains": "drop --use-precision-aware-optimizer, or add --optimizer-cpu-offload, or --mode backup",
+    "optimizer_casts_mains": "drop --precision-aware-optimizer, or add --optimizer-cpu-offload, or --mode backup",
     "not_debug_train_only": "drop --debug-train-only: a run that never updates weights is train-only, not colocated",
 }
 
@@ -41,7 +41,7 @@ def rows(setup: SetUp) -> list[Row]:
     out = []
     for check in CHECKS[mode]:
         verdict = check(training)
-        read = f"{mode.value}: {'admitted' if verdict.ok else verdict.reason}"
+        read = f"{mode.value} admits it" if verdict.ok else f"{mode.value}: {verdict.reason}"
         outcome = Outcome.OK if verdict.ok else Outcome.FAIL
         fix = None if verdict.ok else FIXES[verdict.guard]
         out.append(Row(group=GROUP, check=verdict.guard, outcome=outcome, read=read, fix=fix))

@@ -20,7 +20,6 @@ from orchestrator.errors import EngineError
 from orchestrator.job.check.host import HostMemory
 from orchestrator.job.check.memory import gb
 from orchestrator.job.check.rows import Outcome, Row, SetUp
-from orchestrator.job.preflight import Machine
 from orchestrator.plan.memory import Plan
 
 GROUP = "runtime"
@@ -274,6 +273,8 @@ def ray_row(p: Plan, address: str | None) -> Row:
 
 
 def rows(setup: SetUp) -> list[Row]:
+    from orchestrator.job.preflight import Machine  # torch, and the job's config: not on import
+
     machine, host = Machine.probe(), HostMemory.read()
     p, gpus = setup.plan, machine.gpus
     out = [saver_row(SaverFacts.read(gpus=gpus), gpus=gpus)]
