@@ -12,6 +12,7 @@ from rich.table import Table
 from orchestrator.cli.plan import options as o
 from orchestrator.errors import ConfigError
 from orchestrator.job.check import Outcome, Row, SetUp, check
+from states import TrainingSetup
 
 CHECK_HELP = (
     "Check the set-up a colocated run is to have, before it starts: the plan's memory against this "
@@ -20,6 +21,41 @@ CHECK_HELP = (
     "2: bad input."
 )
 D = o.DEFAULTS
+# The trainer's set-up the mode's guards read (`states.TrainingSetup`), each flag named as
+# Megatron-LM names the config field `colocate_megatron` reads it from, or as the trainer's own
+# flag; the distributed optimizer is the plan's --distributed-optimizer.
+Colocate = Annotated[bool, typer.Option(help="The engine shares the trainer's GPUs.")]
+OffloadTrain = Annotated[bool, typer.Option(help="The trainer releases its memory for the rollout.")]
+ComputeAdvantages = Annotated[bool, typer.Option(help="The per-step block that restores the params runs.")]
+Optimizer = Annotated[bool, typer.Option(help="The run has an optimizer (--no-optimizer: none).")]
+Lora = Annotated[bool, typer.Option("--lora", help="LoRA adapters train; the base weights are frozen.")]
+KeepOldActor = Annotated[bool, typer.Option("--keep-old-actor", help="An old-actor copy of the weights is kept.")]
+OverlapParamGather = Annotated[
+    bool, typer.Option("--overlap-param-gather", help="Megatron's DDP overlaps the param all-gather.")
+]
+PrecisionAware = Annotated[
+    bool,
+    typer.Option(
+        "--precision-aware-optimizer",
+        help="The optimizer casts in its own step (Megatron-LM's use_precision_aware_optimizer).",
+    ),
+]
+OptimizerCpuOffload = Annotated[
+    bool, typer.Option("--optimizer-cpu-offload", help="The optimizer state lives on the host.")
+]
+DebugTrainOnly = Annotated[bool, typer.Option("--debug-train-only", help="A debug run that never rolls out.")]
+SETUP_OPTIONS = (
+    "colocate",
+    "offload_train",
+    "compute_advantages",
+    "optimizer",
+    "lora",
+    "keep_old_actor",
+    "overlap_param_gather",
+    "precision_aware_optimizer",
+    "optimizer_cpu_offload",
+    "debug_train_only",
+)
 STYLE = {Outcome.OK: "green", Outcome.WARN: "yellow", Outcome.FAIL: "bold red", Outcome.SKIPPED: "dim"}
 
 
@@ -60,13 +96,29 @@ def check_command(
         list[str] | None, typer.Option("--engine", help="An SGLang server the run will drive (repeat for each).")
     ] = None,
     ray_address: Annotated[str | None, typer.Option(help="The Ray cluster the run will attach to.")] = None,
+    colocate: Colocate = True,
+    offload_train: OffloadTrain = True,
+    compute_advantages: ComputeAdvantages = True,
+    optimizer: Optimizer = True,
+    lora: Lora = False,
+    keep_old_actor: KeepOldActor = False,
+    overlap_param_gather: OverlapParamGather = False,
+    precision_aware_optimizer: PrecisionAware = False,
+    optimizer_cpu_offload: OptimizerCpuOffload = False,
+    debug_train_only: DebugTrainOnly = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the rows as one JSON object.")] = False,
 ) -> None:
     """`colocate check`; its help is CHECK_HELP."""
-    given = {k: v for k, v in locals().items() if k not in ("engine", "ray_address", "as_json")}
+    flags = {k: v for k, v in locals().items() if k in SETUP_OPTIONS}
+    given = {k: v for k, v in locals().items() if k not in ("engine", "ray_address", "as_json", "flags", *flags)}
+    training = TrainingSetup(optimizer_disabled=not flags.pop("optimizer"), **flags)
     try:
         setup = SetUp(
-            plan=o.PlanOptions(**given).plan(), model=model, engines=tuple(engine or ()), ray_address=ray_address
+            plan=o.PlanOptions(**given).plan(),
+            model=model,
+            training=training,
+            engines=tuple(engine or ()),
+            ray_address=ray_address,
         )
     except ConfigError as exc:
         Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {exc}")

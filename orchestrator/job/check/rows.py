@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from orchestrator.plan.memory import Plan
+from states import TrainingSetup
 
 
 class Outcome(StrEnum):
@@ -44,10 +45,12 @@ class Row:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SetUp:
     """What `colocate check` is told of the run to come: the plan of its model and layout (the
-    options of `colocate plan`), the SGLang servers it will drive, and the Ray cluster."""
+    options of `colocate plan`), the trainer's set-up the mode's guards read, the SGLang servers
+    it will drive, and the Ray cluster."""
 
     plan: Plan
     model: str  # as given: a built-in name or a config.json
+    training: TrainingSetup = field(default_factory=TrainingSetup)
     engines: tuple[str, ...] = ()  # base URLs of the SGLang servers
     ray_address: str | None = None
 
