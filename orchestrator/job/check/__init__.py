@@ -6,10 +6,11 @@ and for a failure the fix in one line. Nothing is changed on any server or on th
 
 from __future__ import annotations
 
+from orchestrator.job.check import conversion, engine
 from orchestrator.job.check.rows import Check, Outcome, Row, SetUp, run_checks
 
 # The groups, in the order the table shows them.
-GROUPS: tuple[Check, ...] = ()
+GROUPS: tuple[Check, ...] = (engine.rows, conversion.rows)
 
 
 def check(setup: SetUp) -> list[Row]:
