@@ -737,8 +737,9 @@ def _model_info(state: StandInState) -> dict[str, Any]:
     model's `model_type` and `architectures` read from the folder's config.json as SGLang's
     `ModelConfig` reads them."""
     config: dict[str, Any] = {}
-    if state.model_path is not None:
-        config = json.loads((Path(state.model_path) / "config.json").read_text())
+    folder = Path(state.model_path or "")
+    if state.model_path is not None and (folder / "config.json").is_file():  # else a hub id, say
+        config = json.loads((folder / "config.json").read_text())
     return {
         "model_path": state.model_path,
         "weight_version": state.weight_version,

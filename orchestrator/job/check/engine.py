@@ -168,35 +168,45 @@ def peak(p: Plan) -> tuple[int, str, int]:
     return max((p.phases(r)[name][0], name, r.stage) for r in p.ranks for name in ENGINE_PHASES)
 
 
+def _fits(p: Plan, info: dict[str, Any], percent: int) -> bool:
+    try:
+        return peak(server_plan(p, info, percent / 100)[0])[0] <= p.engine.device_bytes
+    except ConfigError:  # `--offload never` cannot keep its regions beside it
+        return False
+
+
 def _most_that_fits(p: Plan, info: dict[str, Any]) -> float | None:
     """The largest mem_fraction_static (to 0.01) whose plan fits, or None where none does."""
-    limit, low, high = p.engine.device_bytes, 0, 100
-    if peak(server_plan(p, info, 0.01)[0])[0] > limit:
+    if not _fits(p, info, 1):
         return None
-    while high - low > 1:  # fits at low/100 (or low is 0), not at high/100
+    low, high = 1, 101  # fits at low/100, not at high/100
+    while high - low > 1:
         mid = (low + high) // 2
-        fits = peak(server_plan(p, info, max(mid, 1) / 100)[0])[0] <= limit
-        low, high = (mid, high) if fits else (low, mid)
-    return max(low, 1) / 100
+        low, high = (mid, high) if _fits(p, info, mid) else (low, mid)
+    return min(low, 100) / 100
 
 
 def fit_row(p: Plan, s: Server, row: Any) -> Row:
+    """The plan redone with the server's KV pool: its busiest rank's peak while the engine holds
+    memory (Plan.phases: update_weights, params_dropped, rollout) within one GPU."""
     if s.info.get("mem_fraction_static") is None:
         return row("memory fit", Outcome.SKIPPED, "/server_info reports no mem_fraction_static")
+    fraction = float(s.info["mem_fraction_static"])
+    said = f"mem_fraction_static {fraction:g} (the plan was given {p.engine.mem_fraction_static:g})"
     try:
         redone, source = server_plan(p, s.info)
     except ConfigError as exc:
-        return row("memory fit", Outcome.FAIL, f"its settings do not plan: {exc}", "fix the server's settings named")
-    need, phase, stage = peak(redone)
-    limit = redone.engine.device_bytes
-    read = (
-        f"mem_fraction_static {redone.engine.mem_fraction_static:g} (the plan was given "
-        f"{p.engine.mem_fraction_static:g}); weights {redone.engine_weights / GB:.2f} GB and a KV pool of "
-        f"{redone.kv_cache / GB:.2f} GB per GPU, from {source}: at {phase}, stage {stage}'s rank needs "
-        f"{need / GB:.2f} GB of a {limit / GB:.2f} GB GPU"
-    )
-    if need <= limit:
-        return row("memory fit", Outcome.OK, read)
+        read = f"{said}: {'; '.join(map(str, exc.violations))}"
+    else:
+        need, phase, stage = peak(redone)
+        limit = redone.engine.device_bytes
+        read = (
+            f"{said}; weights {redone.engine_weights / GB:.2f} GB and a KV pool of {redone.kv_cache / GB:.2f} GB "
+            f"per GPU, from {source}: at {phase}, stage {stage}'s rank needs {need / GB:.2f} GB of a "
+            f"{limit / GB:.2f} GB GPU"
+        )
+        if need <= limit:
+            return row("memory fit", Outcome.OK, read)
     most = _most_that_fits(p, s.info)
     fix = (
         f"restart the server with --mem-fraction-static {most:.2f} or lower (and no --max-total-tokens above it)"
