@@ -141,10 +141,11 @@ def converted(chunks: list[Any]) -> dict[str, list[tuple[int, ...]]]:
     return sent
 
 
-def checkpoint_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+def checkpoint_shapes(config: dict[str, Any]) -> tuple[str, dict[str, tuple[int, ...]]]:
     """Every checkpoint tensor transformers' class for `config` loads, and its shape: the class
     built on meta, its tensors (each once: a tied `lm_head` is the embedding's) read back through
-    transformers' own reverse of its load-time fusing (what `save_pretrained` writes)."""
+    transformers' own reverse of its load-time fusing (what `save_pretrained` writes); and the
+    class's name."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.core_model_loading import revert_weight_conversion
@@ -156,11 +157,11 @@ def checkpoint_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(hf_config)
     reverted = revert_weight_conversion(hf, dict(live_tensors(hf)))
-    return {name: tuple(tensor.shape) for name, tensor in reverted.items()}
+    return type(hf).__name__, {name: tuple(tensor.shape) for name, tensor in reverted.items()}
 
 
 def coverage_row(chunks: list[Any], config: dict[str, Any]) -> Row:
-    sent, loaded = converted(chunks), checkpoint_shapes(config)
+    sent, (kind, loaded) = converted(chunks), checkpoint_shapes(config)
     missing = set(loaded) - set(sent)
     unknown = set(sent) - set(loaded)
     twice = {name for name, shapes in sent.items() if len(shapes) > 1}
@@ -176,7 +177,6 @@ def coverage_row(chunks: list[Any], config: dict[str, Any]) -> Row:
         (f"in another shape: {_listed(wrong)}", wrong),
     ]
     problems = [text for text, names in found if names]
-    kind = ", ".join(config.get("architectures") or [config["model_type"]])
     if problems:
         fix = "the converter and the served model disagree: report it with this row, and the served config.json"
         return _row("hf coverage", Outcome.FAIL, f"of the {len(loaded)} tensors {kind} loads: " + "; ".join(problems), fix)
