@@ -34,9 +34,10 @@ def built() -> Iterator[dict[str, list[Any]]]:
 def test_the_default_model_passes_every_row() -> None:
     found = {row.check: row for row in c.rows(SetUp(plan=PlanOptions(model="tiny").plan(), model="tiny"))}
     assert [row.outcome for row in found.values()] == [Outcome.OK] * 5, found
-    assert "each of the 21 checkpoint tensors transformers' LlamaForCausalLM loads is sent once" in found[
-        "hf coverage"
-    ].read
+    assert (
+        "each of the 21 checkpoint tensors transformers' LlamaForCausalLM loads is sent once"
+        in found["hf coverage"].read
+    )
 
 
 def test_a_tensor_no_hf_family_has_fails_the_mapping_and_stops_the_group() -> None:

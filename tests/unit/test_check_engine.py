@@ -54,9 +54,10 @@ def test_a_server_as_docs_sglang_starts_it_passes_and_is_only_read(server: SGLan
     for name in ("reachable", "version", "memory saver", "memory fit", "served config", "paused", "layout"):
         assert found[name].outcome is Outcome.OK, found[name]
     assert found["released"].outcome is Outcome.SKIPPED and "offload_tags" in found["released"].read
-    assert found["weight-update group"].outcome is Outcome.SKIPPED and "colocate_weights" in found[
-        "weight-update group"
-    ].read
+    assert (
+        found["weight-update group"].outcome is Outcome.SKIPPED
+        and "colocate_weights" in found["weight-update group"].read
+    )
     only_gets(server)
 
 

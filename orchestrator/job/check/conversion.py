@@ -51,7 +51,13 @@ def rows(setup: SetUp) -> list[Row]:
         problems = mapping_row(chunks)
         if problems.outcome is Outcome.FAIL:
             return [built, problems]
-        return [built, problems, served_row(chunks, model), coverage_row(chunks, served_config(model)), extras_row(chunks)]
+        return [
+            built,
+            problems,
+            served_row(chunks, model),
+            coverage_row(chunks, served_config(model)),
+            extras_row(chunks),
+        ]
 
 
 def _row(check: str, outcome: Outcome, read: str, fix: str | None = None) -> Row:
@@ -179,7 +185,9 @@ def coverage_row(chunks: list[Any], config: dict[str, Any]) -> Row:
     problems = [text for text, names in found if names]
     if problems:
         fix = "the converter and the served model disagree: report it with this row, and the served config.json"
-        return _row("hf coverage", Outcome.FAIL, f"of the {len(loaded)} tensors {kind} loads: " + "; ".join(problems), fix)
+        return _row(
+            "hf coverage", Outcome.FAIL, f"of the {len(loaded)} tensors {kind} loads: " + "; ".join(problems), fix
+        )
     read = f"each of the {len(loaded)} checkpoint tensors transformers' {kind} loads is sent once, in its shape"
     return _row("hf coverage", Outcome.OK, read)
 
