@@ -6,7 +6,7 @@ import contextlib
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,15 +24,21 @@ def run(*args: str, timeout: float = 300, env: Mapping[str, str] | None = None) 
 
 @contextlib.contextmanager
 def sglang_stand_ins(
-    folder: Path, count: int = 1, device: str = "cpu", join_groups: bool = False
+    folder: Path,
+    count: int = 1,
+    device: str = "cpu",
+    join_groups: bool = False,
+    changed: Sequence[Sequence[str]] = (),
 ) -> Iterator[list[str]]:
     """Servers speaking SGLang's HTTP API, started as docs/sglang.md starts SGLang: `colocate
-    engine-config FOLDER`, then one server per URL loading it (tests/support/sglang_server.py)."""
+    engine-config FOLDER`, then one server per URL loading it (tests/support/sglang_server.py).
+    `changed[i]`: more arguments of server i (a later `--model-path` replaces the folder)."""
     done = run("engine-config", str(folder))
     assert done.returncode == 0, done.stderr
     command = [sys.executable, "-m", "tests.support.sglang_server", "--model-path", str(folder), "--device", device]
     command += ["--join-groups"] if join_groups else []
-    procs = [subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, text=True) for _ in range(count)]
+    extra = [list(changed[i]) if i < len(changed) else [] for i in range(count)]
+    procs = [subprocess.Popen(command + e, cwd=ROOT, stdout=subprocess.PIPE, text=True) for e in extra]
     try:
         urls = [p.stdout.readline().strip() if p.stdout is not None else "" for p in procs]
         assert all(u.startswith("http://") for u in urls), f"a stand-in server did not start: {urls}"

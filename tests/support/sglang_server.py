@@ -55,7 +55,9 @@ behaviours colocate relies on (sglang 0.5.23's source, docs/sglang.md):
   `in_place` keeps them. /generate while paused is refused (SGLang would hold it until
   /continue_generation). /abort_request {abort_all} drops every request in flight;
   `state.aborts_needed` makes them outlast that many aborts, as /v1/loads may lag them.
-- /server_info reports `tp_size` and `enable_memory_saver`; /weights_checker's `checksum` hashes
+- /server_info reports `tp_size`, `enable_memory_saver`, `mem_fraction_static` and the other
+  `ServerArgs` fields listed in `_server_info`; /model_info its `model_path` (the folder given
+  with `--model-path`); /ready answers 503 while paused, as SGLang's does; /weights_checker's `checksum` hashes
   what was loaded as SGLang hashes CPU tensors.
 
 GET /_stand_in/state and POST /_stand_in/inject (no SGLang routes) let a test read what a
@@ -265,6 +267,8 @@ class StandInState:
     model: Any = None  # a TransformersEngine that serves, or None (made-up tokens)
     join_groups: bool = False
     memory_saver: bool = True  # what /server_info reports as enable_memory_saver
+    mem_fraction_static: float = 0.8  # ... and as mem_fraction_static (SGLang's default is its own choice)
+    model_path: str | None = None  # the folder it was started on (--model-path), as /model_info reports it
     groups: dict[str, Any] = field(default_factory=dict)  # weight-update groups joined
     skip_tokenizer_init: bool = True  # started as docs/sglang.md starts SGLang
     session_open: bool = False  # between /begin_weight_update and /end_weight_update
@@ -694,11 +698,10 @@ _ROUTES = {
     ("GET", "/health"): lambda server, state, body: (200, None),
     ("GET", "/_stand_in/state"): lambda server, state, body: (200, _observed(state)),
     ("POST", "/_stand_in/inject"): lambda server, state, body: _inject(server, state, body),
-    ("GET", "/model_info"): lambda server, state, body: (200, {"weight_version": state.weight_version}),
-    ("GET", "/server_info"): lambda server, state, body: (
-        200,
-        {"tp_size": state.tp_size, "enable_memory_saver": state.memory_saver, "version": server.sglang_version},
-    ),
+    ("GET", "/model_info"): lambda server, state, body: (200, _model_info(state)),
+    ("GET", "/server_info"): lambda server, state, body: (200, _server_info(server, state)),
+    # SGLang's `TokenizerManager.is_ready`: not paused (and healthy)
+    ("GET", "/ready"): lambda server, state, body: (200 if state.paused is None else 503, None),
     (
         "GET",
         "/v1/loads",
@@ -707,6 +710,43 @@ _ROUTES = {
         {"loads": [{"dp_rank": 0, "num_running_reqs": state.in_flight, "num_waiting_reqs": 0}]},
     ),
 }
+
+
+def _server_info(server: SGLangStandIn, state: StandInState) -> dict[str, Any]:
+    """Some of the `ServerArgs` fields SGLang's /server_info reports (`build_server_info`: its
+    resolved arguments, `version`, and `internal_states` per DP rank, with no `memory_usage` here:
+    no scheduler sized a KV pool), as a server started on `model_path` would hold them."""
+    args = {
+        "tp_size": state.tp_size,
+        "pp_size": 1,
+        "dp_size": 1,
+        "enable_memory_saver": state.memory_saver,
+        "mem_fraction_static": state.mem_fraction_static,
+        "max_total_tokens": None,
+        "base_gpu_id": 0,
+        "gpu_id_step": 1,
+        "device": "cuda" if state.model is not None and str(state.model.device).startswith("cuda") else "cpu",
+        "model_path": state.model_path,
+        "skip_tokenizer_init": state.skip_tokenizer_init,
+    }
+    return {**args, "internal_states": [{}], "version": server.sglang_version}
+
+
+def _model_info(state: StandInState) -> dict[str, Any]:
+    """SGLang's /model_info keys that colocate reads (`weight_version`, `model_path`), with the
+    model's `model_type` and `architectures` read from the folder's config.json as SGLang's
+    `ModelConfig` reads them."""
+    config: dict[str, Any] = {}
+    folder = Path(state.model_path or "")
+    if state.model_path is not None and (folder / "config.json").is_file():  # else a hub id, say
+        config = json.loads((folder / "config.json").read_text())
+    return {
+        "model_path": state.model_path,
+        "weight_version": state.weight_version,
+        "model_type": config.get("model_type"),
+        "architectures": config.get("architectures"),
+        "is_generation": True,
+    }
 
 
 def _observed(state: StandInState) -> dict[str, Any]:
@@ -781,6 +821,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-path", help="a folder with a Llama config.json (`colocate engine-config`) to serve")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--join-groups", action="store_true", help="really join weight-update groups")
+    parser.add_argument("--disable-memory-saver", action="store_true", help="report enable_memory_saver false")
+    parser.add_argument("--mem-fraction-static", type=float, default=0.8, help="what /server_info reports")
     args = parser.parse_args(argv)
     model = None
     if args.model_path:
@@ -794,6 +836,9 @@ def main(argv: list[str] | None = None) -> int:
         grpo = GRPOConfig()  # the largest batch `colocate run` sends
         model = TransformersEngine(config, max_batch=grpo.prompts_per_step * grpo.group_size, device=args.device)
     with SGLangStandIn(model=model, port=args.port, join_groups=args.join_groups) as server:
+        server.state.memory_saver = not args.disable_memory_saver
+        server.state.mem_fraction_static = args.mem_fraction_static
+        server.state.model_path = str(Path(args.model_path).resolve()) if args.model_path else None
         print(server.url, flush=True)
         server._thread.join()
     return 0

@@ -24,7 +24,8 @@ What is replaced, at the seam where the model runner would start (a GPU, CUDA ke
 - the tensor-parallel worker and its model runner: `Runner` records the tensors SGLang's code
   handed it instead of loading them into a model. Its weight-update groups, their join and the
   receive of a broadcast are SGLang's model-runner methods run on it (over gloo, not NCCL);
-- the tokenizer manager's own version record and `abort_request` (`TokenizerSide`);
+- the tokenizer manager's own version record and `abort_request` (`TokenizerSide`); its pause
+  flag is the pause it was sent (SGLang's `is_ready` and `is_healthy` read it as SGLang's own);
 - the scheduler's batches: `busy` stands for running or waiting requests;
 - torch_memory_saver: SGLang's own no-op adapter (`TorchMemorySaverAdapter.create(enable=False)`);
 - /generate's tokens: made up, in SGLang's output format (no model ran).
@@ -59,6 +60,7 @@ from sglang.srt.managers import io_struct
 from sglang.srt.managers.load_snapshot import LoadSnapshot
 from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.managers.scheduler_components import weight_updater
+from sglang.srt.managers.tokenizer_manager import TokenizerManager
 from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater as ModelWeightUpdater
 from sglang.srt.runtime_context import publish
 from sglang.srt.sampling.sampling_params import SamplingParams
@@ -71,16 +73,10 @@ from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
 VERSION = sglang.__version__
 
 
-def server_args(model_path: Path) -> ServerArgs:
-    """docs/sglang.md's launch command, as SGLang parses it."""
-    return ServerArgs(
-        model_path=str(model_path),
-        load_format="dummy",
-        skip_tokenizer_init=True,
-        enable_memory_saver=True,
-        port=30000,
-        device="cpu",
-    )
+def server_args(model_path: Path, **changed: Any) -> ServerArgs:
+    """docs/sglang.md's launch command, as SGLang parses it; `changed`: other arguments."""
+    launch: dict[str, Any] = dict(load_format="dummy", skip_tokenizer_init=True, enable_memory_saver=True)
+    return ServerArgs(model_path=str(model_path), port=30000, device="cpu", **(launch | changed))
 
 
 def resolve_model_class(config: ModelConfig) -> Any:
@@ -252,8 +248,18 @@ class TokenizerSide:
             return self.weight_version
         return getattr(self.server_args, name, None)
 
+    @property
+    def is_pause(self) -> bool:
+        """What SGLang's `TokenizerManager.pause_generation` sets, for every mode, until
+        `continue_generation`."""
+        return self.paused is not None
+
+    def is_healthy(self) -> bool:
+        return bool(TokenizerManager.is_healthy(self))  # type: ignore[arg-type]
+
     def is_ready(self) -> bool:
-        return True
+        """SGLang's own (/ready's answer): not paused, and healthy."""
+        return bool(TokenizerManager.is_ready(self))  # type: ignore[arg-type]
 
     def _versioned(self, route: str, obj: Any, output: Any) -> tuple[bool, str]:
         """TokenizerControlMixin's `_update_weight_version_if_provided` after a successful update."""
@@ -360,9 +366,10 @@ class Served:
 
 
 @contextmanager
-def sglang_app(model_path: Path) -> Iterator[Served]:
-    """SGLang's app on a local port, started as docs/sglang.md starts SGLang on `model_path`."""
-    args = server_args(model_path)
+def sglang_app(model_path: Path, **changed: Any) -> Iterator[Served]:
+    """SGLang's app on a local port, started as docs/sglang.md starts SGLang on `model_path`
+    (`changed`: other server arguments, as `server_args` takes them)."""
+    args = server_args(model_path, **changed)
     publish(args, role="tokenizer")  # as SGLang's HTTP server process does at launch
     model_config = ModelConfig.from_server_args(args)
     runner, scheduler = Runner(), SchedulerSide()

@@ -58,6 +58,7 @@ __all__ = [
     "device",
     "init_process_group",
     "megatron_config",
+    "meta_gpt",
     "train_step",
 ]
 
@@ -177,10 +178,18 @@ def _keep_router_buffers_fp32(gpt: GPTModel) -> None:
                 buf.data = buf.data.float()
 
 
-def _tiny_gpt(cfg: TinyGPTConfig) -> GPTModel:
+def _on_meta(config: TransformerConfig, meta: bool) -> TransformerConfig:
+    """On the meta device: Megatron's layers make their params with no device where
+    `use_cpu_initialization` (so on meta, under `torch.device("meta")`), and skip their init."""
+    if meta:
+        config.use_cpu_initialization, config.perform_initialization = True, False
+    return config
+
+
+def _tiny_gpt(cfg: TinyGPTConfig, meta: bool = False) -> GPTModel:
     shape = cfg.shape()
     return GPTModel(
-        config=_transformer_config(shape),
+        config=_on_meta(_transformer_config(shape), meta),
         transformer_layer_spec=_layer_specs(shape),
         vocab_size=shape.vocab_size,
         max_sequence_length=shape.max_position_embeddings,
@@ -190,10 +199,10 @@ def _tiny_gpt(cfg: TinyGPTConfig) -> GPTModel:
     )
 
 
-def _family_gpt(cfg: GPTConfig) -> GPTModel:
+def _family_gpt(cfg: GPTConfig, meta: bool = False) -> GPTModel:
     """The family's layers by Megatron's own spec functions, an MTP block where it has one."""
     shape = cfg.shape()
-    config = megatron_config(shape, init_method_std=cfg.init_method_std)
+    config = _on_meta(megatron_config(shape, init_method_std=cfg.init_method_std), meta)
     block = decoder_block_spec(config)
     return GPTModel(
         config=config,
@@ -208,6 +217,32 @@ def _family_gpt(cfg: GPTConfig) -> GPTModel:
     )
 
 
+def _module(cfg: TinyGPTConfig | GPTConfig, *, fix_router_count_dtype: bool = True, meta: bool = False) -> Any:
+    """The Float16Module(bf16) GPT that `build_gpt` wraps in DDP: its frozen params, its fp32
+    param, and its router's buffers in fp32 where asked; on this process's device, or on meta."""
+    shape = cfg.shape()
+    gpt = _family_gpt(cfg, meta) if isinstance(cfg, GPTConfig) else _tiny_gpt(cfg, meta)
+    if not meta:
+        gpt.to(device())
+    params = dict(gpt.named_parameters())
+    for name in shape.frozen:
+        params[name].requires_grad_(False)
+    model = Float16Module(gpt.config, gpt)
+    if shape.fp32_param_numel:
+        _add_fp32_param(gpt)
+    if fix_router_count_dtype:
+        _keep_router_buffers_fp32(gpt)
+    return model
+
+
+def meta_gpt(cfg: TinyGPTConfig | GPTConfig) -> Any:
+    """`build_gpt`'s model before DDP, on the meta device: every param's and buffer's name,
+    shape, dtype and `requires_grad`, as this megatron-core builds them, and no memory. Call after
+    Megatron's parallel state is made (a one-rank one builds the whole model: TP = PP = EP = 1)."""
+    with torch.device("meta"):
+        return _module(cfg, meta=True)
+
+
 def build_gpt(
     cfg: TinyGPTConfig | GPTConfig, *, fix_router_count_dtype: bool = True
 ) -> tuple[list[DistributedDataParallel], ChainedOptimizer]:
@@ -216,18 +251,8 @@ def build_gpt(
     Call after ``init_process_group``. All data-parallel ranks end with identical weights.
     """
     torch.manual_seed(cfg.seed)  # CPU initialisation draws from the CPU generator
-    shape = cfg.shape()
-    gpt = _family_gpt(cfg) if isinstance(cfg, GPTConfig) else _tiny_gpt(cfg)
-    config = gpt.config
-    gpt.to(device())
-    params = dict(gpt.named_parameters())
-    for name in shape.frozen:
-        params[name].requires_grad_(False)
-    model = Float16Module(config, gpt)
-    if shape.fp32_param_numel:
-        _add_fp32_param(gpt)
-    if fix_router_count_dtype:
-        _keep_router_buffers_fp32(gpt)
+    model = _module(cfg, fix_router_count_dtype=fix_router_count_dtype)
+    config = model.config
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         use_distributed_optimizer=True,

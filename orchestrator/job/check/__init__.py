@@ -6,11 +6,11 @@ and for a failure the fix in one line. Nothing is changed on any server or on th
 
 from __future__ import annotations
 
-from orchestrator.job.check import memory, refusals, runtime
+from orchestrator.job.check import conversion, engine, memory, refusals, runtime
 from orchestrator.job.check.rows import Check, Outcome, Row, SetUp, run_checks
 
 # The groups, in the order the table shows them.
-GROUPS: tuple[Check, ...] = (memory.rows, refusals.rows, runtime.rows)
+GROUPS: tuple[Check, ...] = (memory.rows, engine.rows, conversion.rows, refusals.rows, runtime.rows)
 
 
 def check(setup: SetUp) -> list[Row]:

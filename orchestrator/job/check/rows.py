@@ -66,7 +66,7 @@ def run_checks(setup: SetUp, groups: Sequence[Check]) -> list[Row]:
         try:
             rows.extend(group(setup))
         except Exception as exc:  # reported as the row, with its type
-            name = getattr(group, "__name__", repr(group))
+            name = getattr(group, "__module__", "").rsplit(".", 1)[-1] or repr(group)
             fix = "report this as a bug in colocate check, with the row's text"
             rows.append(Row(group=name, check=name, outcome=Outcome.FAIL, read=f"{type(exc).__name__}: {exc}", fix=fix))
     return rows

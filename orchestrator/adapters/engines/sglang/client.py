@@ -41,6 +41,9 @@ Routes, as sglang 0.5.23's `sglang/srt/entrypoints/http_server.py` defines them:
   rank), `enable_memory_saver` (without it a server cannot release memory) and `version` (the
   sglang release; `connect()` refuses one outside `SUPPORTED_SGLANG`). 0.5.23 also serves the
   deprecated /get_server_info, and no /version.
+- `model_info`: GET /model_info: `model_path` (what the server loaded its config from),
+  `model_type`, `architectures`; the HF config itself is not in it (0.5.23 comments it out).
+- `ready`: GET /ready, 503 while generation is paused (or the server is not healthy).
 - `is_idle`: GET /v1/loads?include=core: per DP rank `num_running_reqs` and `num_waiting_reqs`.
   It is a snapshot the schedulers publish each step, so it can lag one step; /flush_cache's 400
   remains the authoritative busy signal.
@@ -157,7 +160,7 @@ class SGLangEngine(SGLangMemory, SGLangWeightUpdates, EngineDefaults):
             time.sleep(self.flush_poll_s)
 
     def weight_version(self) -> int | None:
-        reported = (self._call("GET", "/model_info") or {}).get("weight_version")
+        reported = self.model_info().get("weight_version")
         if reported in _NO_VERSION:
             return None
         try:
@@ -207,6 +210,16 @@ class SGLangEngine(SGLangMemory, SGLangWeightUpdates, EngineDefaults):
     def server_info(self) -> dict[str, Any]:
         """The server's resolved arguments (`tp_size`, `enable_memory_saver`, ...) and version."""
         return dict(self._call("GET", "/server_info") or {})
+
+    def model_info(self) -> dict[str, Any]:
+        """What the server says of its model (`model_path`, `model_type`, `architectures`,
+        `weight_version`, ...); SGLang 0.5.23 leaves the HF config itself out of it."""
+        return dict(self._call("GET", "/model_info") or {})
+
+    def ready(self) -> bool:
+        """True when GET /ready answers 200: SGLang 0.5.23 answers 503 while generation is paused
+        (`TokenizerManager.is_ready`: not `is_pause`, and healthy)."""
+        return self._send("GET", "/ready").status_code == 200
 
     def health(self) -> bool:
         """True when /health answers 200; False on any other answer or no answer."""
