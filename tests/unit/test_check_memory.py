@@ -132,11 +132,14 @@ def test_host_limits_each_fail_for_their_own_reason() -> None:
     need = node.held + node.save
     row = host_row(p, HostMemory(mem_total=node.held - 1), available=need)
     assert row.outcome is Outcome.FAIL and "fewer ranks" in (row.fix or "") and "a save" not in (row.fix or "")
-    row = host_row(p, HostMemory(mem_total=10**15, cgroup_limit=need - 1, cgroup_file="/m/memory.max"), available=need)
+    limited = HostMemory(mem_total=10**15, cgroup_limit=need - 1, cgroup_file="/m/memory.max")
+    row = host_row(p, limited, available=need, saves=True)
     assert row.outcome is Outcome.FAIL and "a save would pass" in (row.fix or "") and "/m/memory.max" in row.read
-    row = host_row(p, HostMemory(mem_total=need), available=need - 1)
+    row = host_row(p, limited, available=need)  # a run not said to save: its save is a warning
+    assert row.outcome is Outcome.WARN and "--save-every" in (row.fix or "") and "no --saves" in row.read
+    row = host_row(p, HostMemory(mem_total=need), available=need - 1, saves=True)
     assert row.outcome is Outcome.WARN
-    assert host_row(p, HostMemory(mem_total=need), available=need).outcome is Outcome.OK
+    assert host_row(p, HostMemory(mem_total=need), available=need, saves=True).outcome is Outcome.OK
 
 
 def test_pinned_bytes_against_memlock() -> None:

@@ -150,29 +150,36 @@ def node_hosts(p: Plan) -> list[NodeHost]:
     return out
 
 
-def host_row(p: Plan, host: HostMemory, *, available: int) -> Row:
+def host_row(p: Plan, host: HostMemory, *, available: int, saves: bool = False) -> Row:
+    """The busiest node's host memory against the limit. What a checkpoint save stages counts
+    where the run saves (`saves`: `colocate check --saves`); where it is not said to, a save that
+    would pass the limit is a warning, not a failure of a run that may never save."""
     nodes = node_hosts(p)
     busiest = max(nodes, key=lambda n: n.held + n.save)
-    need, limit = busiest.held + busiest.save, host.limit
+    with_save, limit = busiest.held + busiest.save, host.limit
+    need = with_save if saves else busiest.held
     where = f"node {busiest.node} of {len(nodes)}" if len(nodes) > 1 else "the node"
+    save = f" + {gb(busiest.save)} a checkpoint save stages = {gb(with_save)}" if saves else ""
     read = (
         f"{where}: {busiest.ranks} rank(s) hold {gb(busiest.held)} (pinned, arenas, "
-        f"{PROCESS_BYTES >> 20} MiB a process) + {gb(busiest.save)} a checkpoint save stages = {gb(need)}, "
-        f"against {gb(limit)}, {host.limit_source}; {gb(available)} available now"
+        f"{PROCESS_BYTES >> 20} MiB a process){save}, against {gb(limit)}, {host.limit_source}; "
+        f"{gb(available)} available now"
     )
+    if not saves:
+        read += f"; a checkpoint save would stage {gb(busiest.save)} more (no --saves: the run is taken not to save)"
     outcome, fix = Outcome.OK, None
     if busiest.held > limit:
         outcome = Outcome.FAIL
         fix = f"raise the memory limit to {gb(need)}, or put fewer ranks on a node (--gpus-per-node)"
     elif need > limit:
         outcome = Outcome.FAIL
-        fix = (
-            f"a save would pass the limit: raise it to {gb(need)}, or put fewer ranks on a node "
-            "(--gpus-per-node); without --save-every the run never saves"
-        )
+        fix = f"a save would pass the limit: raise it to {gb(need)}, or put fewer ranks on a node (--gpus-per-node)"
     elif need > available:
         outcome = Outcome.WARN
         fix = f"free {gb(need - available)} of host memory others hold now"
+    elif with_save > limit:
+        outcome = Outcome.WARN
+        fix = f"if the run saves (colocate run --save-every), raise the limit to {gb(with_save)} or put fewer ranks on a node"
     return Row(group=GROUP, check="host memory per node", outcome=outcome, read=read, fix=fix)
 
 
@@ -192,9 +199,9 @@ def pinned_row(p: Plan, host: HostMemory) -> Row:
     return Row(group=GROUP, check=check, outcome=Outcome.WARN, read=read, fix=fix)
 
 
-def judge(p: Plan, *, gpus: Sequence[Gpu], host: HostMemory, available: int) -> list[Row]:
+def judge(p: Plan, *, gpus: Sequence[Gpu], host: HostMemory, available: int, saves: bool = False) -> list[Row]:
     """Every memory row of `p` against what was read."""
-    return [*device_rows(p, gpus), host_row(p, host, available=available), pinned_row(p, host)]
+    return [*device_rows(p, gpus), host_row(p, host, available=available, saves=saves), pinned_row(p, host)]
 
 
 def rows(setup: SetUp) -> list[Row]:
@@ -202,4 +209,5 @@ def rows(setup: SetUp) -> list[Row]:
     from orchestrator.job.preflight import Machine  # torch, and the job's config: not on import
 
     machine = Machine.probe()
-    return judge(setup.plan, gpus=gpus_now(machine.gpus), host=HostMemory.read(), available=machine.available_bytes)
+    gpus, host = gpus_now(machine.gpus), HostMemory.read()
+    return judge(setup.plan, gpus=gpus, host=host, available=machine.available_bytes, saves=setup.saves)

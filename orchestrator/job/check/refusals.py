@@ -1,5 +1,6 @@
 """`colocate check`'s set-up rows: the config guards of the mode (`guards.config`), run on the
-trainer's set-up the options describe, one row per guard, with the guard's own reason.
+trainer's set-up the options describe: a row per guard that refuses it, with the guard's own
+reason, and one for those that admit it.
 
 The set-up is `states.TrainingSetup`, the facts `colocate_megatron` reads off Megatron's DDP and
 optimizer configs (`adapters/megatron/trainer.py`'s `megatron_setup`) and the trainer's own
@@ -35,14 +36,19 @@ FIXES: dict[str, str] = {
 
 
 def rows(setup: SetUp) -> list[Row]:
-    """One row per guard of the plan's mode, failing with the guard's reason and its fix."""
+    """A row per guard of the plan's mode that refuses the set-up, with the guard's reason and its
+    fix; the guards that admit it share one row, naming each."""
     mode = setup.plan.mode
     training = replace(setup.training, distributed_optimizer=setup.plan.optimizer.distributed)
-    out = []
-    for check in CHECKS[mode]:
-        verdict = check(training)
-        read = f"{mode.value} admits it" if verdict.ok else f"{mode.value}: {verdict.reason}"
-        outcome = Outcome.OK if verdict.ok else Outcome.FAIL
-        fix = None if verdict.ok else FIXES[verdict.guard]
-        out.append(Row(group=GROUP, check=verdict.guard, outcome=outcome, read=read, fix=fix))
+    verdicts = [check(training) for check in CHECKS[mode]]
+    out = [
+        Row(group=GROUP, check=v.guard, outcome=Outcome.FAIL, read=f"{mode.value}: {v.reason}", fix=FIXES[v.guard])
+        for v in verdicts
+        if not v.ok
+    ]
+    admitted = [v.guard for v in verdicts if v.ok]
+    if admitted:
+        check = "the mode's refusals" if not out else "the mode's other refusals"
+        read = f"{mode.value}'s {len(admitted)} guard(s) admit it: {', '.join(admitted)}"
+        out.append(Row(group=GROUP, check=check, outcome=Outcome.OK, read=read))
     return out

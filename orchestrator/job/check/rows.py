@@ -53,6 +53,7 @@ class SetUp:
     training: TrainingSetup = field(default_factory=TrainingSetup)
     engines: tuple[str, ...] = ()  # base URLs of the SGLang servers
     ray_address: str | None = None
+    saves: bool = False  # the run saves checkpoints: count what a save stages in host memory
 
 
 Check = Callable[[SetUp], Sequence[Row]]
