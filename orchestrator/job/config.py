@@ -14,7 +14,7 @@ from orchestrator.adapters.registry import ENGINES
 from orchestrator.core.config import Checkpoint, Device, EngineKind, EnginePause, Verify, WeightSync
 from orchestrator.errors import ConfigError
 from orchestrator.job.grpo import GRPOConfig
-from orchestrator.job.layout import layout_problems, model_parallel, run_layout
+from orchestrator.job.layout import given_sizes, layout_problems, model_parallel, run_layout
 from orchestrator.job.ray_cluster import address_problems
 from orchestrator.job.workers.pool import RANK_TIMEOUT_S
 from orchestrator.plan.memory import Parallelism
@@ -125,8 +125,8 @@ def _layout_problems(config: RunConfig) -> list[str]:
     problems = layout_problems(layout, model.shape(), ranks=config.ranks, vocab_size=model.vocab_size)
     if not problems and model_parallel(layout) and config.engine.served:
         problems.append(
-            f"--tp {config.tp} --ep {config.ep}: --engine sglang takes data parallelism only in colocate run "
-            "yet (its pushes do not gather shards); colocate_megatron syncs any layout to SGLang"
+            f"{given_sizes(layout)}: --engine sglang takes data parallelism only in colocate run yet (its "
+            "pushes do not gather shards); colocate_megatron syncs any layout to SGLang"
         )
     return problems
 

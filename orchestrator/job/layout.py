@@ -17,7 +17,7 @@ from orchestrator.models import ModelShape
 from orchestrator.plan.memory import Parallelism
 from orchestrator.plan.model import LayerSpec
 
-__all__ = ["describe", "layout_problems", "model_parallel", "run_layout"]
+__all__ = ["describe", "given_sizes", "layout_problems", "model_parallel", "run_layout"]
 
 
 def run_layout(*, ranks: int, tp: int = 1, pp: int = 1, ep: int = 1) -> Parallelism:
@@ -32,6 +32,11 @@ def describe(layout: Parallelism) -> str:
     parts = [f"{name} {n}" for name, n in (("TP", layout.tp), ("PP", layout.pp)) if n > 1]
     text = " x ".join([*parts, f"DP {layout.dp}"])
     return text + (f", EP {layout.ep}" if layout.ep > 1 else "")
+
+
+def given_sizes(layout: Parallelism) -> str:
+    """The layout's options above 1, as a refusal names them: "--tp 2 --ep 2"."""
+    return " ".join(f"--{name} {n}" for name, n in (("tp", layout.tp), ("pp", layout.pp), ("ep", layout.ep)) if n > 1)
 
 
 def model_parallel(layout: Parallelism) -> bool:
@@ -70,8 +75,7 @@ def layout_problems(layout: Parallelism, shape: ModelShape, *, ranks: int, vocab
         )
     else:
         trivial = set(Parallelism(spec=layout.spec).problems(shape))
-        given = " ".join(f"{flag} {n}" for flag, n in sizes.items() if n > 1)
-        problems += [f"{given}: {p}" for p in layout.problems(shape) if p not in trivial]
+        problems += [f"{given_sizes(layout)}: {p}" for p in layout.problems(shape) if p not in trivial]
     if vocab_size % layout.tp:
         problems.append(f"--tp {layout.tp}: the vocabulary ({vocab_size} ids) does not divide by TP ({layout.tp})")
     return problems
