@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from orchestrator.protocols import Named
+from orchestrator.protocols import BucketSink, Named, TransferReport
 
 # What the gathering conversion holds at once beyond the params (`hf_buckets`' bucket): the
 # push cuts its own buckets from the tensors it is handed.
@@ -72,3 +72,17 @@ class RankShare:
             for _ in named:
                 pass
         return True
+
+    def digests(self, named: Iterator[Named]) -> dict[str, str]:
+        """A sync source's converted weights' SHA256s; none from the other ranks, which join the gathers."""
+        from orchestrator.adapters.digest import sha256_digests
+
+        return {} if self.join_only(named) else sha256_digests(dict(named))
+
+    def push(self, named: Iterator[Named], engine: BucketSink, version: int, bucket_bytes: int) -> TransferReport:
+        """A sync source sends `named` to `engine` in buckets; any other rank joins the gathers, sending nothing."""
+        from orchestrator.adapters.transport.bucketed import push_in_buckets
+
+        if self.join_only(named):
+            return TransferReport(tensors=0, bytes=0, buckets=0)
+        return push_in_buckets(named, engine, version, bucket_bytes=bucket_bytes)

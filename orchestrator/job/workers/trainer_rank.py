@@ -237,19 +237,11 @@ class TrainerRank(Traced, PayloadSource):
         return self.share.converted(self.trainer, self.chunks, self.shape)
 
     def converted_digests(self) -> dict[str, str]:
-        """A sync source's converted weights' SHA256s; none from the other ranks (which join the gathers)."""
-        from orchestrator.adapters.digest import sha256_digests
-
-        named = self.converted()
-        return {} if self.share.join_only(named) else sha256_digests(dict(named))
+        return self.share.digests(self.converted())
 
     def push_weights(self, engine: BucketSink, version: int, bucket_bytes: int) -> TransferReport:
-        """A sync source sends every (converted) weight to the engine; every other rank joins the
-        conversion's gathers and sends nothing (`RankShare.join_only`)."""
-        named = self.converted()
-        if self.share.join_only(named):
-            return TransferReport(tensors=0, bytes=0, buckets=0)
-        return push_in_buckets(named, engine, version, bucket_bytes=bucket_bytes)
+        """A sync source sends every (converted) weight to the engine; the others join the gathers."""
+        return self.share.push(self.converted(), engine, version, bucket_bytes)
 
     def share_staging(self, bucket_bytes: int) -> Any:
         """Allocate this rank's staging buffer for the CUDA IPC push and return its IPC handle.
