@@ -87,6 +87,11 @@ def run_command(
             help="Trainer ranks; more than 1 runs them as Ray actors.", show_default="2; 1 with --device cuda"
         ),
     ] = None,
+    tp: Annotated[
+        int, typer.Option(help="Tensor parallel size: each TP group of consecutive ranks splits every layer.")
+    ] = 1,
+    pp: Annotated[int, typer.Option(help="Pipeline parallel size: not supported by colocate run yet (1).")] = 1,
+    ep: Annotated[int, typer.Option(help="Expert parallel size (MoE models): the experts split over EP ranks.")] = 1,
     mode: Annotated[RunMode, typer.Option(help="How params survive the rollout.")] = RunMode.REMATERIALIZE,
     offload: Annotated[
         Offload, typer.Option(help="Which of grad_buffer, default leave the GPU for the rollout: auto decides.")
@@ -199,6 +204,9 @@ def run_command(
             grpo=grpo,
             steps=steps,
             ranks=ranks if ranks is not None else (1 if device is Device.CUDA else 2),
+            tp=tp,
+            pp=pp,
+            ep=ep,
             mode=Mode(mode.value),
             offload=offload,
             seed=seed,

@@ -32,6 +32,7 @@ import torch
 from opentelemetry import trace
 
 from orchestrator.adapters import checkpoints as store
+from orchestrator.job.layout import model_parallel
 from orchestrator.job.report import RunReport
 from orchestrator.protocols import SavedCheckpoint
 from orchestrator.telemetry import semconv
@@ -42,8 +43,13 @@ if TYPE_CHECKING:
 
 
 def identity(config: RunConfig) -> dict[str, Any]:
-    """What a resumed run must share with its checkpoint for its steps to be the same run's."""
-    return {"mode": config.mode.value, "seed": config.seed, "grpo": asdict(config.grpo)}
+    """What a resumed run must share with its checkpoint for its steps to be the same run's; and
+    where a rank holds part of the model, the layout (the optimizer is saved `dp_reshardable`:
+    Megatron reshards it over DP only)."""
+    same = {"mode": config.mode.value, "seed": config.seed, "grpo": asdict(config.grpo)}
+    if model_parallel(config.layout):  # a DP-only checkpoint, saved before the layout was, names none
+        same["layout"] = {"tp": config.tp, "pp": config.pp, "ep": config.ep}
+    return same
 
 
 def _differences(saved: Any, now: Any, key: str = "") -> list[str]:

@@ -14,8 +14,10 @@ from orchestrator.adapters.registry import ENGINES
 from orchestrator.core.config import Checkpoint, Device, EngineKind, EnginePause, Verify, WeightSync
 from orchestrator.errors import ConfigError
 from orchestrator.job.grpo import GRPOConfig
+from orchestrator.job.layout import given_sizes, layout_problems, model_parallel, run_layout
 from orchestrator.job.ray_cluster import address_problems
 from orchestrator.job.workers.pool import RANK_TIMEOUT_S
+from orchestrator.plan.memory import Parallelism
 from states import Mode, Offload
 
 # The longest --rank-timeout: far below what every wait it reaches can take (Ray's, in int64
@@ -59,6 +61,10 @@ class RunConfig:
 
     steps: int = 30
     ranks: int = 2
+    # The ranks' layout (`job.layout`): DP is what TP x PP leave of `ranks`.
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
     mode: Mode = Mode.REMATERIALIZE
     # Which of grad_buffer, default leave the device for the rollout (orchestrator/core/offload.py).
     # `auto` decides from the measured budget on GPUs (`job.memory`); on the CPU it moves both.
@@ -74,6 +80,7 @@ class RunConfig:
     def __post_init__(self) -> None:
         problems = [
             *_run_problems(self),
+            *_layout_problems(self),
             *_engine_problems(self.engine, self.device, self.ranks),
             *_cluster_problems(self.cluster),
             *_verify_problems(self.verify),
@@ -81,6 +88,11 @@ class RunConfig:
         ]
         if problems:
             raise ConfigError(problems)
+
+    @property
+    def layout(self) -> Parallelism:
+        """The ranks' layout as the planner reads it: TP x PP x DP, with EP."""
+        return run_layout(ranks=self.ranks, tp=self.tp, pp=self.pp, ep=self.ep)
 
 
 def _run_problems(config: RunConfig) -> list[str]:
@@ -94,10 +106,28 @@ def _run_problems(config: RunConfig) -> list[str]:
     if config.offload not in Offload.__members__.values():
         problems.append(f"--offload must be one of {', '.join(Offload)}, got {config.offload!r}")
     rows = config.grpo.prompts_per_step * config.grpo.group_size
-    if config.ranks >= 1 and rows % config.ranks:
-        problems.append(f"the {rows} samples of a step do not split evenly over {config.ranks} ranks")
+    dp = config.layout.dp
+    if config.ranks >= 1 and rows % dp:
+        over = f"{config.ranks} ranks" if dp == config.ranks else f"{dp} data-parallel groups"
+        problems.append(f"the {rows} samples of a step do not split evenly over {over}")
     if not 0 <= config.seed <= SEED_MAX:
         problems.append(f"--seed must be >= 0 and < 2**64 (torch's generator takes 64 bits), got {config.seed}")
+    return problems
+
+
+def _layout_problems(config: RunConfig) -> list[str]:
+    """The layout against the model (`job.layout`), and what the run's weight syncs cannot yet
+    do at it: SGLang's pushes read every weight on rank 0, or on every rank, with no gather."""
+    if config.ranks < 1:
+        return []  # named by _run_problems
+    model = config.grpo.model
+    layout = config.layout
+    problems = layout_problems(layout, model.shape(), ranks=config.ranks, vocab_size=model.vocab_size)
+    if not problems and model_parallel(layout) and config.engine.served:
+        problems.append(
+            f"{given_sizes(layout)}: --engine sglang takes data parallelism only in colocate run yet (its "
+            "pushes do not gather shards); colocate_megatron syncs any layout to SGLang"
+        )
     return problems
 
 

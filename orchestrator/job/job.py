@@ -41,6 +41,7 @@ from orchestrator.job import interrupt
 from orchestrator.job.checkpoint import JobCheckpointer, ResumePoint, resume_point
 from orchestrator.job.config import RunConfig
 from orchestrator.job.grpo import SyntheticTask, group_advantages
+from orchestrator.job.layout import describe as layout
 from orchestrator.job.memory import MeasuredMemory
 from orchestrator.job.models import describe
 from orchestrator.job.ray_cluster import driver_ip
@@ -81,6 +82,13 @@ def rendezvous_store(host: str = "127.0.0.1") -> torch.distributed.TCPStore:
     )
 
 
+def _report(config: RunConfig) -> RunReport:
+    """The run's report, before its first step: what it trains, and on what layout."""
+    return RunReport(
+        mode=config.mode.value, ranks=config.ranks, model=describe(config.grpo.model), layout=layout(config.layout)
+    )
+
+
 def _part(name: str) -> contextlib.AbstractContextManager[object]:
     """One part of the start-up, as a child span of `colocate.start`."""
     return trace.get_tracer(semconv.TRACER).start_as_current_span(name)
@@ -110,9 +118,8 @@ class ColocatedJob:
         self.config, self.listeners, self.trace_dir, self.stop = config, tuple(listeners), trace_dir, stop
         self.resumed = resumed  # verified up front (the CLI); else `start` reads config.checkpoint.resume
         self.task = SyntheticTask(config.grpo.task)
-        self.report = RunReport(mode=config.mode.value, ranks=config.ranks, model=describe(config.grpo.model))
-        self._generator = torch.Generator().manual_seed(config.seed)
-        self._step = 0
+        self.report = _report(config)
+        self._generator, self._step = torch.Generator().manual_seed(config.seed), 0
         self._started, self._closable = contextlib.ExitStack(), False  # what `start` acquired; until `close`
         self._lifecycle: Lifecycle | None = None
         self._store: torch.distributed.TCPStore | None = None  # the ranks' rendezvous, held while they run
@@ -166,7 +173,8 @@ class ColocatedJob:
             placement = self._place(store_host, engine_bundle=served is None)
             self._started.callback(placement.close, flush=self.trace_dir is not None or bool(exporters_requested()))
         with _part(semconv.START_RANKS_SPAN):
-            ranks = placement.start_ranks(int(self._store.port), grpo.model, grpo.clip_eps, cfg.verify.digest)
+            ranks = placement.start_ranks(int(self._store.port), grpo.model, grpo.clip_eps, cfg.verify.digest,
+                                          tp=cfg.tp, ep=cfg.ep)  # fmt: skip
         interrupt.check(self.stop)  # ranks built in this process do not look at it
         if self.resumed is not None:
             with _part(semconv.RESUME_SPAN):

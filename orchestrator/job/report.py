@@ -41,8 +41,9 @@ class RunReport:
     steps: list[StepReport] = field(default_factory=list)
     host_pinned_bytes_per_rank: int = 0  # the most any step held
     param_bytes_bf16_per_rank: int = 0
-    params_per_rank: int = 0  # as the ranks built them (each rank holds every param: DP)
+    params_per_rank: int = 0  # as rank 0 built them (every param at DP only; its shard at TP, EP)
     model: str = ""  # what was trained, and what was made smaller than its source (`job.models`)
+    layout: str = ""  # the ranks' layout, e.g. "TP 2 x DP 1" (`job.layout.describe`)
     engine_matches_trainer: bool | None = None  # None: never compared (the engine cannot report its weights)
     trace_file: str | None = None
     error: str | None = None

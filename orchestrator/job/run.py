@@ -32,7 +32,8 @@ from states import CYCLE, Event
 def summary(report: RunReport, seconds: float) -> Table:
     rewards = [s.reward_mean for s in report.steps if s.loss is not None]  # steps that finished
     table = Table(
-        title=f"colocate run: {report.mode}, {report.ranks} rank(s), {len(rewards)} steps done, {seconds:.0f} s"
+        title=f"colocate run: {report.mode}, {report.ranks} rank(s){_beyond_dp(report)}, {len(rewards)} steps done, "
+        f"{seconds:.0f} s"
     )
     table.add_column("what")
     table.add_column("value", overflow="fold")
@@ -64,6 +65,11 @@ def summary(report: RunReport, seconds: float) -> Table:
     if report.trace_file:
         table.add_row("trace file", report.trace_file)
     return table
+
+
+def _beyond_dp(report: RunReport) -> str:
+    """The layout, for the title, where it is more than data parallelism over every rank."""
+    return f" ({report.layout})" if report.layout and report.layout != f"DP {report.ranks}" else ""
 
 
 def _phase_rows(report: RunReport) -> list[tuple[str, str]]:

@@ -88,12 +88,15 @@ def init_process_group(
     master_port: int,
     backend: str = "gloo",
     *,
+    tensor_model_parallel_size: int = 1,
     expert_model_parallel_size: int = 1,
+    expert_tensor_parallel_size: int | None = None,  # None: TP, as Megatron's default
     seed: int = 1234,
     master_addr: str = "127.0.0.1",
     store: torch.distributed.Store | None = None,
 ) -> None:
-    """torch.distributed + megatron parallel state (TP = PP = 1) + model-parallel RNG seeds.
+    """torch.distributed + megatron parallel state (PP = 1; TP innermost, as Megatron places it)
+    + model-parallel RNG seeds.
 
     With `store` (a rendezvous store someone already bound) the ranks meet there, and
     `master_port` is not used."""
@@ -111,7 +114,11 @@ def init_process_group(
             backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank, world_size=world_size, timeout=timeout
         )
     # Gloo groups stay on (the default): get_megatron_optimizer asks for them under nccl too.
-    parallel_state.initialize_model_parallel(expert_model_parallel_size=expert_model_parallel_size)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_model_parallel_size,
+        expert_model_parallel_size=expert_model_parallel_size,
+        expert_tensor_parallel_size=expert_tensor_parallel_size,
+    )
     # CPU path: the tracker seeds the CPU generator (see megatron_cpu); GPU: the CUDA one.
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
@@ -135,8 +142,11 @@ def _transformer_config(shape: ModelShape) -> TransformerConfig:
             moe_layer_freq=[int(i in shape.moe_layers) for i in range(shape.num_layers)],
             # Must equal initialize_model_parallel's, or experts silently land in dense buffers.
             expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+            expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size(),
         )
     return TransformerConfig(
+        # As initialize_model_parallel made it: Megatron's layers and checks read the config's.
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
         num_attention_heads=shape.num_attention_heads,

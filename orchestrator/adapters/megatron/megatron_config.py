@@ -58,6 +58,8 @@ def megatron_config(shape: ModelShape, *, init_method_std: float = 0.02) -> Tran
     from megatron.core.transformer import MLATransformerConfig
 
     keys: dict[str, Any] = dict(
+        # As initialize_model_parallel made it: Megatron's layers and checks read the config's.
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         num_layers=shape.num_layers,
         hidden_size=shape.hidden_size,
         num_attention_heads=shape.num_attention_heads,
@@ -133,6 +135,7 @@ def _routing(shape: ModelShape) -> dict[str, Any]:
         moe_grouped_gemm=False,
         moe_token_dispatcher_type="allgather",
         expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+        expert_tensor_parallel_size=parallel_state.get_expert_tensor_parallel_world_size(),
     )
 
 

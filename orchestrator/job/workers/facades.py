@@ -121,10 +121,12 @@ class DistributedTrainer:
         return self.ranks.all(TrainerRank.device_memory)
 
     def converted_digests(self) -> dict[str, str]:
-        return self.ranks.one(0, TrainerRank.converted_digests)
+        """The sync sources' converted weights' digests, one set: every rank is called (the
+        conversion's gathers are collectives), and only sources answer with any."""
+        return {name: d for share in self.ranks.all(TrainerRank.converted_digests) for name, d in share.items()}
 
     def weights_sha256(self) -> str:
-        """One SHA256 over rank 0's converted (HF) weights: each tensor's SHA256, by name."""
+        """One SHA256 over the converted (HF) weights: each tensor's SHA256, by name."""
         lines = "".join(f"{name} {digest}\n" for name, digest in sorted(self.converted_digests().items()))
         return hashlib.sha256(lines.encode()).hexdigest()
 

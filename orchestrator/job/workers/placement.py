@@ -36,7 +36,7 @@ class Placement(Protocol):
     """Starts the job's ranks and the replicas of an engine it runs itself; `close` ends them all."""
 
     def start_ranks(
-        self, port: int, model: Any, clip_eps: float, digest: DigestMethod | None = None
+        self, port: int, model: Any, clip_eps: float, digest: DigestMethod | None = None, *, tp: int = 1, ep: int = 1
     ) -> WorkerPool[TrainerRank]: ...
 
     def start_engine(self, kind: str, spec: EngineSpec) -> ReplicaSet: ...
@@ -60,10 +60,12 @@ class LocalPlacement:
         self._workers: list[TrainerRank | EngineReplica] = []
 
     def start_ranks(
-        self, port: int, model: Any, clip_eps: float, digest: DigestMethod | None = None
+        self, port: int, model: Any, clip_eps: float, digest: DigestMethod | None = None, *, tp: int = 1, ep: int = 1
     ) -> WorkerPool[TrainerRank]:
         threads = torch.get_num_threads()  # the rank is this process: it keeps the process's threads
-        rank = TrainerRank(0, 1, port, model, clip_eps, threads=threads, device=self.device, digest=digest)
+        rank = TrainerRank(
+            0, 1, port, model, clip_eps, threads=threads, device=self.device, digest=digest, tp=tp, ep=ep
+        )
         self._workers.append(rank)
         return WorkerPool([rank], label="rank", remote=False)
 
@@ -160,14 +162,16 @@ class RayPlacement:
         return {**share, "scheduling_strategy": strategy, "max_restarts": 0, "runtime_env": env}
 
     def start_ranks(
-        self, port: int, model: Any, clip_eps: float, digest: DigestMethod | None = None
+        self, port: int, model: Any, clip_eps: float, digest: DigestMethod | None = None, *, tp: int = 1, ep: int = 1
     ) -> WorkerPool[TrainerRank]:
-        """One rank per bundle, waited for until built."""
+        """One rank per bundle, waited for until built; rank r in bundle r, so that a TP group
+        (ranks TP x i .. TP x i + TP - 1, innermost as Megatron places it) is in consecutive bundles,
+        which PACK puts on one node where it can."""
         rank_cls = remote_class(TrainerRank)
         workers = [
             rank_cls.options(**self._options(r)).remote(
                 r, self.ranks, port, model, clip_eps, own_process=True, trace_file=self.trace_file(f"rank{r}"),
-                device="cuda" if self.cuda else "cpu", store_host=self.store_host, digest=digest,
+                device="cuda" if self.cuda else "cpu", store_host=self.store_host, digest=digest, tp=tp, ep=ep,
             )
             for r in range(self.ranks)
         ]  # fmt: skip

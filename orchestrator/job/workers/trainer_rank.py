@@ -14,7 +14,9 @@ from opentelemetry import trace
 
 from orchestrator.adapters.transport.bucketed import push_in_buckets
 from orchestrator.core.config import DigestMethod
+from orchestrator.job.layout import run_layout
 from orchestrator.job.workers.payloads import PayloadSource
+from orchestrator.job.workers.share import RankShare
 from orchestrator.job.workers.traced import Traced
 from orchestrator.protocols import BucketSink, Named, TrainerState, TransferReport
 from orchestrator.telemetry import semconv
@@ -32,15 +34,16 @@ WEIGHT_GROUP = "colocate_weights"
 
 @dataclass(frozen=True, slots=True)
 class Batch:
-    """One step's rollout, as the trainer consumes it. Rank r trains on rows r::world_size."""
+    """One step's rollout, as the trainer consumes it. Data-parallel rank d of D trains on rows
+    d::D (the ranks of a TP group, on the same rows)."""
 
     prompts: torch.Tensor
     completions: torch.Tensor
     old_logprobs: torch.Tensor
     advantages: torch.Tensor
 
-    def shard(self, rank: int, world_size: int) -> Batch:
-        rows = slice(rank, None, world_size)
+    def shard(self, dp_rank: int, dp_size: int) -> Batch:
+        rows = slice(dp_rank, None, dp_size)
         return Batch(self.prompts[rows], self.completions[rows], self.old_logprobs[rows], self.advantages[rows])
 
 
@@ -90,6 +93,7 @@ class TrainerRank(Traced, PayloadSource):
 
     role = semconv.ROLE_RANK
     rank: int
+    share = RankShare()  # DP only until Megatron is built (and for ranks that build none)
 
     def __init__(
         self,
@@ -104,6 +108,8 @@ class TrainerRank(Traced, PayloadSource):
         device: str = "cpu",
         store_host: str = "127.0.0.1",  # where the store listens: the driver's IP as the cluster reaches it
         digest: DigestMethod | None = None,  # None: the device digest on a GPU, SHA256 on the CPU
+        tp: int = 1,  # tensor- and expert-parallel sizes (`job.layout`); DP: what they leave
+        ep: int = 1,
     ) -> None:
         torch.set_num_threads(threads)  # ranks share the host's cores
         self.rank = rank
@@ -127,7 +133,12 @@ class TrainerRank(Traced, PayloadSource):
         self.broadcaster: WeightBroadcaster | None = None
         # The driver holds the rendezvous store, bound before any rank starts: no port to race for.
         store = torch.distributed.TCPStore(store_host, port, is_master=False, timeout=timedelta(minutes=5))
-        init_process_group(rank, world_size, port, _backend(device), seed=model.seed, store=store)
+        init_process_group(
+            rank, world_size, port, _backend(device), tensor_model_parallel_size=tp,
+            expert_model_parallel_size=ep, expert_tensor_parallel_size=run_layout(ranks=world_size, tp=tp, ep=ep).etp,
+            seed=model.seed, store=store,
+        )  # fmt: skip
+        self.share = RankShare.current()
         self.chunks, self.optimizer = build_gpt(model)
         self.shape = _conversion_shape(self.chunks, model)
         self.trainer = MegatronTrainer(self.chunks, self.optimizer, digest=digest)
@@ -208,7 +219,7 @@ class TrainerRank(Traced, PayloadSource):
     def train(self, batch: Batch) -> float:
         from orchestrator.job.grpo import grpo_train_step
 
-        shard = batch.shard(self.rank, self.world_size)
+        shard = batch.shard(self.share.dp_rank, self.share.dp_size)
         stats = grpo_train_step(
             self.chunks,
             self.optimizer,
@@ -221,22 +232,16 @@ class TrainerRank(Traced, PayloadSource):
         return float(stats.loss)
 
     def converted(self) -> Iterator[Named]:
-        """Every weight the engine loads, as HF names it; not the MTP layers (no engine here serves them)."""
-        from orchestrator.adapters.megatron.convert import to_hf
-        from orchestrator.adapters.megatron.convert.mtp import is_mtp
-
-        for name, tensor in self.trainer.sync_tensors():
-            if not is_mtp(name):
-                yield from to_hf(name, tensor, self.shape)
+        """Every weight the engine loads, as HF names it, whole (`RankShare.converted`: gathered
+        where the rank holds part of the model, a collective); not the MTP layers."""
+        return self.share.converted(self.trainer, self.chunks, self.shape)
 
     def converted_digests(self) -> dict[str, str]:
-        from orchestrator.adapters.digest import sha256_digests
-
-        return sha256_digests(dict(self.converted()))
+        return self.share.digests(self.converted())
 
     def push_weights(self, engine: BucketSink, version: int, bucket_bytes: int) -> TransferReport:
-        """Rank 0 sends every (converted) weight to the engine: with TP = 1 it holds them all."""
-        return push_in_buckets(self.converted(), engine, version, bucket_bytes=bucket_bytes)
+        """A sync source sends every (converted) weight to the engine; the others join the gathers."""
+        return self.share.push(self.converted(), engine, version, bucket_bytes)
 
     def share_staging(self, bucket_bytes: int) -> Any:
         """Allocate this rank's staging buffer for the CUDA IPC push and return its IPC handle.

@@ -33,13 +33,15 @@ def _total(reports: Sequence[TransferReport]) -> TransferReport:
 
 
 class RankZeroPush:
-    """WeightTransport: rank 0 pushes its converted weights straight into the engine."""
+    """WeightTransport: the sync source (rank 0, while PP is 1) pushes its converted weights
+    straight into the engine. Every rank is called, at once: where a rank holds part of the model
+    (TP, EP) the conversion's gathers are collectives the others join, sending nothing."""
 
     def __init__(self, ranks: WorkerPool[TrainerRank], engine: BucketSink, bucket_bytes: int) -> None:
         self.ranks, self.engine, self.bucket_bytes = ranks, engine, bucket_bytes
 
     def push(self, version: int) -> TransferReport:
-        return self.ranks.one(0, TrainerRank.push_weights, self.engine, version, self.bucket_bytes)
+        return _total(self.ranks.all(TrainerRank.push_weights, self.engine, version, self.bucket_bytes))
 
 
 class ReplicaIpcPush:
