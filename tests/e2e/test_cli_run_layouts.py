@@ -68,3 +68,39 @@ def test_the_summary_names_the_layout(tp_run: Any) -> None:
     done, report = tp_run
     assert report["layout"] == "TP 2 x DP 1"
     assert "2 rank(s) (TP 2 x DP 1)" in done.stdout
+
+
+@pytest.fixture(scope="module")
+def ep_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Any]:
+    """`--ep 2` on a tiny Qwen3-MoE config.json (4 experts in each of 2 layers): DP 2, EP 2."""
+    transformers = pytest.importorskip("transformers")
+    folder = tmp_path_factory.mktemp("ep")
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=4, num_experts_per_tok=2,
+        decoder_sparse_step=1, max_position_embeddings=128, architectures=["Qwen3MoeForCausalLM"],
+    )  # fmt: skip
+    (folder / "config.json").write_text(config.to_json_string())
+    args = ["--model", str(folder / "config.json"), "--ranks", "2", "--ep", "2", "--steps", str(STEPS)]
+    report = folder / "report.json"
+    done = run("run", *args, "--verify-cycles", str(STEPS), "--prompts", "8", "--group-size", "4",
+               "--report", str(report), timeout=400)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads(report.read_text()), config
+
+
+def test_experts_split_over_ep_restore_verified_and_the_engine_receives_each_once(ep_run: Any) -> None:
+    import torch
+
+    report, config = ep_run
+    assert report["layout"] == "DP 2, EP 2"
+    steps = report["steps"]
+    assert [s["restore_verified"] for s in steps] == [True] * STEPS
+    assert [s["engine_matches_trainer"] for s in steps] == [True] * STEPS
+    with torch.device("meta"):
+        hf = __import__("transformers").Qwen3MoeForCausalLM(config)
+    whole = sum(p.numel() for p in hf.parameters())
+    experts = sum(p.numel() for name, p in hf.named_parameters() if ".experts." in name)
+    assert report["params_per_rank"] == whole - experts // 2  # half the experts each, the rest whole
+    # Every HF tensor in bf16, once: the expert gather gives the source all of them; rank 1 sends none.
+    assert all(s["phase_bytes"]["update_weights"] == 2 * whole for s in steps)
