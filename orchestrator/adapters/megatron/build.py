@@ -283,7 +283,24 @@ def build_gpt(
     optimizer = get_megatron_optimizer(opt_config, [chunk])
     if not isinstance(optimizer, ChainedOptimizer):  # 0.16.1 always chains; be explicit
         optimizer = ChainedOptimizer([optimizer])
+    init_optimizer_state(optimizer)
     return [chunk], optimizer
+
+
+def init_optimizer_state(optimizer: Any) -> None:
+    """Give every param its Adam state now, as the first step would: zeroed moments (Megatron's
+    own `init_state_fn`) and step 0, where it has none. The first step then runs on the same
+    zeros and step as one whose state it makes itself, bit for bit; and the `default` region's
+    storages (mains and moments) are final before the first pause, so its host arena is laid out
+    once, at set-up, not again at the second pause (54 s for Qwen3-4B's 48 GB on an H200)."""
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        torch_optimizer, init_state = getattr(inner, "optimizer", None), getattr(inner, "init_state_fn", None)
+        if torch_optimizer is None:
+            continue  # not a Megatron optimizer: its first step makes its state
+        if init_state is not None:  # Adam's: zeroed moments where there are none
+            init_state(torch_optimizer, inner.config)
+        for state in torch_optimizer.state.values():
+            state.setdefault("step", torch.tensor(0.0))  # as torch's Adam makes it (not capturable)
 
 
 def train_step(

@@ -67,6 +67,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from orchestrator.adapters.megatron.build import init_optimizer_state
 from orchestrator.adapters.megatron.convert import (
     conversion_problems,
     hf_buckets,
@@ -291,6 +292,7 @@ def colocate_megatron(
     )
     sink = _loads_weights(engine, sync.transport)
     checkpointer = _checkpointer(model, optimizer, checkpoint)
+    init_optimizer_state(optimizer)  # Adam's zeroed state now: the host arena is laid out once
     trainer = MegatronTrainer(model, optimizer, extras=extras, digest=verify.digest)
     if config.mode is not Mode.TRAIN_ONLY:
         require_restore_coverage(trainer.layout())  # before regions re-home anything

@@ -32,6 +32,8 @@ import torch
 from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
+from orchestrator.adapters.megatron.build import init_optimizer_state
+
 __all__ = ["load", "save"]
 
 # How the distributed optimizer lays its state out in the checkpoint (see the module docstring).
@@ -85,15 +87,6 @@ def save(chunks: Sequence[Any], optimizer: Any, directory: Path) -> None:
     dist_checkpointing.save(_sharded(chunks, optimizer, loading=False, rng=True), str(directory))
 
 
-def _init_optimizer_state(optimizer: Any) -> None:
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        torch_optimizer = inner.optimizer
-        if inner.init_state_fn is not None:  # Adam's: zeroed moments where there are none
-            inner.init_state_fn(torch_optimizer, inner.config)
-        for state in torch_optimizer.state.values():
-            state.setdefault("step", torch.tensor(0.0))
-
-
 def _steps_from_groups(optimizer: Any) -> None:
     """Each param's Adam step, its own tensor, from its group's (loaded from the checkpoint)."""
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
@@ -108,7 +101,7 @@ def _steps_from_groups(optimizer: Any) -> None:
 def load(chunks: Sequence[Any], optimizer: Any, directory: Path, *, rng: bool) -> None:
     """Load the checkpoint in `directory` into the model and the optimizer (and this rank's RNG
     states, if `rng`); raises Megatron's CheckpointingException where it does not fit the model."""
-    _init_optimizer_state(optimizer)
+    init_optimizer_state(optimizer)
     loaded = dist_checkpointing.load(_sharded(chunks, optimizer, loading=True, rng=rng), str(directory))
     for index, chunk in enumerate(chunks):
         _module(chunk).load_state_dict(loaded[_model_key(index, chunks)])

@@ -372,7 +372,8 @@ def steady_region_bytes(tensors: Mapping[str, Sequence[torch.Tensor]], optimizer
     """Bytes each region tag holds once the optimizer has stepped: the buffers as they are, and
     `default` as Adam's (Megatron's default optimizer): two moments the size of every fp32 shard
     it updates, besides the mains of the bf16 params (those of fp32 params are views of the param
-    buffer). The moments appear only at the first step; where they exist, what is held."""
+    buffer). The moments exist from set-up where `build.init_optimizer_state` made them, else
+    from the first step; where they exist, what is held."""
     from orchestrator.adapters.regions.storage import storages_by_tag
 
     held = {tag: sum(s.nbytes() for s in storages) for tag, storages in storages_by_tag(tensors).items()}

@@ -92,8 +92,8 @@ class _Paused:
 class StorageRegions(RegionsStateFromReads):
     """Implements `orchestrator.protocols.MemoryRegions` by resizing storages.
 
-    `tensors` is called at every pause, so tensors created after construction (Adam moments
-    appear at the first optimizer step) are paused too.
+    `tensors` is called at every pause, so tensors created after construction (Adam's moments
+    made by a first step, where set-up did not make them) are paused too.
     """
 
     def __init__(

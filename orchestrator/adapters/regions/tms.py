@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -72,6 +73,17 @@ class TorchMemorySaverRegions(RegionsStateFromReads):
         self._saved: dict[str, list[torch.UntypedStorage]] = {}  # what each arena holds, while paused
         self._unmapped: set[str] = set()  # the tags torch_memory_saver holds paused
         self._rehome_new()
+        self._lay_out_arenas()
+
+    def _lay_out_arenas(self) -> None:
+        """Lay out and pin each arena now, at set-up, for the storages its tag holds: with Adam's
+        state made at set-up (`build.init_optimizer_state`) they are final, and no pause of any
+        step pins. `arena_setup`: the bytes pinned and the seconds it took (the job's `rank.setup`
+        span carries them)."""
+        start, by_tag = time.perf_counter(), storages_by_tag(self._tensors())
+        for tag, arena in self._arenas.items():
+            arena.lay_out(by_tag[tag])
+        self.arena_setup = (self.host_arena_bytes(), time.perf_counter() - start)
 
     def _rehome_new(self) -> None:
         moved = False

@@ -32,6 +32,15 @@ if TYPE_CHECKING:
 WEIGHT_GROUP = "colocate_weights"
 
 
+def _note_arena(regions: Any) -> None:
+    """On the current span (`rank.setup`): the host arenas torch_memory_saver's regions pinned at
+    set-up, bytes and seconds; nothing for the CPU's regions, which pin none."""
+    arena = getattr(regions, "arena_setup", None)
+    if arena is not None:
+        attributes = {semconv.HOST_ARENA_BYTES: arena[0], semconv.HOST_ARENA_SECONDS: arena[1]}
+        trace.get_current_span().set_attributes(attributes)
+
+
 @dataclass(frozen=True, slots=True)
 class Batch:
     """One step's rollout, as the trainer consumes it. Data-parallel rank d of D trains on rows
@@ -161,6 +170,7 @@ class TrainerRank(Traced, PayloadSource):
         """What this rank's real Megatron configs say (DDP config, optimizer config)."""
         from orchestrator.adapters.megatron.trainer import megatron_setup
 
+        _note_arena(self.regions)
         return megatron_setup(self.chunks, self.optimizer)
 
     def device_memory(self) -> tuple[int, int]:
