@@ -4,20 +4,14 @@ against the layout."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import shutil
-import socket
-import subprocess
-import sys
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from tests.support.cli import run
+from tests.support.ray_head import users_cluster
+from tests.support.spawn import free_port
 
 GPU_ROWS = ("device memory per GPU", "torch_memory_saver (trainer)", "NVLink multicast")
 
@@ -71,44 +65,13 @@ def test_bad_input_exits_2_naming_it(args: tuple[str, ...], said: str) -> None:
     assert done.returncode == 2 and said in done.stderr, done.stderr
 
 
-def _ray(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ray.scripts.scripts", *args], env=env, capture_output=True, text=True)
-
-
-def _free_port() -> int:
-    with socket.create_server(("127.0.0.1", 0)) as probe:
-        return int(probe.getsockname()[1])
-
-
 @pytest.fixture
 def cluster() -> Iterator[tuple[str, dict[str, str]]]:
-    """`ray start --head` on 127.0.0.1 with token authentication and 2 logical GPUs, started and
-    stopped by this test (its own processes, found by its folder: never `ray stop`)."""
+    """A user's `ray start --head` of 2 logical GPUs, started and stopped by this test
+    (tests/support/ray_head.py)."""
     pytest.importorskip("ray")
-    psutil = pytest.importorskip("psutil")
-    from orchestrator.job.ray_reaper import head_processes
-
-    folder = Path(tempfile.mkdtemp(prefix="chk-ray-"))  # short: Ray's socket paths must fit in 107 bytes
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env |= {"RAY_AUTH_MODE": "token", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-    try:
-        assert _ray("get-auth-token", "--generate", env=env).returncode == 0
-        started = _ray(
-            "start", "--head", "--node-ip-address=127.0.0.1", "--port=0", "--num-cpus=4", "--num-gpus=2",
-            "--include-dashboard=false", "--dashboard-agent-listen-port=0", "--metrics-export-port=0",
-            f"--ray-client-server-port={_free_port()}", "--disable-usage-stats", f"--temp-dir={folder}",
-            env=env,
-        )  # fmt: skip
-        assert started.returncode == 0, started.stderr
-        port = (folder / "ray_current_cluster").read_text().strip().rpartition(":")[2]
-        yield f"127.0.0.1:{port}", {k: v for k, v in env.items() if "WINDOWS" not in k}
-    finally:
-        procs = head_processes(folder)
-        for proc in procs:
-            with contextlib.suppress(psutil.Error):
-                proc.kill()
-        psutil.wait_procs(procs, timeout=10)
-        shutil.rmtree(folder, ignore_errors=True)
+    with users_cluster("chk-ray-", gpus=2) as head:
+        yield head.address, head.env
 
 
 @pytest.mark.slow
@@ -122,5 +85,5 @@ def test_a_real_ray_cluster_s_nodes_against_the_layout(cluster: tuple[str, dict[
     assert ray["outcome"] == "fail", ray
     assert "needs 4 GPU(s) (a GPU per rank)" in ray["read"] and "0 node(s) have 4 GPUs" in ray["read"]
     assert "ray start --address" in ray["fix"]
-    _, rows = check("qwen3-4b", "--tp", "2", "--ray-address", f"127.0.0.1:{_free_port()}", env=env)
+    _, rows = check("qwen3-4b", "--tp", "2", "--ray-address", f"127.0.0.1:{free_port()}", env=env)
     assert rows["Ray cluster"]["outcome"] == "fail"  # nothing there: named, not hung on

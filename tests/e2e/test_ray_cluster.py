@@ -12,18 +12,18 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from orchestrator.job.ray_cluster import TASK_EVENTS_KEPT
 from orchestrator.job.ray_reaper import head_processes
+from tests.support import ray_head
 from tests.support.cli import ROOT, colocate, run
+from tests.support.ray_head import UsersCluster
 
 pytest.importorskip("megatron.core")
 pytest.importorskip("ray")
@@ -144,54 +144,11 @@ def test_a_killed_run_leaves_no_cluster_behind(temp: Path, tmp_path: Path) -> No
     print(f"cluster gone {60 - (deadline - time.monotonic()):.1f} s after the kill")
 
 
-def _ray(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ray.scripts.scripts", *args], env=env, capture_output=True, text=True)
-
-
-def _free_port() -> int:
-    with socket.create_server(("127.0.0.1", 0)) as probe:
-        return int(probe.getsockname()[1])
-
-
-@dataclass
-class UsersCluster:
-    address: str
-    folder: Path
-    env: dict[str, str]  # what a driver of it needs: token mode
-
-    def ask(self, code: str) -> object:
-        """Run `code` in a driver of the cluster (its own process); returns what it prints as JSON."""
-        script = f"import json, ray\nray.init(address='[::ffff:127.0.0.1]:{self.address.rpartition(':')[2]}')\n{code}"
-        done = subprocess.run([sys.executable, "-c", script], env=self.env, capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, done.stderr
-        return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 @pytest.fixture
 def users_cluster() -> Iterator[UsersCluster]:
-    """A user's own cluster: `ray start --head` on 127.0.0.1 with token authentication, started and
-    stopped by this test (by its processes, never by name)."""
-    folder = Path(tempfile.mkdtemp(prefix="user-ray-"))  # short: Ray's socket paths must fit in 107 bytes
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env |= {"RAY_AUTH_MODE": "token", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-    try:
-        assert _ray("get-auth-token", "--generate", env=env).returncode == 0
-        started = _ray(
-            "start", "--head", "--node-ip-address=127.0.0.1", "--port=0", "--num-cpus=4", "--num-gpus=0",
-            "--include-dashboard=false", "--dashboard-agent-listen-port=0", "--metrics-export-port=0",
-            f"--ray-client-server-port={_free_port()}", "--disable-usage-stats", f"--temp-dir={folder}",
-            env=env,
-        )  # fmt: skip
-        assert started.returncode == 0, started.stderr
-        port = (folder / "ray_current_cluster").read_text().strip().rpartition(":")[2]
-        yield UsersCluster(f"127.0.0.1:{port}", folder, {k: v for k, v in env.items() if "WINDOWS" not in k})
-    finally:
-        procs = head_processes(folder)  # Ray Client's server too, found by the GCS address
-        for proc in procs:
-            with contextlib.suppress(psutil.Error):
-                proc.kill()
-        psutil.wait_procs(procs, timeout=10)
-        shutil.rmtree(folder, ignore_errors=True)
+    """A user's own cluster, started and stopped by this test (tests/support/ray_head.py)."""
+    with ray_head.users_cluster("user-ray-") as cluster:
+        yield cluster
 
 
 def test_attach_runs_on_the_users_cluster_and_leaves_it_up(
