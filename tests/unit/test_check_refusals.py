@@ -12,19 +12,11 @@ from orchestrator.cli.plan.options import PlanOptions
 from orchestrator.job.check import refusals
 from orchestrator.job.check.rows import Outcome, SetUp
 from states import Mode, TrainingSetup
+from tests.unit.test_guards import EXCLUSIONS
 
-# Each guard of rematerialize, and a set-up that only it refuses.
-REFUSED_BY = {
-    "colocated": {"colocate": False},
-    "trainer_offloads": {"offload_train": False},
-    "advantages_computed": {"compute_advantages": False},
-    "no_lora": {"lora": True},
-    "optimizer_enabled": {"optimizer_disabled": True},
-    "no_old_actor_copy": {"keep_old_actor": True},
-    "no_overlap_param_gather": {"overlap_param_gather": True},
-    "optimizer_casts_mains": {"precision_aware_optimizer": True},
-    "not_debug_train_only": {"debug_train_only": True},
-}
+# Each guard of rematerialize, and a set-up that only it refuses (test_guards' own table), less
+# the distributed optimizer, which `colocate check` reads off the plan (below).
+REFUSED_BY = {guard: setup for guard, setup in EXCLUSIONS.items() if guard != "distributed_optimizer"}
 
 
 @pytest.fixture(scope="module")
