@@ -137,11 +137,9 @@ class WorkerPool(Generic[W]):
         self.pids: dict[int, int] = {}  # index → process id, once `start` has seen them ready
 
     def __getstate__(self) -> dict[str, Any]:
-        """A copy sent to a worker (rank 0 gets the engine's pool with every push) leaves the
-        sentinels behind: their refs are of calls that never end, and a worker that unpickles one
-        asks the driver for its status, an RPC that is answered never. Both kept it: about 3 such
-        calls a step, 57 kB a step in the driver. The copy's waits end at its timeout or at its
-        callee's death; the driver's own waits still watch every process."""
+        """A copy sent to a worker (rank 0 gets the engine's pool each push) has no sentinels: a ref
+        of a call that never ends, unpickled there, costs both processes an RPC never answered (57 kB
+        a step in the driver). The copy's waits end at its timeout; the driver's watch every process."""
         return {**self.__dict__, "sentinels": None}
 
     def __len__(self) -> int:
