@@ -9,16 +9,17 @@ import pickle
 import pytest
 
 from orchestrator.job.workers.pool import Sentinels, WorkerPool
+from orchestrator.job.workers.traced import Traced
 
 # What `Sentinels.watch` keeps, by the ref of each worker's `until_exit` call; a string stands in
 # for a ref here (a real one needs a cluster), which is all pickling sees of it.
 NEVER_ENDS = "ObjectRef(until_exit of engine replica 0)"
 
 
-def watched_pool() -> WorkerPool[object]:
+def watched_pool() -> WorkerPool[Traced]:
     sentinels = Sentinels()
     sentinels._watched[NEVER_ENDS] = ("actor", "engine replica 0", 4242)
-    pool: WorkerPool[object] = WorkerPool([], label="engine", remote=True, timeout=7.0, sentinels=sentinels)
+    pool: WorkerPool[Traced] = WorkerPool([], label="engine", remote=True, timeout=7.0, sentinels=sentinels)
     pool.pids = {0: 4242}
     return pool
 
