@@ -165,6 +165,12 @@ class WorkerPool(Generic[W]):
         self.sentinels = sentinels
         self.pids: dict[int, int] = {}  # index → process id, once `start` has seen them ready
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy sent to a worker (rank 0 gets the engine's pool each push) has no sentinels: a ref
+        of a call that never ends, unpickled there, costs both processes an RPC never answered (57 kB
+        a step in the driver). The copy's waits end at its timeout; the driver's watch every process."""
+        return {**self.__dict__, "sentinels": None}
+
     def __len__(self) -> int:
         return len(self.workers)
 
