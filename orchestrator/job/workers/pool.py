@@ -141,6 +141,17 @@ class Sentinels:
         return self._watched[ref]
 
 
+def _settle(pending: dict[Any, int]) -> None:
+    """Once a call failed, give its other workers' calls up to `PROBE_S` to end: one blocked in
+    a collective with a worker that died fails within moments, so its span (`rank.train`) ends
+    before the caller's span of the failed call does. One still working after that is left to
+    it. Not after a deadline: a call that hangs would not end within it."""
+    import ray
+
+    if pending:
+        ray.wait(list(pending), num_returns=len(pending), timeout=PROBE_S)
+
+
 class WorkerPool(Generic[W]):
     """Calls one method on every worker (or one) and returns the results in worker order.
 
@@ -266,28 +277,17 @@ class WorkerPool(Generic[W]):
             if not ready:
                 raise self._blame(method, refs, None)
             if ready[0] not in pending:  # a watched process died
-                self._settle(pending)
+                _settle(pending)
                 raise self._death(method, refs, ready[0])
             index = pending.pop(ready[0])
             try:
                 answer: Answer = ray.get(ready[0])
             except Exception as exc:  # RayActorError, or the worker's own exception
-                self._settle(pending)
+                _settle(pending)
                 raise self._blame(method, refs, (index, exc)) from exc
             forward(answer.lines)
             results[index] = answer.result
         return [results[index] for index in refs]
-
-    @staticmethod
-    def _settle(pending: dict[Any, int]) -> None:
-        """Once a call failed, give its other workers' calls up to `PROBE_S` to end: one blocked in
-        a collective with a worker that died fails within moments, so its span (`rank.train`) ends
-        before the caller's span of the failed call does. One still working after that is left to
-        it. Not after a deadline: a call that hangs would not end within it."""
-        import ray
-
-        if pending:
-            ray.wait(list(pending), num_returns=len(pending), timeout=PROBE_S)
 
     def _death(self, method: str, refs: dict[int, Any], sentinel: Any) -> RankFailed:
         """The failure of `method` when a watched worker's process died: this call's own, as
