@@ -132,7 +132,7 @@ def _await_training(run: Run, rank: int) -> None:
 
 def test_a_rank_killed_while_training_leaves_no_span_outliving_its_parent(start, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """Rank 0, in a collective with the rank killed, fails a moment after the driver learns of the
-    death: the driver waits for its answer (`WorkerPool._settle`) before the failed train's span
+    death: the driver waits for its answer (`pool._settle`) before the failed train's span
     ends, so rank 0's `rank.train` ends inside it. Before, it ended after it (39.5 ms, once), or
     not before the close killed its process: no span at all."""
     run = start("--trace-dir", str(tmp_path / "traces"))
