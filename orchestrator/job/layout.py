@@ -24,7 +24,9 @@ def run_layout(*, ranks: int, tp: int = 1, pp: int = 1, ep: int = 1) -> Parallel
     """The layout of `ranks` ranks at TP x PP (DP: what is left of them, at least 1), with EP;
     the job builds the local layer spec (`adapters.megatron.specs`)."""
     dp = max(ranks // max(tp * pp, 1), 1)
-    return Parallelism(tp=tp, pp=pp, dp=dp, ep=ep, etp=None if ep == 1 else 1, spec=LayerSpec.LOCAL)
+    if ep == 1:  # expert TP left out: TP, as Megatron's default
+        return Parallelism(tp=tp, pp=pp, dp=dp, ep=ep, spec=LayerSpec.LOCAL)
+    return Parallelism(tp=tp, pp=pp, dp=dp, ep=ep, etp=1, spec=LayerSpec.LOCAL)
 
 
 def describe(layout: Parallelism) -> str:

@@ -62,7 +62,7 @@ def _keeping_refusals(cls: type[Traced]) -> type[Traced]:
             raise self.refusal
         return cls.ready(self)
 
-    return type(cls.__name__, (cls,), {"__init__": __init__, "ready": ready, "refusal": None})
+    return type(cls.__name__, (cls,), {"__init__": __init__, "ready": ready})
 
 
 def control(actor: Any, method: Callable[[Any], Any]) -> Any:

@@ -29,6 +29,7 @@ class Traced:
 
     role = "worker"
     rank: int | None = None
+    refusal: Exception | None = None  # a set-up refused while built, raised by `ready` (`pool._keeping_refusals`)
     _provider: Any = None
     _lines: LineBuffer | None = None  # in a process of its own: its log lines, until the driver takes them
     # Queries the lifecycle makes around every transition, and the driver's housekeeping: spans
