@@ -59,7 +59,7 @@ def test_the_engine_s_hook_mode_from_its_server_info() -> None:
         assert row.outcome is Outcome.OK and row.read.startswith("preload on cpu")  # the stand-in runs on the CPU
         server.state.memory_saver = False
         row = engine_hook_row(server.url, *server_info(server.url))
-        assert row.outcome is Outcome.FAIL and row.fix == "start the server with --enable-memory-saver"
+        assert row.outcome is Outcome.SKIPPED and "memory saver` row fails" in row.read  # not a second failure
         url = server.url
     info, error = server_info(url)  # gone: not judged here, the engine rows fail it
     assert info is None and error

@@ -105,10 +105,9 @@ def engine_hook_row(url: str, info: Mapping[str, Any] | None, error: str | None 
     if info is None:
         read = f"not read ({error}); the engine rows say why"
         return Row(group=GROUP, check=check, outcome=Outcome.SKIPPED, read=read)
-    if not info.get("enable_memory_saver"):
-        read = "enable_memory_saver is off: no hook, so the engine cannot release its memory for the trainer"
-        fix = "start the server with --enable-memory-saver"
-        return Row(group=GROUP, check=check, outcome=Outcome.FAIL, read=read, fix=fix)
+    if not info.get("enable_memory_saver"):  # one failure for one cause: the engine group's
+        read = "enable_memory_saver is off: no hook to judge (the engine's `memory saver` row fails for it)"
+        return Row(group=GROUP, check=check, outcome=Outcome.SKIPPED, read=read)
     device = str(info.get("device") or "cuda")  # SGLang's ServerArgs resolves None to cuda
     mode = "torch" if device == "xpu" else "preload"
     read = f"{mode} on {device}, in the engine's own processes; the trainer's: torch, in its own"
