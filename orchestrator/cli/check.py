@@ -133,7 +133,8 @@ def check_command(
     # Megatron's import-time notes (no Transformer Engine, no Apex) say nothing of the set-up:
     # kept off the table's stream, in this command's process only.
     warnings.filterwarnings("ignore", module=r"megatron\.")
-    rows = check(setup)
+    with Console(stderr=True).status("checking the set-up") as status:  # the conversion builds the model
+        rows = check(setup, on_group=lambda name: status.update(f"checking the set-up: {name}"))
     failed = any(r.outcome is Outcome.FAIL for r in rows)
     if as_json:
         typer.echo(json.dumps({"ok": not failed, "rows": [r.as_json() for r in rows]}, indent=1))

@@ -6,6 +6,8 @@ and for a failure the fix in one line. Nothing is changed on any server or on th
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from orchestrator.job.check import conversion, engine, memory, refusals, runtime
 from orchestrator.job.check.rows import Check, Outcome, Row, SetUp, run_checks
 
@@ -13,9 +15,9 @@ from orchestrator.job.check.rows import Check, Outcome, Row, SetUp, run_checks
 GROUPS: tuple[Check, ...] = (memory.rows, engine.rows, conversion.rows, refusals.rows, runtime.rows)
 
 
-def check(setup: SetUp) -> list[Row]:
-    """Every row of every group."""
-    return run_checks(setup, GROUPS)
+def check(setup: SetUp, on_group: Callable[[str], None] | None = None) -> list[Row]:
+    """Every row of every group; `on_group(name)` before each."""
+    return run_checks(setup, GROUPS, on_group)
 
 
 __all__ = ["GROUPS", "Check", "Outcome", "Row", "SetUp", "check", "run_checks"]

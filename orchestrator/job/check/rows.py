@@ -59,15 +59,23 @@ class SetUp:
 Check = Callable[[SetUp], Sequence[Row]]
 
 
-def run_checks(setup: SetUp, groups: Sequence[Check]) -> list[Row]:
-    """Every row of every group, in order. A group that raises is one failed row naming it: a
-    check that cannot run says so, it does not end the others."""
+def group_name(group: Check) -> str:
+    """A group by its module's name: memory, engine, conversion, refusals, runtime."""
+    return getattr(group, "__module__", "").rsplit(".", 1)[-1] or repr(group)
+
+
+def run_checks(setup: SetUp, groups: Sequence[Check], on_group: Callable[[str], None] | None = None) -> list[Row]:
+    """Every row of every group, in order; `on_group(name)` before each (a progress line). A
+    group that raises is one failed row naming it: a check that cannot run says so, it does not
+    end the others."""
     rows: list[Row] = []
     for group in groups:
+        name = group_name(group)
+        if on_group is not None:
+            on_group(name)
         try:
             rows.extend(group(setup))
         except Exception as exc:  # reported as the row, with its type
-            name = getattr(group, "__module__", "").rsplit(".", 1)[-1] or repr(group)
             fix = "report this as a bug in colocate check, with the row's text"
             rows.append(Row(group=name, check=name, outcome=Outcome.FAIL, read=f"{type(exc).__name__}: {exc}", fix=fix))
     return rows
