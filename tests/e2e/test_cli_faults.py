@@ -73,10 +73,11 @@ def test_a_rank_killed_during_a_rollout_is_named_at_once_and_the_report_written_
     """Also CI's trace check of a faulted run (tests/support/trace_check.py): one root per trace,
     every parent resolving, every promised attribute, no span naming a phase it never entered, the
     cause with its traceback, and every log line's ids naming its own transition's span."""
-    # A rollout long enough (1.6 s here, at 8x the default prompts) that Ray has seen the death
-    # before the engine's call ends; at the default's 0.2 s, the kill could come near the end, and
-    # the rollout return first (then the restore, the next call, names the rank: a red test once).
-    run = start("--trace-dir", str(tmp_path / "traces"), "--prompts", "1024")
+    # A rollout long enough (0.9 s here, 2.4 s on the AVX2 kernels, at 4x the default prompts)
+    # that Ray has seen the death (in 10-14 ms here) before the engine's call ends; at the
+    # default's 0.2 s the kill could land at its end, and the restore, the next call, name the rank
+    # (red once). Not 8x: a train of 9 s on the AVX2 kernels came near RANK_TIMEOUT, and passed it.
+    run = start("--trace-dir", str(tmp_path / "traces"), "--prompts", "512")
     run.wait_for_step(3)  # past the verified cycles
     victim, other = run.pid_of("TrainerRank(rank=1)"), run.pid_of("TrainerRank(rank=0)")
     _await_rollout(run)
