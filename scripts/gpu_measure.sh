@@ -14,6 +14,10 @@
 #        (CKPT_MODELS=..., default tiny qwen-0.5b) -> checkpoint.json: SHA256s, rewards, save and load seconds, bytes
 # families: colocate run --device cuda --model qwen3-4b (whole), glm-5 and deepseek-v3 (3 layers, 16 experts)
 #        (FAMILIES="name:layers:experts ...", FAMILY_STEPS, FAMILY_OPTIONS: other run options) -> family_<model>.json
+# learn: colocate run --device cuda --ranks 1, 50 steps, per MODEL:LR[:OPTIONS] of LEARN (options: commas for spaces)
+#        -> learn_<model>_<lr>.json: each run's report, and its wall seconds
+# check: colocate check --json for qwen3-4b and a GLM-5 of 2 layers and 16 experts (its config.json written by
+#        the job's own shrink) -> check_<name>.json, the tables in check.log
 # Everything's output also goes to $OUT/<part>.log.
 set -uo pipefail
 OUT=${OUT:?set OUT to the folder for the results}
@@ -125,13 +129,40 @@ families() {
   done
 }
 
+learn() {
+  for entry in ${LEARN:-llama-1b:5e-4 llama-1b:1e-3 llama-1b:2e-3}; do
+    IFS=: read -r model lr options <<< "$entry"
+    local start=$SECONDS
+    timeout "${LEARN_TIMEOUT:-170}" $PY -m orchestrator.cli run --device cuda --ranks 1 --model "$model" --lr "$lr" \
+      --steps "${LEARN_STEPS:-50}" ${options//,/ } --report "$OUT/learn_${model}_$lr.json" 2>&1 \
+      | tee -a "$OUT/learn.log" | tail -24
+    echo "$model lr $lr: exit ${PIPESTATUS[0]}, $((SECONDS - start)) s wall" | tee -a "$OUT/learn.log"
+  done
+}
+
+check() {
+  local dir
+  dir=$(mktemp -d)
+  $PY -c "import json, sys; from orchestrator.job.models import family_model
+json.dump(family_model('glm-5', layers=2, experts=16).served, open(sys.argv[1], 'w'), indent=1)" "$dir/config.json"
+  for target in qwen3-4b "$dir"; do
+    name=$([ "$target" = qwen3-4b ] && echo qwen3-4b || echo glm-5-2l16e)
+    timeout 150 $PY -m orchestrator.cli check "$target" 2>&1 | tee -a "$OUT/check.log" | tail -4
+    timeout 150 $PY -m orchestrator.cli check "$target" --json > "$OUT/check_$name.json" 2>> "$OUT/check.log"
+    echo "check $name: exit $?" | tee -a "$OUT/check.log"
+  done
+  rm -rf "$dir"
+}
+
 case "$PART" in
   all) tests; runs; bench ;;
   families) families ;;
+  learn) learn ;;
+  check) check ;;
   step) step ;;
   ckpt) ckpt ;;
   tests) tests ;;
   runs) runs ;;
   bench) bench ;;
-  *) echo "unknown part $PART: all, tests, runs, bench, step, ckpt or families" >&2; exit 2 ;;
+  *) echo "unknown part $PART: all, tests, runs, bench, step, ckpt, families, learn or check" >&2; exit 2 ;;
 esac

@@ -161,6 +161,14 @@ def run_command(
         int | None,
         typer.Option(help="Samples per prompt: GRPO's advantages are relative within a group.", show_default="16"),
     ] = None,
+    lr: Annotated[
+        float | None,
+        typer.Option(help="Adam's learning rate (default: the model's own; the summary names the rate used)."),
+    ] = None,
+    micro_batch: Annotated[
+        int,
+        typer.Option(help="Rows per forward and backward of train; a step's grads add up over them (0: all at once)."),
+    ] = 0,
     save_every: Annotated[int, typer.Option(help="Save a checkpoint every N steps (0: never); needs --save-dir.")] = 0,
     save_dir: Annotated[Path | None, typer.Option(help="Where checkpoints go: DIR/step-NNNNNN, each complete.")] = None,
     resume: Annotated[
@@ -193,11 +201,17 @@ def run_command(
         problems.append(f"--prompts must be at least 1, got {prompts}")
     if group_size is not None and group_size < 2:
         problems.append(f"--group-size must be at least 2 (advantages are relative within a group), got {group_size}")
+    if lr is not None and not lr > 0:
+        problems.append(f"--lr must be above 0, got {lr}")
+    if micro_batch < 0:
+        problems.append(f"--micro-batch must be at least 0 (0: every row at once), got {micro_batch}")
     with contextlib.suppress(ConfigError):  # a size refused is named above
         grpo = dataclasses.replace(
             grpo,
             prompts_per_step=grpo.prompts_per_step if prompts is None else prompts,
             group_size=grpo.group_size if group_size is None else group_size,
+            micro_batch=micro_batch,
+            model=grpo.model if lr is None else dataclasses.replace(grpo.model, lr=lr),
         )
     try:
         config = RunConfig(

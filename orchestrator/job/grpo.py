@@ -46,6 +46,7 @@ __all__ = [
     "GRPOStepStats",
     "SyntheticTask",
     "TaskConfig",
+    "TrainStep",
     "group_advantages",
     "grpo_loss",
     "grpo_train_step",
@@ -215,6 +216,7 @@ def grpo_train_step(
     *,
     clip_eps: float,
     completion_mask: torch.Tensor | None = None,
+    micro_batch: int = 0,
 ) -> GRPOStepStats:
     """One Megatron optimizer step on this rank's shard of a GRPO batch.
 
@@ -227,6 +229,11 @@ def grpo_train_step(
     ``1 / dp_size`` before summing them, i.e. averages the ranks' grads. So each rank divides its
     token sum by the global token count and multiplies by ``dp_size``: the average of the ranks'
     grads is then the global mean's grad, whatever the shard sizes, and one rank equals many.
+
+    ``micro_batch`` rows go through each forward and backward (0: every row at once), and their
+    grads add up in the DDP grad buffer before the one reduction and the one optimizer step: each
+    micro-batch's loss is already divided by the global token count, so the sum is the same mean
+    (up to the order of the fp32 additions) and only the activations' memory changes.
     """
     from megatron.core import parallel_state
     from megatron.core.distributed import finalize_model_grads
@@ -243,16 +250,26 @@ def grpo_train_step(
 
     chunk.zero_grad_buffer()
     optimizer.zero_grad()
-    logp = _completion_logprobs(chunk, prompts, completions)
-    local = grpo_loss(logp, old_logprobs, advantages, mask, clip_eps, num_tokens=global_tokens[0])
-    (local * dp_size).backward()
+    rows = prompts.shape[0]
+    step_rows = micro_batch if 0 < micro_batch < rows else rows
+    losses, logps = [], []
+    for at in range(0, rows, step_rows):
+        part = slice(at, at + step_rows)
+        logp_part = _completion_logprobs(chunk, prompts[part], completions[part])
+        loss_part = grpo_loss(
+            logp_part, old_logprobs[part], advantages[part], mask[part], clip_eps, num_tokens=global_tokens[0]
+        )
+        (loss_part * dp_size).backward()
+        losses.append(loss_part.detach())
+        logps.append(logp_part.detach())
     finalize_model_grads(chunks)
     update_successful, grad_norm, _ = optimizer.step()
 
     with torch.no_grad():
+        logp, local = torch.cat(logps), torch.stack(losses).sum()
         ratio = torch.exp(logp - old_logprobs)
         clipped = ((ratio - 1.0).abs() > clip_eps).float()
-        sums = torch.stack([local.detach(), (clipped * mask).sum(), ((old_logprobs - logp) * mask).sum()])
+        sums = torch.stack([local, (clipped * mask).sum(), ((old_logprobs - logp) * mask).sum()])
         loss, clipped_sum, kl_sum = _all_reduce_sum(sums, dp_group).tolist()
     tokens = float(global_tokens[0])
     return GRPOStepStats(
@@ -264,6 +281,14 @@ def grpo_train_step(
         num_tokens=int(tokens),
         seconds=time.perf_counter() - start,
     )
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainStep:
+    """What a rank needs of `GRPOConfig` to train on a batch (`grpo_train_step`'s settings)."""
+
+    clip_eps: float
+    micro_batch: int = 0
 
 
 def _default_model() -> TinyGPTConfig:
@@ -284,6 +309,7 @@ class GRPOConfig:
     prompts_per_step: int = 128
     group_size: int = 16
     clip_eps: float = 0.2
+    micro_batch: int = 0  # rows per forward and backward of a train step (0: all of a rank's rows at once)
     # The train step's log-probs are at temperature 1: any other value makes old_logprobs those of
     # a different policy, and the ratio no longer starts at 1.
     temperature: float = 1.0
@@ -293,6 +319,10 @@ class GRPOConfig:
     @property
     def lr(self) -> float:
         return self.model.lr  # build_gpt reads the model's
+
+    @property
+    def train_step(self) -> TrainStep:
+        return TrainStep(clip_eps=self.clip_eps, micro_batch=self.micro_batch)
 
     @property
     def max_new_tokens(self) -> int:
@@ -316,6 +346,8 @@ class GRPOConfig:
         ]
         if self.group_size < 2:
             problems.append(f"group_size must be >= 2 (advantages are relative), got {self.group_size}")
+        if self.micro_batch < 0:
+            problems.append(f"micro_batch must be >= 0 (0: every row at once), got {self.micro_batch}")
         if self.model.vocab_size != self.task.vocab_size:
             # The policy samples from all of the model's ids; the task must read every one of them.
             problems.append(f"model.vocab_size {self.model.vocab_size} != task.vocab_size {self.task.vocab_size}")

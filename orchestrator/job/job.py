@@ -84,8 +84,17 @@ def rendezvous_store(host: str = "127.0.0.1") -> torch.distributed.TCPStore:
 
 def _report(config: RunConfig) -> RunReport:
     """The run's report, before its first step: what it trains, and on what layout."""
+    grpo = config.grpo
+    rows = grpo.prompts_per_step * grpo.group_size
+    micro = (
+        f", {grpo.micro_batch} rows a forward and backward" if 0 < grpo.micro_batch < rows // config.layout.dp else ""
+    )
     return RunReport(
-        mode=config.mode.value, ranks=config.ranks, model=describe(config.grpo.model), layout=layout(config.layout)
+        mode=config.mode.value,
+        ranks=config.ranks,
+        model=describe(grpo.model),
+        layout=layout(config.layout),
+        learning=f"lr {grpo.lr:g}, {grpo.prompts_per_step} prompts x {grpo.group_size} samples a step{micro}",
     )
 
 
@@ -173,7 +182,7 @@ class ColocatedJob:
             placement = self._place(store_host, engine_bundle=served is None)
             self._started.callback(placement.close, flush=self.trace_dir is not None or bool(exporters_requested()))
         with _part(semconv.START_RANKS_SPAN):
-            ranks = placement.start_ranks(int(self._store.port), grpo.model, grpo.clip_eps, cfg.verify.digest,
+            ranks = placement.start_ranks(int(self._store.port), grpo.model, grpo.train_step, cfg.verify.digest,
                                           tp=cfg.tp, ep=cfg.ep)  # fmt: skip
         interrupt.check(self.stop)  # ranks built in this process do not look at it
         if self.resumed is not None:

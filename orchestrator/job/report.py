@@ -44,6 +44,7 @@ class RunReport:
     params_per_rank: int = 0  # as rank 0 built them (every param at DP only; its shard at TP, EP)
     model: str = ""  # what was trained, and what was made smaller than its source (`job.models`)
     layout: str = ""  # the ranks' layout, e.g. "TP 2 x DP 1" (`job.layout.describe`)
+    learning: str = ""  # how it learns: the rate, a step's rows, the micro-batches
     engine_matches_trainer: bool | None = None  # None: never compared (the engine cannot report its weights)
     trace_file: str | None = None
     error: str | None = None

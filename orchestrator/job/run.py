@@ -48,6 +48,8 @@ def summary(report: RunReport, seconds: float) -> Table:
     table.add_row("pinned host bytes per rank", _pinned(report))
     if report.model:
         table.add_row("model", report.model)
+    if report.learning:
+        table.add_row("learning", report.learning)
     table.add_row("params per rank", f"{report.params_per_rank:,}")
     table.add_row("bf16 param bytes per rank", f"{report.param_bytes_bf16_per_rank:,}")
     freed = [s.bytes_freed_at_drop for s in report.steps if s.bytes_freed_at_drop]

@@ -14,7 +14,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -29,6 +29,9 @@ from orchestrator.job.workers.traced import Traced
 from orchestrator.job.workers.trainer_rank import TrainerRank
 from orchestrator.telemetry.logs import forward
 
+if TYPE_CHECKING:
+    from orchestrator.job.grpo import TrainStep
+
 FLUSH_S = 2.0  # how long the processes together may take to flush their spans when the job ends
 
 
@@ -36,7 +39,7 @@ class Placement(Protocol):
     """Starts the job's ranks and the replicas of an engine it runs itself; `close` ends them all."""
 
     def start_ranks(
-        self, port: int, model: Any, clip_eps: float, digest: DigestMethod | None = None, *, tp: int = 1, ep: int = 1
+        self, port: int, model: Any, step: TrainStep, digest: DigestMethod | None = None, *, tp: int = 1, ep: int = 1
     ) -> WorkerPool[TrainerRank]: ...
 
     def start_engine(self, kind: str, spec: EngineSpec) -> ReplicaSet: ...
@@ -60,12 +63,10 @@ class LocalPlacement:
         self._workers: list[TrainerRank | EngineReplica] = []
 
     def start_ranks(
-        self, port: int, model: Any, clip_eps: float, digest: DigestMethod | None = None, *, tp: int = 1, ep: int = 1
+        self, port: int, model: Any, step: TrainStep, digest: DigestMethod | None = None, *, tp: int = 1, ep: int = 1
     ) -> WorkerPool[TrainerRank]:
         threads = torch.get_num_threads()  # the rank is this process: it keeps the process's threads
-        rank = TrainerRank(
-            0, 1, port, model, clip_eps, threads=threads, device=self.device, digest=digest, tp=tp, ep=ep
-        )
+        rank = TrainerRank(0, 1, port, model, step, threads=threads, device=self.device, digest=digest, tp=tp, ep=ep)
         self._workers.append(rank)
         return WorkerPool([rank], label="rank", remote=False)
 
@@ -162,7 +163,7 @@ class RayPlacement:
         return {**share, "scheduling_strategy": strategy, "max_restarts": 0, "runtime_env": env}
 
     def start_ranks(
-        self, port: int, model: Any, clip_eps: float, digest: DigestMethod | None = None, *, tp: int = 1, ep: int = 1
+        self, port: int, model: Any, step: TrainStep, digest: DigestMethod | None = None, *, tp: int = 1, ep: int = 1
     ) -> WorkerPool[TrainerRank]:
         """One rank per bundle, waited for until built; rank r in bundle r, so that a TP group
         (ranks TP x i .. TP x i + TP - 1, innermost as Megatron places it) is in consecutive bundles,
@@ -170,7 +171,7 @@ class RayPlacement:
         rank_cls = remote_class(TrainerRank)
         workers = [
             rank_cls.options(**self._options(r)).remote(
-                r, self.ranks, port, model, clip_eps, own_process=True, trace_file=self.trace_file(f"rank{r}"),
+                r, self.ranks, port, model, step, own_process=True, trace_file=self.trace_file(f"rank{r}"),
                 device="cuda" if self.cuda else "cpu", store_host=self.store_host, digest=digest, tp=tp, ep=ep,
             )
             for r in range(self.ranks)

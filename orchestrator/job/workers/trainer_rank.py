@@ -25,6 +25,7 @@ from states import Mode, TrainerLayout, TrainingSetup
 if TYPE_CHECKING:
     from orchestrator.adapters.engines.sglang import WeightBroadcaster
     from orchestrator.adapters.registry import OwnedRegions
+    from orchestrator.job.grpo import TrainStep
     from orchestrator.job.workers.staging import LoadsStaged, StagingBuffer
 
 
@@ -110,7 +111,7 @@ class TrainerRank(Traced, PayloadSource):
         world_size: int,
         port: int,  # of the driver's rendezvous store (`job.rendezvous_store`)
         model: Any,
-        clip_eps: float,
+        step: TrainStep,  # how train takes a batch: the loss's clip, the micro-batches
         threads: int = 1,
         own_process: bool = False,
         trace_file: str | None = None,
@@ -137,7 +138,7 @@ class TrainerRank(Traced, PayloadSource):
                 f"rank {rank}: device {device}, but torch.cuda.is_available() is {not torch.cuda.is_available()}"
             )
         self.device = device
-        self.world_size, self.model, self.clip_eps = world_size, model, clip_eps
+        self.world_size, self.model, self.step = world_size, model, step
         self._staging: StagingBuffer | None = None
         self.broadcaster: WeightBroadcaster | None = None
         # The driver holds the rendezvous store, bound before any rank starts: no port to race for.
@@ -237,7 +238,8 @@ class TrainerRank(Traced, PayloadSource):
             shard.completions,
             shard.old_logprobs,
             shard.advantages,
-            clip_eps=self.clip_eps,
+            clip_eps=self.step.clip_eps,
+            micro_batch=self.step.micro_batch,
         )
         return float(stats.loss)
 
