@@ -220,10 +220,21 @@ def test_walsh_hadamard_is_the_scaled_sylvester_transform() -> None:
     sylvester = torch.ones(1, 1)
     for _ in range(5):
         sylvester = torch.cat([torch.cat([sylvester, sylvester], 1), torch.cat([sylvester, -sylvester], 1)])
-    x = torch.randn(3, 5, 32)
-    assert torch.allclose(walsh_hadamard(x, 0.5), x @ sylvester.T * 0.5, atol=1e-5)
-    q, k = walsh_hadamard(x, 32**-0.5), walsh_hadamard(x.flip(0), 32**-0.5)
-    assert torch.allclose((q * k).sum(-1), (x * x.flip(0)).sum(-1), atol=1e-4), "orthonormal: q·k is kept"
+    n, u = 32, 2.0**-24  # fp32's unit roundoff
+    x = torch.randn(3, 5, n, generator=torch.Generator().manual_seed(0))
+    y = x.flip(0)
+    # Both sides sum n terms +-x_i / 2 in fp32, in other orders: each sum is within (n - 1) u of
+    # the sum of the terms' magnitudes (any order's rounding bound), so the two within twice that.
+    assert ((walsh_hadamard(x, 0.5) - x @ sylvester.T * 0.5).abs() <= 2 * n * u * x.abs().sum(-1, keepdim=True) / 2).all()
+    q, k = walsh_hadamard(x, n**-0.5), walsh_hadamard(y, n**-0.5)
+    # Orthonormal: q.k is x.y. Each q_j is off by at most (n + 1) u |x|_1 / sqrt(n) (the sum and the
+    # scale), each k_j likewise; the two dot products round within n u of their terms' magnitudes.
+    e_q, e_k = ((n + 1) * u * t.abs().sum(-1) / n**0.5 for t in (x, y))
+    bound = (
+        e_q * k.abs().sum(-1) + e_k * q.abs().sum(-1) + n * e_q * e_k
+        + n * u * ((q * k).abs().sum(-1) + (x * y).abs().sum(-1))
+    )  # fmt: skip
+    assert (((q * k).sum(-1) - (x * y).sum(-1)).abs() <= bound).all(), "orthonormal: q·k is kept"
     assert walsh_hadamard(x.bfloat16()).dtype is torch.bfloat16
     with pytest.raises(ValueError, match="power-of-2"):
         walsh_hadamard(torch.zeros(2, 24))
