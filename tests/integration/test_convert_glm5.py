@@ -225,9 +225,7 @@ def test_walsh_hadamard_is_the_scaled_sylvester_transform() -> None:
     y = x.flip(0)
     # Both sides sum n terms +-x_i / 2 in fp32, in other orders: each sum is within (n - 1) u of
     # the sum of the terms' magnitudes (any order's rounding bound), so the two within twice that.
-    assert (
-        (walsh_hadamard(x, 0.5) - x @ sylvester.T * 0.5).abs() <= 2 * n * u * x.abs().sum(-1, keepdim=True) / 2
-    ).all()
+    assert ((walsh_hadamard(x, 0.5) - x @ sylvester.T * 0.5).abs() <= 2 * n * u * x.abs().sum(-1, keepdim=True) / 2).all()
     q, k = walsh_hadamard(x, n**-0.5), walsh_hadamard(y, n**-0.5)
     # Orthonormal: q.k is x.y. Each q_j is off by at most (n + 1) u |x|_1 / sqrt(n) (the sum and the
     # scale), each k_j likewise; the two dot products round within n u of their terms' magnitudes.

@@ -234,23 +234,3 @@ def test_the_slab_holds_what_the_family_caches_and_every_cached_tensor_is_a_view
         _prompts(engine.config.vocab_size, 3), max_new_tokens=NEW, temperature=1.0, seed=0
     )
     assert completions.shape == (3, NEW) and (logprobs < 0).all() and math.isfinite(float(logprobs.sum()))
-
-
-@pytest.mark.parametrize("case", list(CASES))
-def test_the_uninitialised_build_has_transformers_own_buffers_and_serves_nothing_before_a_whole_sync(
-    case: str,
-) -> None:
-    """The engine builds its model under transformers' `no_init_weights`: every buffer (RoPE's
-    inverse frequencies, routers' correction biases) is what a model transformers initialised
-    holds, and no param is served before a sync wrote it (every name is missing until then)."""
-    from transformers import AutoModelForCausalLM
-
-    family, shared = CASES[case]
-    config = _config(family, shared_indexer=shared)
-    engine = TransformersEngine(config, max_batch=MAX_BATCH, max_len=MAX_LEN, device="cpu")
-    initialised = dict(AutoModelForCausalLM.from_config(config).named_buffers())
-    ours = dict(engine.model.named_buffers())
-    assert ours.keys() == initialised.keys()
-    for name, buffer in ours.items():
-        assert torch.equal(buffer, initialised[name]), name
-    assert engine.missing_weights() == frozenset(engine.weights()) and engine.weight_version() is None

@@ -36,7 +36,6 @@ from collections.abc import Iterable, Sequence
 import torch
 import transformers
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
-from transformers.initialization import no_init_weights
 
 from orchestrator.adapters.digest import sha256_digests
 from orchestrator.adapters.engines.checkpoint import CheckpointSlots, live_tensors
@@ -61,11 +60,7 @@ def _default_device() -> torch.device:
 
 
 def _build_model(config: PretrainedConfig, device: torch.device) -> PreTrainedModel:
-    """Built in place on `device`, its params left uninitialised (transformers' own `no_init_weights`):
-    the engine serves nothing until an `update_weights` wrote every one of them (`missing_weights`),
-    and a random init of a 150 K vocabulary took 11 of the 36 s of an engine's start on the CPU.
-    Buffers (RoPE's inverse frequencies) are made by the modules' constructors, not skipped."""
-    with device, no_init_weights():
+    with device:  # built in place: no copy of throwaway weights from the host
         model = AutoModelForCausalLM.from_config(config)  # params in config.dtype; RoPE buffers stay fp32
     # transformers 5.x renamed forward's `past_key_values` to `cache` (5.17 lacks it, 5.24 has it);
     # an older build would take `cache` into **kwargs and decode every token without its context.
